@@ -1,0 +1,1 @@
+"""Shared pieces of dsv41: the version and the generated wire stubs (dsv41.v1)."""
