@@ -1,0 +1,21 @@
+# The documented entry points. `make test` is what CI runs.
+PYTHON ?= /usr/bin/python3
+PROTOS := protos/dsv41/v1/agent.proto protos/dsv41/v1/control.proto
+
+.PHONY: test test-unit test-integration test-cluster test-sglang protos check-protos
+
+# Every tier; select with e.g. `make test TIERS=unit` or `make test TIERS="unit or sglang"`.
+TIERS ?= unit or integration or cluster or sglang
+test:
+	$(PYTHON) -m pytest -m "$(TIERS)" tests
+
+test-unit:
+	$(PYTHON) -m pytest -m unit tests
+
+# Regenerates the committed gRPC stubs with Debian's protoc 3.21 and grpc plugin 1.51, which the
+# distribution's python3-protobuf / python3-grpcio load (a newer protoc's stubs refuse to).
+protos:
+	tools/gen-protos.sh dsv41
+
+check-protos:
+	tools/gen-protos.sh --check

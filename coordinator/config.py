@@ -1,0 +1,234 @@
+"""Loads and validates cluster.env into a typed ClusterConfig.
+
+Every problem in a file is reported at once, each naming file, line and key and saying what is
+allowed: `cluster.env:57: TP_SIZE=4: must be a multiple of NNODES=3`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from . import envfile, schema
+from . import values as v
+
+_WORKER_KEY = re.compile(r"(WORKER(\d+)_(IP|HOST)|NFS_SERVER_IP_(\d+))")
+
+
+@dataclass(frozen=True)
+class ConfigError:
+    file: str
+    line: int | None
+    key: str | None
+    value: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        if self.key is None:
+            return f"{where}: {self.message}"
+        if self.value is None:
+            return f"{where}: {self.key}: {self.message}"
+        return f"{where}: {self.key}={self.value}: {self.message}"
+
+
+class ConfigInvalid(Exception):
+    def __init__(self, errors: list[ConfigError]):
+        super().__init__("\n".join(str(e) for e in errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    rank: int
+    address: str
+    nfs_server: str | None  # the head's address this worker mounts from; None for the head
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    path: str
+    settings: Mapping[str, object]  # typed values of schema keys, defaults applied
+    raw: Mapping[str, str]  # the text of every schema key as written (or its default)
+    nodes: tuple[Node, ...]
+    passthrough: Mapping[str, str]  # prefixed keys the schema does not know, passed to the rank
+    unused: tuple[tuple[str, str], ...]  # (key, why it is no longer needed)
+    warnings: tuple[str, ...] = field(default=())
+
+    def __getitem__(self, key: str) -> object:
+        return self.settings[key]
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    def node(self, name: str) -> Node:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node {name!r} in {self.path}; nodes: {', '.join(n.name for n in self.nodes)}")
+
+
+def load(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> ClusterConfig:
+    """Reads and validates a file; raises ConfigInvalid listing every error."""
+    path = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigInvalid([ConfigError(path, None, None, None, f"cannot read: {exc}")]) from None
+    return parse(text, path, os.environ if environ is None else environ)
+
+
+def parse(text: str, path: str, environ: Mapping[str, str]) -> ClusterConfig:
+    label = os.path.basename(path)
+    entries, syntax = envfile.parse(text, environ)
+    errors = [ConfigError(label, e.line, e.key, None, e.message) for e in syntax]
+    lines = {e.key: e.line for e in entries}
+    given = {e.key: e.value for e in entries}
+
+    def err(key: str | None, message: str, value: str | None = None) -> None:
+        errors.append(ConfigError(label, lines.get(key) if key else None, key, value, message))
+
+    settings: dict[str, object] = {}
+    raw: dict[str, str] = {}
+    for key in schema.KEYS:
+        text_value = given.get(key.name, key.default)
+        if text_value is None:
+            err(key.name, "is required: " + key.doc)
+            continue
+        try:
+            settings[key.name] = key.parse(text_value)
+            raw[key.name] = text_value
+        except v.Invalid as exc:
+            err(key.name, str(exc), text_value)
+
+    passthrough: dict[str, str] = {}
+    unused: list[tuple[str, str]] = []
+    worker_given: dict[str, str] = {}
+    for entry in entries:
+        if entry.key in schema.BY_NAME:
+            continue
+        if entry.key in schema.UNUSED:
+            unused.append((entry.key, schema.UNUSED[entry.key]))
+        elif _WORKER_KEY.fullmatch(entry.key):
+            worker_given[entry.key] = entry.value
+        elif entry.key.startswith(schema.PASSTHROUGH_PREFIXES):
+            try:
+                passthrough[entry.key] = v.plain_text(entry.value)
+            except v.Invalid as exc:
+                err(entry.key, str(exc), entry.value)
+        else:
+            err(entry.key, "unknown key; known keys are listed by `dsv41ctl config keys`, and keys starting with "
+                + ", ".join(schema.PASSTHROUGH_PREFIXES) + " pass through to the rank's environment")
+
+    nodes = _nodes(settings, worker_given, err)
+    if not errors:
+        _cross_checks(settings, raw, nodes, err)
+    if errors:
+        raise ConfigInvalid(errors)
+    return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(_warnings(settings)))
+
+
+def _nodes(settings: Mapping[str, object], given: Mapping[str, str], err) -> list[Node]:
+    nnodes = settings.get("NNODES")
+    if not isinstance(nnodes, int):
+        return []
+    share = settings.get("NFS_SHARE", True)
+    nodes = [Node(str(settings.get("HEAD_HOST", "spark1")), 0, str(settings.get("HEAD_IP", "")), None)]
+    for k in range(1, nnodes):
+        parsed: dict[str, str | None] = {}
+        for pattern, (parser, doc) in schema.WORKER_KEYS.items():
+            key = pattern.format(k=k)
+            if key not in given:
+                if key.startswith("NFS_SERVER_IP_") and not share:
+                    parsed[key] = None
+                    continue
+                err(None, f"{key}: is required with NNODES={nnodes}: {doc} (one WORKERk_IP/WORKERk_HOST pair "
+                          f"and NFS_SERVER_IP_k per worker, k = 1..{nnodes - 1})")
+                continue
+            try:
+                parsed[key] = str(parser(given[key]))
+            except v.Invalid as exc:
+                err(key, str(exc), given[key])
+        ip, host = parsed.get(f"WORKER{k}_IP"), parsed.get(f"WORKER{k}_HOST")
+        if ip and host:
+            nodes.append(Node(host, k, ip, parsed.get(f"NFS_SERVER_IP_{k}")))
+    for key in given:
+        match = _WORKER_KEY.fullmatch(key)
+        index = int(match.group(2) or match.group(4))
+        if not 1 <= index < nnodes:
+            err(key, f"names worker {index}, but NNODES={nnodes} has workers 1..{nnodes - 1}")
+    return nodes
+
+
+def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[Node], err) -> None:
+    nnodes, tp, ep = s["NNODES"], s["TP_SIZE"], s["EP_SIZE"]
+    if tp % nnodes:
+        err("TP_SIZE", f"must be a multiple of NNODES={nnodes}", raw["TP_SIZE"])
+    if tp % ep:
+        err("EP_SIZE", f"must divide TP_SIZE={tp}", raw["EP_SIZE"])
+    if s["MAX_TOTAL_TOKENS"] < s["CONTEXT_LENGTH"]:
+        err("MAX_TOTAL_TOKENS", f"must be at least CONTEXT_LENGTH={s['CONTEXT_LENGTH']}: one request must fit the "
+            "KV pool", raw["MAX_TOTAL_TOKENS"])
+    if s["DIST_PORT"] == s["PORT"]:
+        err("DIST_PORT", f"must differ from PORT={s['PORT']}", raw["DIST_PORT"])
+    if s["AGENT_PORT"] in (s["PORT"], s["DIST_PORT"]):
+        err("AGENT_PORT", "must differ from PORT and DIST_PORT", raw["AGENT_PORT"])
+    if s["DSV41_MAX_NEW_TOKENS"] > s["CONTEXT_LENGTH"]:
+        err("DSV41_MAX_NEW_TOKENS", f"must not exceed CONTEXT_LENGTH={s['CONTEXT_LENGTH']}",
+            raw["DSV41_MAX_NEW_TOKENS"])
+    names = [n.name for n in nodes]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        err(None, f"node name {name} is used twice (HEAD_HOST and WORKERk_HOST must be distinct)")
+    addresses = [n.address for n in nodes]
+    for address in sorted({a for a in addresses if addresses.count(a) > 1}):
+        err(None, f"address {address} is used by two nodes (HEAD_IP and WORKERk_IP must be distinct)")
+    if s["NFS_SHARE"] and not s["NFS_CLIENTS"]:
+        err("NFS_CLIENTS", "is required with NFS_SHARE=1: the workers' addresses or networks allowed to mount")
+    if s["NFS_SHARE"] and s["MODEL_DIR"] == "/":
+        err("MODEL_DIR", "must not be / when it is exported", raw["MODEL_DIR"])
+    if s["RANK_ENGINE"] == "sim" and s["RANK_RUNTIME"] != "host":
+        err("RANK_ENGINE", "sim runs only with RANK_RUNTIME=host (the stand-in is not in the image)", "sim")
+    _check_extra_args(s["EXTRA_SGLANG_ARGS"], raw["EXTRA_SGLANG_ARGS"], err)
+
+
+# Flags the plan renders from keys: setting them again in EXTRA_SGLANG_ARGS would make ranks disagree
+# with the config or override what the coordinator checks.
+_OWNED_FLAGS = {
+    "--model-path": "COMMON_MODEL", "--served-model-name": "SERVED_MODEL_NAME", "--tp-size": "TP_SIZE",
+    "--tp": "TP_SIZE", "--ep-size": "EP_SIZE", "--ep": "EP_SIZE", "--nnodes": "NNODES",
+    "--node-rank": "the node's rank", "--dist-init-addr": "HEAD_IP and DIST_PORT", "--host": "the plan (0.0.0.0)",
+    "--port": "PORT", "--mem-fraction-static": "MEM_FRACTION_STATIC", "--context-length": "CONTEXT_LENGTH",
+    "--chunked-prefill-size": "CHUNKED_PREFILL_SIZE", "--max-running-requests": "MAX_RUNNING_REQUESTS",
+    "--max-total-tokens": "MAX_TOTAL_TOKENS", "--speculative-algorithm": "SPEC_ALGO",
+    "--speculative-dspark-block-size": "DSPARK_BLOCK_SIZE",
+    "--speculative-dspark-sps-table-path": "DSPARK_SPS_TABLE",
+    "--speculative-dspark-confidence-sts-path": "DSPARK_STS_TABLE",
+    "--api-key": "a key file (keys in argv are visible in ps)",
+}
+
+
+def _check_extra_args(words: tuple[str, ...], raw: str, err) -> None:
+    for word in words:
+        flag = word.split("=", 1)[0]
+        if flag in _OWNED_FLAGS:
+            err("EXTRA_SGLANG_ARGS", f"{flag} is set from {_OWNED_FLAGS[flag]}; remove it here", raw)
+    if words and not words[0].startswith("--"):
+        err("EXTRA_SGLANG_ARGS", f"must start with a --flag, not {words[0]!r}", raw)
+
+
+def _warnings(s: Mapping[str, object]) -> list[str]:
+    out = []
+    if s["DSV41_VERIFY_CAP"] and not s["DSV41_BLOCK_VERIFY"]:
+        out.append("DSV41_VERIFY_CAP is set but DSV41_BLOCK_VERIFY=0: the cap then ignores sampled rows")
+    if s["SPEC_ALGO"] != "DSPARK" and (s["DSPARK_SPS_TABLE"] or s["DSPARK_STS_TABLE"]):
+        out.append("DSPARK_*_TABLE is set but SPEC_ALGO is not DSPARK: the tables are not used")
+    return out

@@ -1,0 +1,305 @@
+"""Renders, from a validated ClusterConfig, what each node must run.
+
+A pure function: config in, NodePlan out. Ranks of one TP group hang when they disagree, so every
+node's plan is identical except the rank, the node's address and the RoCE GID index (which only the
+node's agent can read; it is left as a placeholder the agent fills in).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from dataclasses import asdict, dataclass, field
+from typing import Mapping
+
+from .config import ClusterConfig, Node
+from .schema import KEYS
+
+# Where the dsv41-adapter package installs the rank's PYTHONPATH entry (sitecustomize.py + adapter/).
+ADAPTER_DIR = "/usr/share/dsv41/rank"
+CONTAINER_ADAPTER_DIR = "/opt/dsv41/rank"
+CONTAINER_NCCL_DIR = "/opt/dsv41/nccl"
+STATE_DIR = "/var/lib/dsv41/state"  # DSpark tables copied from the head live here on every node
+RANK_CACHE_DIR = "/var/cache/dsv41/rank"  # JIT and autotune caches that should survive a restart
+CONTAINER_NAME = "dsv41-rank"
+DOCKER = "/usr/bin/docker"
+
+GID_PLACEHOLDER = "@ROCE_GID_INDEX@"
+ENGRAM_LAYERS = (1, 14)
+EXPORT_OPTIONS = "ro,sync,no_subtree_check,no_root_squash,insecure,fsid=0"
+MOUNT_OPTIONS = "nfsvers=4.2,ro,nconnect=8,rsize=1048576,wsize=1048576,hard,timeo=600"
+# Keys that become something else in the rank's environment, or nothing.
+_ENV_RENAMES = {"IB_HCA": "NCCL_IB_HCA"}
+
+
+@dataclass(frozen=True)
+class Bind:
+    source: str  # path on the node
+    target: str  # path inside the rank
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    runtime: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    # Environment entries whose value is a placeholder the node's agent replaces with what it measures.
+    agent_fills: Mapping[str, str]
+    # Paths made visible to the rank; the container runtime already has them in argv as -v,
+    # the host runtime needs them as the unit's BindReadOnlyPaths=.
+    binds: tuple[Bind, ...]
+    exec_start_pre: tuple[tuple[str, ...], ...]
+    exec_stop_post: tuple[tuple[str, ...], ...]
+    stop_timeout_s: int
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    path: str
+    clients: tuple[str, ...]
+    options: str
+    backend: str
+    name: str
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    what: str
+    where: str
+    type: str
+    options: str
+    server: str
+    expected_shards: int
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    address: str
+    port: int
+
+
+@dataclass(frozen=True)
+class FabricSpec:
+    hcas: tuple[str, ...]
+    iface: str
+    address: str
+    mtu: int
+    socket_ifaces: tuple[str, ...]
+    peers: tuple[Peer, ...]
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    source_dir: str  # where the checkpoint is visible on this node
+    out_dir: str
+    tp: int
+    ranks: tuple[int, ...]  # TP ranks this node holds
+    layers: tuple[int, ...]
+    required: bool  # OFFLOAD_MODE=nvme reads the packs
+    run_if_missing: bool  # SKIP_PREPARE=0
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node: str
+    rank: int
+    address: str
+    rank_spec: RankSpec
+    export: ExportSpec | None
+    mount: MountSpec | None
+    fabric: FabricSpec
+    pack: PackSpec
+    dspark_tables: Mapping[str, str] = field(default_factory=dict)  # rank path -> node path
+    fingerprint: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "node": self.node,
+            "rank": self.rank,
+            "address": self.address,
+            "runtime": self.rank_spec.runtime,
+            "argv": list(self.rank_spec.argv),
+            "env": dict(self.rank_spec.env),
+            "agent_fills": dict(self.rank_spec.agent_fills),
+            "binds": [asdict(b) for b in self.rank_spec.binds],
+            "exec_start_pre": [list(c) for c in self.rank_spec.exec_start_pre],
+            "exec_stop_post": [list(c) for c in self.rank_spec.exec_stop_post],
+            "stop_timeout_s": self.rank_spec.stop_timeout_s,
+            "export": asdict(self.export) if self.export else None,
+            "mount": asdict(self.mount) if self.mount else None,
+            "fabric": asdict(self.fabric),
+            "pack": asdict(self.pack),
+            "dspark_tables": dict(self.dspark_tables),
+            "fingerprint": self.fingerprint,
+        }
+
+
+def render_cluster(cfg: ClusterConfig, *, dspark_tables: bool = False) -> tuple[NodePlan, ...]:
+    return tuple(render_node(cfg, node.name, dspark_tables=dspark_tables) for node in cfg.nodes)
+
+
+def render_node(cfg: ClusterConfig, name: str, *, dspark_tables: bool = False) -> NodePlan:
+    """The plan of one node. `dspark_tables` is True only when the coordinator has verified that every
+    rank holds identical copies of the configured tables; otherwise no rank gets the table flags."""
+    node = cfg.node(name)
+    tables = _tables(cfg) if dspark_tables else {}
+    spec = _rank_spec(cfg, node, tables)
+    plan = NodePlan(
+        node=node.name,
+        rank=node.rank,
+        address=node.address,
+        rank_spec=spec,
+        export=_export(cfg) if node.is_head and cfg["NFS_SHARE"] else None,
+        mount=_mount(cfg, node) if not node.is_head and cfg["NFS_SHARE"] else None,
+        fabric=_fabric(cfg, node),
+        pack=_pack(cfg, node),
+        dspark_tables=tables,
+    )
+    return _with_fingerprint(plan)
+
+
+def model_path_on(cfg: ClusterConfig, node: Node) -> str:
+    """Where the checkpoint is on the node itself: the head's MODEL_DIR, a worker's mount or copy."""
+    return str(cfg["MODEL_DIR"]) if node.is_head else str(cfg["COMMON_MODEL"])
+
+
+def sglang_args(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> list[str]:
+    fraction = cfg["HEAD_MEM_FRACTION_STATIC"] if node.is_head and cfg["HEAD_MEM_FRACTION_STATIC"] else \
+        cfg["MEM_FRACTION_STATIC"]
+    args = [
+        "--model-path", str(cfg["COMMON_MODEL"]),
+        "--served-model-name", str(cfg["SERVED_MODEL_NAME"]),
+        "--trust-remote-code",
+        "--load-format", "safetensors",
+        "--tp-size", str(cfg["TP_SIZE"]),
+        "--ep-size", str(cfg["EP_SIZE"]),
+        "--attention-backend", "dsv4",
+        "--moe-runner-backend", "flashinfer_mxfp4",
+        "--mem-fraction-static", f"{fraction:g}",
+        "--chunked-prefill-size", str(cfg["CHUNKED_PREFILL_SIZE"]),
+        "--context-length", str(cfg["CONTEXT_LENGTH"]),
+        "--max-running-requests", str(cfg["MAX_RUNNING_REQUESTS"]),
+        "--random-seed", "0",
+        "--enable-cache-report",
+        "--tool-call-parser", "deepseekv41",
+        "--reasoning-parser", "deepseek-v41",
+        "--host", "0.0.0.0",
+        "--port", str(cfg["PORT"]),
+    ]
+    if cfg["SPEC_ALGO"] != "NONE":
+        args += ["--speculative-algorithm", str(cfg["SPEC_ALGO"])]
+    if cfg["SPEC_ALGO"] == "DSPARK":
+        args += ["--speculative-dspark-block-size", str(cfg["DSPARK_BLOCK_SIZE"])]
+        if cfg["DSPARK_SPS_TABLE"] in tables:
+            args += ["--speculative-dspark-sps-table-path", str(cfg["DSPARK_SPS_TABLE"])]
+        if cfg["DSPARK_STS_TABLE"] in tables:
+            args += ["--speculative-dspark-confidence-sts-path", str(cfg["DSPARK_STS_TABLE"])]
+    args += [
+        "--nnodes", str(cfg["NNODES"]),
+        "--node-rank", str(node.rank),
+        "--dist-init-addr", f"{cfg['HEAD_IP']}:{cfg['DIST_PORT']}",
+        "--max-total-tokens", str(cfg["MAX_TOTAL_TOKENS"]),
+    ]
+    return args + list(cfg["EXTRA_SGLANG_ARGS"])
+
+
+def _tables(cfg: ClusterConfig) -> dict[str, str]:
+    if cfg["SPEC_ALGO"] != "DSPARK":
+        return {}
+    paths = [cfg["DSPARK_SPS_TABLE"], cfg["DSPARK_STS_TABLE"]]
+    return {str(p): posixpath.join(STATE_DIR, posixpath.basename(str(p))) for p in paths if p}
+
+
+def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]:
+    env = {k.name: cfg.raw[k.name] for k in KEYS if k.to_rank_env}
+    env.update({_ENV_RENAMES[k]: ",".join(cfg[k]) for k in _ENV_RENAMES})
+    env.update(cfg.passthrough)
+    env["NCCL_IB_GID_INDEX"] = GID_PLACEHOLDER
+    env["SGLANG_HOST_IP"] = node.address
+    env["DSV41_SOURCE"] = str(cfg["COMMON_MODEL"])  # arms the adapter's sitecustomize.py
+    env["PYTHONPATH"] = CONTAINER_ADAPTER_DIR if container else ADAPTER_DIR
+    if cfg["NCCL_HOST_DIR"]:
+        env["LD_LIBRARY_PATH"] = CONTAINER_NCCL_DIR if container else str(cfg["NCCL_HOST_DIR"])
+    if not container:
+        env["XDG_CACHE_HOME"] = RANK_CACHE_DIR
+    return dict(sorted(env.items()))
+
+
+def _binds(cfg: ClusterConfig, node: Node, tables: Mapping[str, str], container: bool) -> list[Bind]:
+    binds = [Bind(model_path_on(cfg, node), str(cfg["COMMON_MODEL"]))]
+    if cfg["OFFLOAD_MODE"] == "nvme":
+        binds.append(Bind(str(cfg["ENGRAM_DIR"]), str(cfg["DSV41_PACKED_DIR"])))
+    binds += [Bind(node_path, rank_path) for rank_path, node_path in tables.items()]
+    if container:
+        binds.append(Bind(ADAPTER_DIR, CONTAINER_ADAPTER_DIR))
+        if cfg["NCCL_HOST_DIR"]:
+            binds.append(Bind(str(cfg["NCCL_HOST_DIR"]), CONTAINER_NCCL_DIR))
+        binds.append(Bind(RANK_CACHE_DIR, "/root/.cache", read_only=False))
+    # A bind onto itself is a no-op for the host runtime; keep the list to what changes the view.
+    return [b for b in binds if container or b.source != b.target]
+
+
+def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> RankSpec:
+    container = cfg["RANK_RUNTIME"] == "container"
+    env = _rank_env(cfg, node, container)
+    binds = _binds(cfg, node, tables, container)
+    args = sglang_args(cfg, node, tables)
+    stop = int(cfg["RANK_STOP_TIMEOUT_S"])
+    if not container:
+        if cfg["RANK_ENGINE"] == "sim":
+            argv = [str(cfg["SIM_RANK_COMMAND"]), *args]
+        else:
+            argv = [str(cfg["RANK_PYTHON"]), "-m", "sglang.launch_server", *args]
+        return RankSpec("host", tuple(argv), env, {"NCCL_IB_GID_INDEX": "roce_gid_index"}, tuple(binds), (), (), stop)
+    image = str(cfg["IMAGE"] or cfg["BASE_IMAGE"])
+    docker = [DOCKER, "run", "--rm", "--name", CONTAINER_NAME, "--network", "host", "--ipc", "host",
+              "--gpus", "all", "--device", "/dev/infiniband:/dev/infiniband", "--cap-add", "IPC_LOCK",
+              "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864", "--stop-timeout", str(stop)]
+    for bind in binds:
+        docker += ["-v", f"{bind.source}:{bind.target}:{'ro' if bind.read_only else 'rw'}"]
+    # `-e NAME` without a value takes it from the unit's environment: values stay out of argv.
+    for key in env:
+        docker += ["-e", key]
+    argv = [*docker, image, "python3", "-m", "sglang.launch_server", *args]
+    remove = (DOCKER, "rm", "--force", CONTAINER_NAME)
+    return RankSpec("container", tuple(argv), env, {"NCCL_IB_GID_INDEX": "roce_gid_index"}, tuple(binds),
+                    (remove,), (remove,), stop)
+
+
+def _export(cfg: ClusterConfig) -> ExportSpec:
+    return ExportSpec(str(cfg["MODEL_DIR"]), tuple(cfg["NFS_CLIENTS"]), EXPORT_OPTIONS, str(cfg["NFS_BACKEND"]),
+                      str(cfg["NFS_EXPORT_NAME"]))
+
+
+def _mount(cfg: ClusterConfig, node: Node) -> MountSpec:
+    # With fsid=0 the kernel export is the NFSv4 root; nfs-ganesha publishes it at its pseudo path.
+    path = "/" if cfg["NFS_BACKEND"] == "kernel" else "/" + str(cfg["NFS_EXPORT_NAME"])
+    return MountSpec(f"{node.nfs_server}:{path}", str(cfg["COMMON_MODEL"]), "nfs4", MOUNT_OPTIONS,
+                     str(node.nfs_server), int(cfg["EXPECTED_SHARDS"]))
+
+
+def _fabric(cfg: ClusterConfig, node: Node) -> FabricSpec:
+    sockets = tuple(dict.fromkeys([*cfg["GLOO_SOCKET_IFNAME"], *cfg["NCCL_SOCKET_IFNAME"]]))
+    peers = [Peer(n.name, n.address, int(cfg["AGENT_PORT"])) for n in cfg.nodes if n.name != node.name]
+    if node.nfs_server and cfg["NFS_SHARE"]:
+        peers.append(Peer(f"{cfg.head.name} (NFS)", node.nfs_server, 2049))
+    return FabricSpec(tuple(cfg["IB_HCA"]), str(cfg["FABRIC_IFACE"]), node.address, int(cfg["FABRIC_MTU"]),
+                      sockets, tuple(peers))
+
+
+def _pack(cfg: ClusterConfig, node: Node) -> PackSpec:
+    tp, nnodes = int(cfg["TP_SIZE"]), int(cfg["NNODES"])
+    per_node = tp // nnodes
+    ranks = tuple(range(node.rank * per_node, (node.rank + 1) * per_node))
+    return PackSpec(model_path_on(cfg, node), str(cfg["ENGRAM_DIR"]), tp, ranks, ENGRAM_LAYERS,
+                    cfg["OFFLOAD_MODE"] == "nvme", not cfg["SKIP_PREPARE"])
+
+
+def _with_fingerprint(plan: NodePlan) -> NodePlan:
+    body = plan.to_json()
+    body.pop("fingerprint")
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    return NodePlan(**{**plan.__dict__, "fingerprint": digest})

@@ -1,0 +1,180 @@
+"""Every key cluster.env may hold: its type, default and meaning.
+
+The table is the documentation: `dsv41ctl config keys` prints it. Defaults are the values of the
+recipe's example configuration, where each was measured; keys the agents make unnecessary are
+listed in UNUSED with the reason, so an existing file keeps loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import values as v
+
+KV_PAGE_TOKENS = 256
+MAX_CONTEXT = 1_048_576
+MAX_NODES = 8
+PASSTHROUGH_PREFIXES = ("NCCL_", "DSV41_", "SGLANG_", "PYTORCH_", "CUDA_", "TORCH_", "GLOO_", "TP_")
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    parse: v.Parser
+    default: str | None  # None: required; "": optional and empty
+    doc: str
+    to_rank_env: bool = False  # passed to the rank's environment as written
+
+
+def _k(name: str, parse: v.Parser, default: str | None, doc: str, env: bool = False) -> Key:
+    return Key(name, parse, default, doc, env)
+
+
+_NCCL_SUBSYS = ("INIT", "COLL", "P2P", "SHM", "NET", "GRAPH", "TUNING", "ENV", "ALLOC", "CALL", "PROXY",
+                "NVLS", "BOOTSTRAP", "REG", "PROFILE", "RAS", "ALL")
+
+KEYS: tuple[Key, ...] = (
+    # cluster
+    _k("HOME", v.optional(v.abspath), "",
+       "what $HOME in this file expands to; define it first when paths live under a user's home (the "
+       "coordinator runs as root, whose environment has no user's HOME)"),
+    _k("HEAD_IP", v.ipv4, None, "head node's address on the fabric; --dist-init-addr and its RoCE GID use it"),
+    _k("HEAD_HOST", v.hostname, "spark1", "head node's name (workers are named by WORKERk_HOST)"),
+    _k("AGENT_PORT", v.integer(1, 65535), "7441", "TCP port every node's dsv41-agent listens on"),
+    # fabric
+    _k("FABRIC_IFACE", v.ifname, None, "netdev carrying the node's fabric address (HEAD_IP / WORKERk_IP)"),
+    _k("FABRIC_MTU", v.integer(576, 9216), "9000", "MTU the fabric netdevs are expected to have"),
+    _k("GLOO_SOCKET_IFNAME", v.listing(v.ifname, what="interface names"), None,
+       "interface(s) for Gloo's TCP bootstrap", env=True),
+    _k("NCCL_SOCKET_IFNAME", v.listing(v.ifname, what="interface names"), None,
+       "interface(s) for NCCL's TCP bootstrap", env=True),
+    _k("IB_HCA", v.listing(v.hca, what="RDMA devices"), None,
+       "RDMA devices NCCL may use (becomes NCCL_IB_HCA); on DGX Spark list both devices of the QSFP port"),
+    _k("NCCL_NET", v.choice("IB", "Socket"), "IB", "NCCL data plane: IB (RoCE) or Socket", env=True),
+    _k("NCCL_IB_DISABLE", v.flag, "0", "1 disables NCCL's IB/RoCE transport", env=True),
+    _k("NCCL_P2P_DISABLE", v.flag, "1", "NCCL peer-to-peer transport off (one GPU per node)", env=True),
+    _k("NCCL_SHM_DISABLE", v.flag, "1", "NCCL shared-memory transport off (one GPU per node)", env=True),
+    _k("NCCL_DEBUG", v.choice("VERSION", "WARN", "INFO", "TRACE"), "WARN", "NCCL log level", env=True),
+    _k("NCCL_BUFFSIZE", v.integer(65536, 1 << 30), "1048576",
+       "NCCL Simple-protocol buffer bytes per connection (pinned host RAM = GPU memory on GB10)", env=True),
+    _k("NCCL_LL128_BUFFSIZE", v.integer(-2, 1 << 30), "262144", "NCCL LL128 buffer bytes (-2: NCCL's default)",
+       env=True),
+    _k("NCCL_PROTO", v.nccl_set("LL", "LL128", "Simple"), "^LL128", "NCCL protocols allowed", env=True),
+    _k("NCCL_MAX_NCHANNELS", v.integer(1, 64), "8", "NCCL channel cap", env=True),
+    _k("NCCL_DEBUG_SUBSYS", v.nccl_set(*_NCCL_SUBSYS), "INIT,ENV", "NCCL subsystems logged", env=True),
+    _k("NCCL_HOST_DIR", v.optional(v.abspath), "",
+       "host directory with a NCCL build (libnccl.so*); mounted read-only into the rank and put on LD_LIBRARY_PATH"),
+    # model / image
+    _k("MODEL_DIR", v.abspath, None, "checkpoint directory on the head (exported to the workers)"),
+    _k("COMMON_MODEL", v.abspath, None,
+       "model path every rank uses (--model-path); workers mount the head's export here"),
+    _k("EXPECTED_SHARDS", v.integer(1, 100000), "48", "number of model-*-of-N.safetensors shards"),
+    _k("SERVED_MODEL_NAME", v.name, "deepseek-v4.1-flash", "model name the API serves"),
+    _k("BASE_IMAGE", v.image_by_digest, None, "SGLang image, pinned by @sha256 digest"),
+    _k("IMAGE", v.optional(v.image_ref), "",
+       "image the container runtime runs (a local build on BASE_IMAGE); empty runs BASE_IMAGE. Preflight "
+       "refuses to launch when nodes hold different image IDs"),
+    _k("PORT", v.integer(1, 65535), "8888", "rank 0's HTTP API port"),
+    # rank runtime
+    _k("RANK_RUNTIME", v.choice("container", "host"), "container",
+       "container: docker run of the image; host: a Python environment on the node with sglang"),
+    _k("RANK_PYTHON", v.abspath, "/usr/bin/python3", "python of the host runtime"),
+    _k("RANK_ENGINE", v.choice("sglang", "sim"), "sglang",
+       "sim: the stand-in engine dsv41-sim-rank for tests and the demo (no GPU, no model)"),
+    _k("SIM_RANK_COMMAND", v.abspath, "/usr/bin/dsv41-sim-rank", "the stand-in engine's executable"),
+    _k("RANK_STOP_TIMEOUT_S", v.integer(5, 3600), "120",
+       "drain budget: how long a rank may take to stop after SIGTERM before it is killed"),
+    # weights
+    _k("NFS_SHARE", v.flag, "1", "1: workers mount the head's export at COMMON_MODEL; 0: every node has its own copy"),
+    _k("NFS_BACKEND", v.choice("kernel", "ganesha"), "kernel", "NFS server on the head: kernel nfsd or nfs-ganesha"),
+    _k("NFS_EXPORT_NAME", v.name, "dsv41-native", "name of the export (nfs-ganesha pseudo path /NAME)"),
+    _k("NFS_CLIENTS", v.listing(v.ipv4_or_network, what="IPv4 addresses or networks"), "",
+       "clients allowed to mount the export: one export entry each"),
+    # parallelism
+    _k("NNODES", v.integer(2, MAX_NODES), None, "number of nodes (head + workers)"),
+    _k("TP_SIZE", v.integer(1, 64), None, "tensor-parallel size; a multiple of NNODES"),
+    _k("EP_SIZE", v.integer(1, 64), "1", "expert-parallel size; divides TP_SIZE"),
+    _k("DIST_PORT", v.integer(1, 65535), "20000", "torch.distributed rendezvous port on the head"),
+    # serving
+    _k("OFFLOAD_MODE", v.choice("nvme", "host"), "nvme",
+       "Engram tables: nvme reads packed local shards (required on GB10), host keeps them in RAM", env=True),
+    _k("CONTEXT_LENGTH", v.integer(1, MAX_CONTEXT), None, "per-request context limit (model max 1,048,576)"),
+    _k("MEM_FRACTION_STATIC", v.real(0.0, 1.0, lo_open=True, hi_open=True), None, "workers' --mem-fraction-static"),
+    _k("HEAD_MEM_FRACTION_STATIC", v.optional(v.real(0.0, 1.0, lo_open=True, hi_open=True)), "",
+       "head's --mem-fraction-static; empty: MEM_FRACTION_STATIC"),
+    _k("MAX_RUNNING_REQUESTS", v.integer(1, 4096), "4", "--max-running-requests"),
+    _k("CHUNKED_PREFILL_SIZE", v.chunk_size(KV_PAGE_TOKENS), "768", "--chunked-prefill-size (multiple of 256)"),
+    _k("MAX_TOTAL_TOKENS", v.integer(1, 1 << 26), None, "KV pool size (--max-total-tokens); >= CONTEXT_LENGTH"),
+    _k("SPEC_ALGO", v.choice("DSPARK", "EAGLE", "NONE"), "DSPARK", "speculative decoding (DeepSeek-V4: DSPARK or EAGLE)"),
+    _k("DSPARK_BLOCK_SIZE", v.integer(1, 16), "5", "DSpark draft block (verify window = block + 1)"),
+    _k("DSPARK_SPS_TABLE", v.optional(v.abspath), "",
+       "SPS cost table as the rank sees it; copied from the head to every node, passed only when all match"),
+    _k("DSPARK_STS_TABLE", v.optional(v.abspath), "", "STS calibration table; same rules as DSPARK_SPS_TABLE"),
+    # engram
+    _k("ENGRAM_DIR", v.abspath, None, "node-local NVMe directory holding the packed Engram shards (same path on every node)"),
+    _k("DSV41_PACKED_DIR", v.abspath, "/engram", "where the rank sees ENGRAM_DIR", env=True),
+    _k("SKIP_PREPARE", v.flag, "1", "1: bring-up never runs the pack job (an absent pack fails with the fix); "
+       "0: bring-up packs what is missing"),
+    _k("SKIP_VERIFY", v.flag, "1", "0: hash the checkpoint against its index before launch (cached receipts)"),
+    _k("SKIP_SMOKE", v.flag, "0", "1: declare serving after /health without a completion"),
+    _k("SMOKE_QUICK", v.flag, "1", "1: smoke is 19+23=42 only; 0: adds JSON schema, tool call and a full batch"),
+    # Engram row store in the rank
+    _k("DSV41_CACHE_GIB", v.real(0.0, 64.0), "0", "Engram row cache per host in GiB (0 disables)", env=True),
+    _k("DSV41_IO_THREADS", v.integer(1, 1024), "96", "Engram miss reader threads", env=True),
+    _k("DSV41_RESIDENT_SCALES", v.flag, "0", "pin owned scale rows in host RAM (~1 GiB/layer/rank)", env=True),
+    _k("DSV41_CACHE_WAYS", v.integer(1, 16), "4", "Engram cache associativity", env=True),
+    _k("DSV41_STATS_SECONDS", v.integer(0, 86400), "60", "Engram statistics interval (0: off)", env=True),
+    # kernels and decode adapters
+    _k("EXTRA_SGLANG_ARGS", v.shell_words, "", "more SGLang flags, split like a shell would"),
+    _k("DSV41_MXFP8_BACKEND", v.choice("b12x", "cudnn", "cutlass"), "b12x", "FlashInfer MXFP8 dense kernel", env=True),
+    _k("DSV41_WO_A_W8", v.flag, "1", "fp8 twin of wo_a", env=True),
+    _k("DSV41_WO_A_W8_MID", v.flag, "1", "fp8 wo_a for 9-192-row verifies", env=True),
+    _k("DSV41_WO_A_W8_DROP", v.flag, "1", "release the bf16 wo_a copies", env=True),
+    _k("DSV41_WO_A_W8_DRAFT", v.flag, "0", "fp8 wo_a for the draft", env=True),
+    _k("DSV41_DRAFT_HEAD_FP8", v.flag, "1", "fp8 draft LM head", env=True),
+    _k("DSV41_VERIFY_CAP", v.verify_cap, "conf:0.1", "confidence cap: 0 or conf:<x>", env=True),
+    _k("DSV41_DRAFT_TAU", v.real(0.0, 1.0, lo_open=True), "1", "draft temperature factor (1: off)", env=True),
+    _k("DSV41_BLOCK_VERIFY", v.flag, "1", "block verification of sampled rows", env=True),
+    _k("DSV41_ENGRAM_PREFETCH", v.flag, "1", "fetch Engram rows on a side stream", env=True),
+    _k("DSV41_ENGRAM_PREFETCH_CHECK", v.flag, "0", "validate prefetch against a synchronous lookup (slow)", env=True),
+    _k("DSV41_FOLDED_FENCE", v.flag, "0", "folded fence experiment", env=True),
+    _k("DSV41_AUTOTUNE_KEEP", v.flag, "1", "keep FlashInfer autotune caches across boots of the same launch", env=True),
+    _k("SGLANG_FLASHINFER_MOE_FUSED_FINALIZE", v.flag, "0",
+       "FlashInfer fused MoE finalize (atomic bf16 adds: nondeterministic greedy output)", env=True),
+    _k("SGLANG_DSV41_REASONING_EFFORT", v.reasoning_effort, "75",
+       "default reasoning budget: 1-100 or low/high/xhigh/max", env=True),
+    _k("DSV41_MAX_NEW_TOKENS", v.integer(0, MAX_CONTEXT), "32768",
+       "fill/clamp max_tokens of chat requests (0: SGLang's behaviour)", env=True),
+    _k("DSV41_LOOP_ABORT", v.flag, "1", "decode-side loop abort", env=True),
+    _k("DSV41_LOOP_NGRAM", v.integer(4, 4096), "32", "loop abort: n-gram length", env=True),
+    _k("DSV41_LOOP_REPEATS", v.integer(2, 1000), "4", "loop abort: n-gram copies", env=True),
+    _k("DSV41_LOOP_LINE_REPEATS", v.integer(2, 10000), "8", "loop abort: identical decoded lines", env=True),
+    _k("PYTORCH_CUDA_ALLOC_CONF", v.alloc_conf, "expandable_segments:False",
+       "PyTorch allocator options; expandable_segments:True is refused (NaN logits)", env=True),
+    _k("DSV41_PREFILL_EMPTY_CACHE_TOKENS", v.integer(0, MAX_CONTEXT), "8192",
+       "return cached allocator blocks after each prefill chunk of sequences this long (0: off)", env=True),
+)
+
+BY_NAME = {key.name: key for key in KEYS}
+
+# Per-worker keys, k = 1 .. NNODES-1.
+WORKER_KEYS = {
+    "WORKER{k}_IP": (v.ipv4, "worker k's fabric address"),
+    "WORKER{k}_HOST": (v.hostname, "worker k's name"),
+    "NFS_SERVER_IP_{k}": (v.ipv4, "head's address on worker k's link; worker k mounts the export from it"),
+}
+
+UNUSED = {
+    "WORKER_USER": "the agents replace ssh: nothing logs into the workers",
+    "SSH_IDENTITY": "the agents replace ssh: nothing logs into the workers",
+    "NFS_VOLUME": "workers mount the export as a systemd mount unit at COMMON_MODEL, not a docker volume",
+    "WORKER_DIR": "workers keep their state under /var/lib/dsv41",
+    "WORKER_ENGRAM_DIR": "every node uses ENGRAM_DIR",
+    "HEAD_CTN": "the rank container is always named dsv41-rank",
+    "WORKER_CTN": "the rank container is always named dsv41-rank",
+    "STATE_DIR": "state lives under /var/lib/dsv41 on every node",
+    "LOG_DIR": "logs go to the journal (journalctl -u dsv41-rank)",
+    "SERVE_LOG": "logs go to the journal (journalctl -u dsv41-rank)",
+    "SHM_SIZE": "the rank shares the host's IPC namespace (--ipc host)",
+    "REMOTE_TIMEOUT": "every agent call has its own deadline",
+}

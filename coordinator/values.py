@@ -1,0 +1,240 @@
+"""Value parsers for cluster.env keys.
+
+Each parser takes the raw string and returns a typed value or raises `Invalid` with a message
+that says what is allowed. They are pure and small so the schema reads like a table.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Callable
+
+
+class Invalid(ValueError):
+    """The value is not allowed; the message says what is."""
+
+
+Parser = Callable[[str], object]
+
+_IFNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}")
+_HCA = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]{0,63}")
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_DIGEST_REF = re.compile(r"[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}")
+_LOCAL_REF = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
+
+
+def integer(lo: int, hi: int) -> Parser:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw, 10)
+        except ValueError:
+            raise Invalid(f"must be an integer from {lo} to {hi}") from None
+        if not lo <= value <= hi:
+            raise Invalid(f"must be an integer from {lo} to {hi}")
+        return value
+    return parse
+
+
+def real(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Parser:
+    left = "(" if lo_open else "["
+    right = ")" if hi_open else "]"
+    allowed = f"must be a number in {left}{lo:g}, {hi:g}{right}"
+
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise Invalid(allowed) from None
+        if value != value or (value <= lo if lo_open else value < lo) or (value >= hi if hi_open else value > hi):
+            raise Invalid(allowed)
+        return value
+    return parse
+
+
+def flag(raw: str) -> bool:
+    if raw in ("1", "0"):
+        return raw == "1"
+    raise Invalid("must be 1 or 0")
+
+
+def choice(*allowed: str) -> Parser:
+    def parse(raw: str) -> str:
+        if raw not in allowed:
+            raise Invalid("must be one of " + ", ".join(allowed))
+        return raw
+    return parse
+
+
+def ipv4(raw: str) -> str:
+    try:
+        return str(ipaddress.IPv4Address(raw))
+    except ValueError:
+        raise Invalid("must be an IPv4 address like 10.0.0.2") from None
+
+
+def ipv4_or_network(raw: str) -> str:
+    try:
+        if "/" in raw:
+            return str(ipaddress.IPv4Network(raw, strict=True))
+        return str(ipaddress.IPv4Address(raw))
+    except ValueError:
+        raise Invalid("must be an IPv4 address or network like 10.0.22.0/24 (host bits zero)") from None
+
+
+def ifname(raw: str) -> str:
+    if not _IFNAME.fullmatch(raw):
+        raise Invalid("must be a network interface name (1-15 characters: letters, digits, _ . : @ -)")
+    return raw
+
+
+def hostname(raw: str) -> str:
+    if not _HOSTNAME.fullmatch(raw):
+        raise Invalid("must be a host name (letters, digits and -, dot-separated)")
+    return raw
+
+
+def name(raw: str) -> str:
+    if not _NAME.fullmatch(raw):
+        raise Invalid("must be a name of letters, digits, _ . - (at most 64)")
+    return raw
+
+
+def abspath(raw: str) -> str:
+    if not raw.startswith("/") or "\0" in raw or "\n" in raw:
+        raise Invalid("must be an absolute path")
+    parts = raw.split("/")
+    if ".." in parts:
+        raise Invalid("must be an absolute path without '..'")
+    return "/" + "/".join(p for p in parts if p not in ("", "."))
+
+
+def optional(parser: Parser) -> Parser:
+    def parse(raw: str) -> object:
+        return None if raw == "" else parser(raw)
+    return parse
+
+
+def listing(item: Parser, *, what: str) -> Parser:
+    def parse(raw: str) -> tuple:
+        items = [part.strip() for part in raw.split(",")]
+        if not raw or any(part == "" for part in items):
+            raise Invalid(f"must be a comma-separated list of {what}")
+        values = []
+        for part in items:
+            try:
+                values.append(item(part))
+            except Invalid as exc:
+                raise Invalid(f"{part!r}: {exc}") from None
+        if len(set(values)) != len(values):
+            raise Invalid(f"lists an entry twice; each of the {what} once")
+        return tuple(values)
+    return parse
+
+
+def hca(raw: str) -> str:
+    device, _, port = raw.partition(":")
+    if not _HCA.fullmatch(device) or (port and not port.isdigit()):
+        raise Invalid("must be an RDMA device name, optionally with :PORT (e.g. rocep1s0f0 or mlx5_0:1)")
+    return raw
+
+
+def nccl_set(*known: str) -> Parser:
+    """NCCL's list syntax: comma-separated names, optionally negated as a whole with a leading ^."""
+    upper = {k.upper(): k for k in known}
+
+    def parse(raw: str) -> str:
+        body = raw[1:] if raw.startswith("^") else raw
+        parts = body.split(",")
+        if not body or any(p.upper() not in upper for p in parts):
+            raise Invalid("must be a comma-separated list of " + ", ".join(known) + " (optionally starting with ^ to exclude)")
+        return raw
+    return parse
+
+
+def image_by_digest(raw: str) -> str:
+    if not _DIGEST_REF.fullmatch(raw):
+        raise Invalid("must be pinned by digest: NAME[:TAG]@sha256:<64 hex> (a tag moves, a digest does not)")
+    return raw
+
+
+def image_ref(raw: str) -> str:
+    if not (_DIGEST_REF.fullmatch(raw) or _LOCAL_REF.fullmatch(raw)):
+        raise Invalid("must be an image reference NAME[:TAG] or NAME[:TAG]@sha256:<64 hex>")
+    return raw
+
+
+REASONING_TIERS = ("low", "high", "xhigh", "max")
+
+
+def reasoning_effort(raw: str) -> int | str:
+    if raw in REASONING_TIERS:
+        return raw
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 100:
+        raise Invalid("must be an integer from 1 to 100 or one of " + ", ".join(REASONING_TIERS))
+    return value
+
+
+def verify_cap(raw: str) -> float:
+    """`0` disables the cap; `conf:<x>` caps verification at confidence x in (0, 1]."""
+    if raw == "0":
+        return 0.0
+    if raw.startswith("conf:"):
+        try:
+            value = float(raw[5:])
+        except ValueError:
+            value = -1.0
+        if 0.0 < value <= 1.0:
+            return value
+    raise Invalid("must be 0 (off) or conf:<x> with 0 < x <= 1, e.g. conf:0.1")
+
+
+def chunk_size(page: int) -> Parser:
+    def parse(raw: str) -> int:
+        value = integer(page, 1 << 20)(raw)
+        if value % page:
+            raise Invalid(f"must be a multiple of the {page}-token KV page (e.g. {page * 3})")
+        return value
+    return parse
+
+
+@dataclass(frozen=True)
+class AllocConf:
+    text: str
+    options: tuple[tuple[str, str], ...]
+
+
+def alloc_conf(raw: str) -> AllocConf:
+    options = []
+    for part in raw.split(","):
+        key, sep, value = part.partition(":")
+        if not sep or not key.strip() or not value.strip():
+            raise Invalid("must be PyTorch's KEY:VALUE[,KEY:VALUE] allocator options")
+        options.append((key.strip(), value.strip()))
+    for key, value in options:
+        if key == "expandable_segments" and value.lower() == "true":
+            raise Invalid(
+                "expandable_segments:True is refused: on this stack every prefill of more than 64 query tokens "
+                "returns NaN logits (garbage text at temperature 0, then a scheduler crash 'probability tensor "
+                "contains inf/nan'); use expandable_segments:False")
+    return AllocConf(raw, tuple(options))
+
+
+def shell_words(raw: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(raw, comments=False, posix=True))
+    except ValueError as exc:
+        raise Invalid(f"cannot be split like a shell would: {exc}") from None
+
+
+def plain_text(raw: str) -> str:
+    if any(ord(ch) < 32 for ch in raw):
+        raise Invalid("must not contain control characters")
+    return raw
