@@ -130,10 +130,9 @@ def parse(text: str, path: str, environ: Mapping[str, str]) -> ClusterConfig:
                 + ", ".join(schema.PASSTHROUGH_PREFIXES) + " pass through to the rank's environment")
 
     nodes = _nodes(settings, worker_given, err)
-    if not errors:
-        _cross_checks(settings, raw, nodes, err)
+    _cross_checks(settings, raw, nodes, err)
     if errors:
-        raise ConfigInvalid(errors)
+        raise ConfigInvalid(sorted(errors, key=lambda e: (e.line is None, e.line or 0)))
     return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(_warnings(settings)))
 
 
@@ -151,6 +150,7 @@ def _nodes(settings: Mapping[str, object], given: Mapping[str, str], err) -> lis
                 if key.startswith("NFS_SERVER_IP_") and not share:
                     parsed[key] = None
                     continue
+                doc = doc.replace("worker k", f"worker {k}")
                 err(None, f"{key}: is required with NNODES={nnodes}: {doc} (one WORKERk_IP/WORKERk_HOST pair "
                           f"and NFS_SERVER_IP_k per worker, k = 1..{nnodes - 1})")
                 continue
@@ -170,19 +170,22 @@ def _nodes(settings: Mapping[str, object], given: Mapping[str, str], err) -> lis
 
 
 def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[Node], err) -> None:
-    nnodes, tp, ep = s["NNODES"], s["TP_SIZE"], s["EP_SIZE"]
-    if tp % nnodes:
-        err("TP_SIZE", f"must be a multiple of NNODES={nnodes}", raw["TP_SIZE"])
-    if tp % ep:
-        err("EP_SIZE", f"must divide TP_SIZE={tp}", raw["EP_SIZE"])
-    if s["MAX_TOTAL_TOKENS"] < s["CONTEXT_LENGTH"]:
+    """Rules between keys; each runs when the keys it needs parsed, so every error shows at once."""
+    def have(*keys: str) -> bool:
+        return all(k in s for k in keys)
+
+    if have("TP_SIZE", "NNODES") and s["TP_SIZE"] % s["NNODES"]:
+        err("TP_SIZE", f"must be a multiple of NNODES={s['NNODES']}", raw["TP_SIZE"])
+    if have("TP_SIZE", "EP_SIZE") and s["TP_SIZE"] % s["EP_SIZE"]:
+        err("EP_SIZE", f"must divide TP_SIZE={s['TP_SIZE']}", raw["EP_SIZE"])
+    if have("MAX_TOTAL_TOKENS", "CONTEXT_LENGTH") and s["MAX_TOTAL_TOKENS"] < s["CONTEXT_LENGTH"]:
         err("MAX_TOTAL_TOKENS", f"must be at least CONTEXT_LENGTH={s['CONTEXT_LENGTH']}: one request must fit the "
             "KV pool", raw["MAX_TOTAL_TOKENS"])
-    if s["DIST_PORT"] == s["PORT"]:
+    if have("DIST_PORT", "PORT") and s["DIST_PORT"] == s["PORT"]:
         err("DIST_PORT", f"must differ from PORT={s['PORT']}", raw["DIST_PORT"])
-    if s["AGENT_PORT"] in (s["PORT"], s["DIST_PORT"]):
+    if have("AGENT_PORT", "PORT", "DIST_PORT") and s["AGENT_PORT"] in (s["PORT"], s["DIST_PORT"]):
         err("AGENT_PORT", "must differ from PORT and DIST_PORT", raw["AGENT_PORT"])
-    if s["DSV41_MAX_NEW_TOKENS"] > s["CONTEXT_LENGTH"]:
+    if have("DSV41_MAX_NEW_TOKENS", "CONTEXT_LENGTH") and s["DSV41_MAX_NEW_TOKENS"] > s["CONTEXT_LENGTH"]:
         err("DSV41_MAX_NEW_TOKENS", f"must not exceed CONTEXT_LENGTH={s['CONTEXT_LENGTH']}",
             raw["DSV41_MAX_NEW_TOKENS"])
     names = [n.name for n in nodes]
@@ -191,13 +194,14 @@ def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[N
     addresses = [n.address for n in nodes]
     for address in sorted({a for a in addresses if addresses.count(a) > 1}):
         err(None, f"address {address} is used by two nodes (HEAD_IP and WORKERk_IP must be distinct)")
-    if s["NFS_SHARE"] and not s["NFS_CLIENTS"]:
+    if have("NFS_SHARE", "NFS_CLIENTS") and s["NFS_SHARE"] and not s["NFS_CLIENTS"]:
         err("NFS_CLIENTS", "is required with NFS_SHARE=1: the workers' addresses or networks allowed to mount")
-    if s["NFS_SHARE"] and s["MODEL_DIR"] == "/":
+    if have("NFS_SHARE", "MODEL_DIR") and s["NFS_SHARE"] and s["MODEL_DIR"] == "/":
         err("MODEL_DIR", "must not be / when it is exported", raw["MODEL_DIR"])
-    if s["RANK_ENGINE"] == "sim" and s["RANK_RUNTIME"] != "host":
+    if have("RANK_ENGINE", "RANK_RUNTIME") and s["RANK_ENGINE"] == "sim" and s["RANK_RUNTIME"] != "host":
         err("RANK_ENGINE", "sim runs only with RANK_RUNTIME=host (the stand-in is not in the image)", "sim")
-    _check_extra_args(s["EXTRA_SGLANG_ARGS"], raw["EXTRA_SGLANG_ARGS"], err)
+    if have("EXTRA_SGLANG_ARGS"):
+        _check_extra_args(s["EXTRA_SGLANG_ARGS"], raw["EXTRA_SGLANG_ARGS"], s, err)
 
 
 # Flags the plan renders from keys: setting them again in EXTRA_SGLANG_ARGS would make ranks disagree
@@ -216,11 +220,17 @@ _OWNED_FLAGS = {
 }
 
 
-def _check_extra_args(words: tuple[str, ...], raw: str, err) -> None:
-    for word in words:
-        flag = word.split("=", 1)[0]
+def _check_extra_args(words: tuple[str, ...], raw: str, s: Mapping[str, object], err) -> None:
+    for i, word in enumerate(words):
+        flag, _, inline = word.partition("=")
         if flag in _OWNED_FLAGS:
             err("EXTRA_SGLANG_ARGS", f"{flag} is set from {_OWNED_FLAGS[flag]}; remove it here", raw)
+        if flag == "--speculative-num-draft-tokens" and s.get("SPEC_ALGO") == "DSPARK":
+            given = inline or (words[i + 1] if i + 1 < len(words) else "")
+            want = int(s.get("DSPARK_BLOCK_SIZE", 0)) + 1
+            if given != str(want):
+                err("EXTRA_SGLANG_ARGS", f"--speculative-num-draft-tokens must be DSPARK_BLOCK_SIZE + 1 = {want} "
+                    "(DSpark verifies the block plus one token); better leave it out", raw)
     if words and not words[0].startswith("--"):
         err("EXTRA_SGLANG_ARGS", f"must start with a --flag, not {words[0]!r}", raw)
 

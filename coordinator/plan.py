@@ -270,7 +270,7 @@ def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> Ran
 
 
 def _export(cfg: ClusterConfig) -> ExportSpec:
-    return ExportSpec(str(cfg["MODEL_DIR"]), tuple(cfg["NFS_CLIENTS"]), EXPORT_OPTIONS, str(cfg["NFS_BACKEND"]),
+    return ExportSpec(str(cfg["MODEL_DIR"]), tuple(cfg["NFS_CLIENTS"] or ()), EXPORT_OPTIONS, str(cfg["NFS_BACKEND"]),
                       str(cfg["NFS_EXPORT_NAME"]))
 
 

@@ -88,7 +88,7 @@ KEYS: tuple[Key, ...] = (
     _k("NFS_SHARE", v.flag, "1", "1: workers mount the head's export at COMMON_MODEL; 0: every node has its own copy"),
     _k("NFS_BACKEND", v.choice("kernel", "ganesha"), "kernel", "NFS server on the head: kernel nfsd or nfs-ganesha"),
     _k("NFS_EXPORT_NAME", v.name, "dsv41-native", "name of the export (nfs-ganesha pseudo path /NAME)"),
-    _k("NFS_CLIENTS", v.listing(v.ipv4_or_network, what="IPv4 addresses or networks"), "",
+    _k("NFS_CLIENTS", v.optional(v.listing(v.ipv4_or_network, what="IPv4 addresses or networks")), "",
        "clients allowed to mount the export: one export entry each"),
     # parallelism
     _k("NNODES", v.integer(2, MAX_NODES), None, "number of nodes (head + workers)"),
@@ -161,7 +161,7 @@ BY_NAME = {key.name: key for key in KEYS}
 WORKER_KEYS = {
     "WORKER{k}_IP": (v.ipv4, "worker k's fabric address"),
     "WORKER{k}_HOST": (v.hostname, "worker k's name"),
-    "NFS_SERVER_IP_{k}": (v.ipv4, "head's address on worker k's link; worker k mounts the export from it"),
+    "NFS_SERVER_IP_{k}": (v.ipv4, "the head's address on worker k's link; worker k mounts the export from it"),
 }
 
 UNUSED = {

@@ -1,0 +1,125 @@
+"""dsv41ctl: the operator's command line (`python3 -m coordinator.ctl` from a source checkout)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import textwrap
+from typing import Sequence, TextIO
+
+from . import config as config_mod
+from . import plan as plan_mod
+from . import schema
+
+DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help(err)
+        return 2
+    try:
+        return args.handler(args, out, err)
+    except BrokenPipeError:
+        return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv41ctl", description="Control the dsv41 cluster.")
+    sub = parser.add_subparsers(dest="command")
+
+    cfg = sub.add_parser("config", help="check and show the cluster configuration")
+    cfg_sub = cfg.add_subparsers(dest="config_command")
+    check = cfg_sub.add_parser("check", help="validate a cluster.env; exit 1 with every error")
+    check.add_argument("file", nargs="?", default=DEFAULT_CONFIG)
+    check.set_defaults(handler=_config_check)
+    show = cfg_sub.add_parser("show", help="print what one node must run")
+    show.add_argument("file", nargs="?", default=DEFAULT_CONFIG)
+    show.add_argument("--node", required=True, help="node name (HEAD_HOST or WORKERk_HOST)")
+    show.add_argument("--json", action="store_true", help="one JSON object")
+    show.add_argument("--with-dspark-tables", action="store_true",
+                      help="render as if every rank holds identical DSpark tables (the coordinator decides this)")
+    show.set_defaults(handler=_config_show)
+    keys = cfg_sub.add_parser("keys", help="list every key cluster.env may hold")
+    keys.set_defaults(handler=_config_keys)
+    return parser
+
+
+def _load(path: str, err: TextIO) -> config_mod.ClusterConfig | None:
+    try:
+        return config_mod.load(path)
+    except config_mod.ConfigInvalid as exc:
+        for error in exc.errors:
+            print(error, file=err)
+        print(f"{path}: {len(exc.errors)} error(s); nothing was changed", file=err)
+        return None
+
+
+def _config_check(args, out: TextIO, err: TextIO) -> int:
+    cfg = _load(args.file, err)
+    if cfg is None:
+        return 1
+    nodes = ", ".join(f"{n.name} (rank {n.rank}, {n.address})" for n in cfg.nodes)
+    print(f"{args.file}: valid: {len(cfg.nodes)} nodes: {nodes}", file=out)
+    for key, reason in cfg.unused:
+        print(f"  unused: {key}: {reason}", file=out)
+    for key in sorted(cfg.passthrough):
+        print(f"  passed to the rank as is: {key}", file=out)
+    for warning in cfg.warnings:
+        print(f"  warning: {warning}", file=out)
+    return 0
+
+
+def _config_show(args, out: TextIO, err: TextIO) -> int:
+    cfg = _load(args.file, err)
+    if cfg is None:
+        return 1
+    try:
+        node_plan = plan_mod.render_node(cfg, args.node, dspark_tables=args.with_dspark_tables)
+    except KeyError as exc:
+        print(exc.args[0], file=err)
+        return 1
+    body = node_plan.to_json()
+    if args.json:
+        json.dump(body, out, indent=2, sort_keys=False)
+        out.write("\n")
+        return 0
+    _print_plan(body, out)
+    return 0
+
+
+def _print_plan(body: dict, out: TextIO) -> None:
+    print(f"node {body['node']}  rank {body['rank']}  address {body['address']}  "
+          f"runtime {body['runtime']}  fingerprint {body['fingerprint']}", file=out)
+    print("argv:", file=out)
+    for line in textwrap.wrap(shlex.join(body["argv"]), width=76, break_long_words=False,
+                              break_on_hyphens=False):
+        print(f"  {line}", file=out)
+    print("env:", file=out)
+    for key, value in body["env"].items():
+        print(f"  {key}={value}", file=out)
+    for key, fact in body["agent_fills"].items():
+        print(f"  ({key} is filled in on the node from its {fact})", file=out)
+    for section in ("export", "mount", "fabric", "pack"):
+        if body[section]:
+            print(f"{section}: {json.dumps(body[section], sort_keys=True)}", file=out)
+
+
+def _config_keys(args, out: TextIO, err: TextIO) -> int:
+    for key in schema.KEYS:
+        default = "(required)" if key.default is None else f"default {key.default!r}"
+        print(f"{key.name}  {default}\n    {key.doc}", file=out)
+    for pattern, (_, doc) in schema.WORKER_KEYS.items():
+        print(f"{pattern.format(k='k')}  (one per worker, k = 1..NNODES-1)\n    {doc}", file=out)
+    for key, reason in schema.UNUSED.items():
+        print(f"{key}  (accepted, unused)\n    {reason}", file=out)
+    print("Keys starting with " + ", ".join(schema.PASSTHROUGH_PREFIXES) + " pass through to the rank.", file=out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
