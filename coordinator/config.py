@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from . import envfile, schema
+from dsv41 import envfile
+
+from . import schema
 from . import values as v
 
 _WORKER_KEY = re.compile(r"(WORKER(\d+)_(IP|HOST)|NFS_SERVER_IP_(\d+))")

@@ -217,7 +217,8 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
     env = {k.name: cfg.raw[k.name] for k in KEYS if k.to_rank_env}
     env.update({_ENV_RENAMES[k]: ",".join(cfg[k]) for k in _ENV_RENAMES})
     env.update(cfg.passthrough)
-    env["NCCL_IB_GID_INDEX"] = GID_PLACEHOLDER
+    if uses_roce(cfg):
+        env["NCCL_IB_GID_INDEX"] = GID_PLACEHOLDER
     env["SGLANG_HOST_IP"] = node.address
     env["DSV41_SOURCE"] = str(cfg["COMMON_MODEL"])  # arms the adapter's sitecustomize.py
     env["PYTHONPATH"] = CONTAINER_ADAPTER_DIR if container else ADAPTER_DIR
@@ -226,6 +227,11 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
     if not container:
         env["XDG_CACHE_HOME"] = RANK_CACHE_DIR
     return dict(sorted(env.items()))
+
+
+def uses_roce(cfg: ClusterConfig) -> bool:
+    """NCCL runs over RoCE (and so needs the node's GID index) unless IB is disabled or Socket is chosen."""
+    return cfg["NCCL_NET"] == "IB" and not cfg["NCCL_IB_DISABLE"]
 
 
 def _binds(cfg: ClusterConfig, node: Node, tables: Mapping[str, str], container: bool) -> list[Bind]:
@@ -248,12 +254,13 @@ def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> Ran
     binds = _binds(cfg, node, tables, container)
     args = sglang_args(cfg, node, tables)
     stop = int(cfg["RANK_STOP_TIMEOUT_S"])
+    fills = {"NCCL_IB_GID_INDEX": "roce_gid_index"} if uses_roce(cfg) else {}
     if not container:
         if cfg["RANK_ENGINE"] == "sim":
             argv = [str(cfg["SIM_RANK_COMMAND"]), *args]
         else:
             argv = [str(cfg["RANK_PYTHON"]), "-m", "sglang.launch_server", *args]
-        return RankSpec("host", tuple(argv), env, {"NCCL_IB_GID_INDEX": "roce_gid_index"}, tuple(binds), (), (), stop)
+        return RankSpec("host", tuple(argv), env, fills, tuple(binds), (), (), stop)
     image = str(cfg["IMAGE"] or cfg["BASE_IMAGE"])
     docker = [DOCKER, "run", "--rm", "--name", CONTAINER_NAME, "--network", "host", "--ipc", "host",
               "--gpus", "all", "--device", "/dev/infiniband:/dev/infiniband", "--cap-add", "IPC_LOCK",
@@ -265,7 +272,7 @@ def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> Ran
         docker += ["-e", key]
     argv = [*docker, image, "python3", "-m", "sglang.launch_server", *args]
     remove = (DOCKER, "rm", "--force", CONTAINER_NAME)
-    return RankSpec("container", tuple(argv), env, {"NCCL_IB_GID_INDEX": "roce_gid_index"}, tuple(binds),
+    return RankSpec("container", tuple(argv), env, fills, tuple(binds),
                     (remove,), (remove,), stop)
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from coordinator import envfile
+from dsv41 import envfile
 
 pytestmark = pytest.mark.unit
 

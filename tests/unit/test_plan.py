@@ -199,3 +199,10 @@ def test_extra_args_are_split_like_a_shell():
     args = sglang_part(plans[0].rank_spec.argv)
     assert args[-3:] == ["--json-model-override-args", '{"a": 1}', "--enable-metrics"]
     assert shlex.split(shlex.join(args)) == args
+
+
+def test_no_gid_to_fill_when_nccl_does_not_use_roce():
+    for changes in ({"NCCL_NET": "Socket"}, {"NCCL_IB_DISABLE": "1"}):
+        _, plans = cluster(edited(**changes))
+        assert plans[1].rank_spec.agent_fills == {}
+        assert "NCCL_IB_GID_INDEX" not in plans[1].rank_spec.env
