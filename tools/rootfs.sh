@@ -84,6 +84,8 @@ mmdebstrap --variant=minbase --mode=root --quiet \
     --customize-hook="systemctl --root=\"\$1\" mask ${MASKED_UNITS[*]}" \
     --customize-hook="for u in ${DISABLED_UNITS[*]}; do systemctl --root=\"\$1\" disable \"\$u\" 2>/dev/null || true; done" \
     --customize-hook='rm -f "$1"/etc/machine-id && touch "$1"/etc/machine-id' \
+    --customize-hook='rm -f "$1"/etc/hostname' \
+    --customize-hook='printf "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n" > "$1"/etc/hosts' \
     bookworm "$TMP" \
     "deb $MIRROR bookworm main" \
     "deb $MIRROR bookworm-updates main" \

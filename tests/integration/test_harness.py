@@ -1,0 +1,171 @@
+"""The systemd-nspawn harness itself: nodes boot a real systemd, run services, enforce memory
+limits when asked, talk TCP over a bridge, and leave nothing behind on the host."""
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.harness.fixtures import bridge, cluster, node, rootfs  # noqa: F401
+from tests.harness.nspawn import BootError, Cluster, Node
+
+pytestmark = pytest.mark.integration
+
+
+def _host_pids_in_cgroups_named(fragment: str) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if fragment in (d / "cgroup").read_text():
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_node_boots_and_runs_commands_and_services(node, record_property, capsys):
+    n = node("h1")
+    result = n.boot_result
+    assert result.state in ("running", "degraded")
+    # "degraded" must come with the units that caused it, "running" with none.
+    assert (result.state == "degraded") == bool(result.failed_units), result
+    assert result.failed_units == tuple(n.failed_units())
+    record_property("node_boot_seconds", round(result.seconds, 3))
+    with capsys.disabled():
+        print(f"\n[harness] one node booted to {result.state!r} in {result.seconds:.2f} s")
+
+    assert n.run(["hostname"]).stdout.strip() == "h1"
+    r = n.run_service(["systemctl", "show", "--property=ActiveState", "dbus.service"])
+    assert r.stdout.strip() == "ActiveState=active"
+    # run_service runs under the node's systemd as a transient unit; run() does not.
+    assert "/system.slice/run-" in n.run_service(["cat", "/proc/self/cgroup"]).stdout
+    assert "/system.slice/" not in n.run(["cat", "/proc/self/cgroup"]).stdout
+    failing = n.run_service(["sh", "-c", "echo out; echo err >&2; exit 3"], check=False)
+    assert (failing.returncode, failing.stdout, failing.stderr) == (3, "out\n", "err\n")
+    assert n.run_service(["cat"], input="piped\n").stdout == "piped\n"
+
+    token = secrets.token_hex(8)
+    src = n.tmpdir / "host-file"
+    src.write_text(token)
+    n.copy_in(src, "/var/tmp/harness/copied")
+    assert n.run_service(["cat", "/var/tmp/harness/copied"]).stdout == token
+    assert not (n.rootfs / "var/tmp/harness").exists()  # the base tree stays pristine
+    with pytest.raises(ValueError, match="tmpfs"):
+        n.copy_in(src, "/tmp/copied")
+
+    assert n.show("dbus.service", "ActiveState", "SubState") == \
+        {"ActiveState": "active", "SubState": "running"}
+    messages = [e["MESSAGE"] for e in n.journal(unit="dbus.service")]
+    assert any(m.startswith("Started dbus.service") for m in messages), messages
+
+
+def test_memory_limit_kills_the_unit_not_the_node(node):
+    n = node("m1", memory_writable=True)
+    hog = ["python3", "-c", "x = 'x' * (200 << 20); print(len(x))"]
+    ok = n.run(["systemd-run", "--wait", "--quiet", "--unit=dsv41-roomy",
+                "--property=MemoryMax=512M", *hog], check=False)
+    assert ok.returncode == 0, ok.stderr  # the allocation itself works when it fits
+
+    r = n.run(["systemd-run", "--wait", "--quiet", "--unit=dsv41-hog",
+               "--property=MemoryMax=64M", *hog], check=False)
+    assert r.returncode != 0
+    props = n.show("dsv41-hog.service", "Result", "ActiveState", "ExecMainStatus", "MemoryMax")
+    assert props["MemoryMax"] == str(64 << 20)
+    assert props["ActiveState"] == "failed"
+    assert props["Result"] in ("oom-kill", "signal"), props
+    if props["Result"] == "signal":
+        assert props["ExecMainStatus"] == "9", props  # SIGKILL from the OOM killer
+
+    # The node and its host side survive: only the unit was killed.
+    n.run(["systemctl", "reset-failed", "dsv41-hog.service"])
+    assert n.run(["systemctl", "is-system-running"], check=False).stdout.strip() == "running"
+    assert _alive(n.nspawn_pid) and _alive(n.leader)
+
+
+SERVER = """
+import socket, sys
+s = socket.create_server(("0.0.0.0", 7441))
+c, _ = s.accept()
+data = c.recv(100)
+c.sendall(socket.gethostname().encode() + b":" + data)
+c.close()
+"""
+
+CLIENT = """
+import socket, sys, time
+deadline = time.monotonic() + 10
+while True:
+    try:
+        c = socket.create_connection((sys.argv[1], 7441), timeout=2)
+        break
+    except ConnectionRefusedError:  # the server unit may not listen yet
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+c.sendall(sys.argv[2].encode())
+print(c.recv(100).decode())
+"""
+
+
+def test_two_nodes_on_a_bridge_talk_tcp(cluster):
+    c = cluster({"a": "192.168.241.11", "b": "192.168.241.12"})
+    a, b = c["a"], c["b"]
+    assert a.address != b.address and {a.address, b.address} <= \
+        {str(ip) for ip in c.bridge.network.hosts()}
+    a.run(["systemd-run", "--quiet", "--unit=dsv41-tcp-server", "python3", "-c", SERVER])
+    token = secrets.token_hex(8)
+    r = b.run_service(["python3", "-c", CLIENT, a.address, token], timeout=30)
+    assert r.stdout.strip() == f"a:{token}"
+
+
+def test_teardown_leaves_no_mounts_bridge_or_processes(rootfs):
+    c = Cluster(rootfs, ["t1", "t2"], memory_writable=True)
+    c.boot()
+    try:
+        nodes = list(c)
+        pids = [p for n in nodes for p in (n.nspawn_pid, n.leader)]
+        tmpdirs = [str(n.tmpdir) for n in nodes]
+        cgroups = [d for n in nodes for d in n._cgroups.dirs]
+        veths = [n.host_veth for n in nodes]
+        machines = [n.machine for n in nodes]
+        # Something for teardown to clean: a service inside, and state in the memory cgroup.
+        nodes[0].run(["systemd-run", "--quiet", "--unit=dsv41-sleeper",
+                      "--property=MemoryMax=32M", "sleep", "600"])
+        assert all(_alive(p) for p in pids)
+        assert all(Path(f"/sys/class/net/{v}").exists() for v in veths)
+        assert all(d.is_dir() for d in cgroups)
+        assert all(_host_pids_in_cgroups_named(m) for m in machines)
+    finally:
+        c.stop()
+    c.stop()  # idempotent
+
+    mounts = Path("/proc/mounts").read_text()
+    assert not [t for t in tmpdirs if t in mounts]
+    assert not [t for t in tmpdirs if os.path.exists(t)]
+    assert not Path(f"/sys/class/net/{c.bridge.name}").exists()
+    assert not [v for v in veths if Path(f"/sys/class/net/{v}").exists()]
+    assert not [p for p in pids if _alive(p)]
+    assert not [d for d in cgroups if d.exists()]
+    assert not [m for m in machines if _host_pids_in_cgroups_named(m)]
+    assert not subprocess.run(["pgrep", "-f", "|".join(machines)]).returncode == 0
+
+
+def test_boot_failure_says_why_and_cleans_up(rootfs):
+    n = Node("broken", rootfs, binds=["/nonexistent/dsv41-harness-test"], boot_timeout=20)
+    with pytest.raises(BootError, match="nspawn exited") as e:
+        n.boot()
+    assert "dsv41-harness-test" in str(e.value)  # nspawn's own complaint is in the message
+    assert n.tmpdir is not None and not n.tmpdir.exists()
+    assert str(n.tmpdir) not in Path("/proc/mounts").read_text()
+    assert not _host_pids_in_cgroups_named(n.machine)
