@@ -1,0 +1,5 @@
+"""Packed Engram shards: the format codec (format), the rank's row reader (store) and dequantisation.
+
+Imported by the agent too (``from adapter.engram import format``), so nothing here may import agent/
+or coordinator/, and nothing outside the standard library is needed at import time.
+"""

@@ -1,0 +1,169 @@
+"""The row reader an SGLang rank uses: its own packed shard on local disk, one positioned read a row.
+
+Rows are addressed by global id. Ids outside the rank's range come back as zeros: every rank looks
+up every id and the partial embeddings are summed by the TP all-reduce, so exactly one rank
+contributes each row. Misses are read through a pool of threads (the drive only reaches its IOPS
+at a deep queue); an optional set-associative cache sits in front. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from adapter.engram import format as fmt
+from adapter.engram.cache import RowCache
+from adapter.engram.settings import StoreSettings
+from adapter.engram.stats import RowStats
+
+_ZERO_ROW = bytes(fmt.ROW_BYTES)
+_log = logging.getLogger("dsv41.engram")
+
+
+class StoreError(RuntimeError):
+    """A packed shard that cannot serve this rank (the message names the fix)."""
+
+
+def validate_file(fd: int, path: str | Path, *, layer: int, rank: int, tp: int,
+                  total_rows: int | None = None) -> fmt.Header:
+    """Check header and size of an open shard against the range this rank needs.
+
+    Without ``total_rows`` the header's own row count is trusted, and the range is still checked.
+    """
+    try:
+        found = fmt.decode_header(os.pread(fd, fmt.HEADER_BYTES, 0))
+    except fmt.HeaderError as e:
+        raise StoreError(f"{path}: not a complete packed Engram shard ({e}); "
+                         f"{fmt.REPACK_HINT}") from None
+    expected = fmt.expected_header(layer, found.total_rows if total_rows is None else total_rows,
+                                   rank, tp)
+    why = fmt.mismatch(found, expected)
+    if why:
+        raise StoreError(f"{path}: {why}; {fmt.REPACK_HINT}")
+    size = os.fstat(fd).st_size
+    if size != found.file_bytes:
+        raise StoreError(f"{path}: size is {size} bytes, {found.describe()} needs "
+                         f"{found.file_bytes}; {fmt.REPACK_HINT}")
+    return found
+
+
+class RowStore:
+    def __init__(self, path: str | Path, *, layer: int, rank: int, tp: int,
+                 total_rows: int | None = None, settings: StoreSettings = StoreSettings(),
+                 clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] = _log.info) -> None:
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.header = validate_file(self._fd, self.path, layer=layer, rank=rank, tp=tp,
+                                        total_rows=total_rows)
+            # Misses are random: readahead would only drag in neighbours nobody asked for.
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._cache = RowCache(settings.cache_bytes, settings.cache_ways) \
+                if settings.cache_bytes > 0 else None
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.settings = settings
+        self._pool = ThreadPoolExecutor(settings.io_threads,
+                                        thread_name_prefix=f"engram-l{layer}-io") \
+            if settings.io_threads > 1 else None
+        self.stats = RowStats(f"engram layer {layer} rank {rank}/{tp}", settings.stats_seconds,
+                              clock, log, cache_enabled=self._cache is not None)
+
+    @classmethod
+    def open_rank(cls, packed_dir: str | Path, *, layer: int, rank: int, tp: int,
+                  total_rows: int | None = None, settings: StoreSettings | None = None,
+                  **kwargs: object) -> RowStore:
+        """Open ``engram-l{layer}-r{rank}of{tp}.bin`` in ``packed_dir`` (DSV41_PACKED_DIR)."""
+        path = Path(packed_dir) / fmt.file_name(layer, rank, tp)
+        if not path.exists():
+            raise StoreError(f"{path}: no packed Engram shard for layer {layer}, rank {rank} of "
+                             f"tp {tp}; {fmt.REPACK_HINT}")
+        return cls(path, layer=layer, rank=rank, tp=tp, total_rows=total_rows,
+                   settings=settings or StoreSettings.from_env(), **kwargs)
+
+    def read_rows(self, ids: Sequence[int]) -> bytearray:
+        """``len(ids)`` packed rows of 264 bytes, zeros for ids this rank does not own."""
+        out = bytearray(len(ids) * fmt.ROW_BYTES)
+        self.read_rows_into(ids, memoryview(out), zeroed=True)
+        return out
+
+    def read_rows_into(self, ids: Sequence[int], out: memoryview, zeroed: bool = False) -> None:
+        """Fill a writable buffer of ``len(ids) * 264`` bytes (e.g. a pinned host tensor)."""
+        if out.nbytes != len(ids) * fmt.ROW_BYTES:
+            raise ValueError(f"buffer is {out.nbytes} bytes, {len(ids)} rows need "
+                             f"{len(ids) * fmt.ROW_BYTES}")
+        out = out.cast("B") if out.format != "B" else out
+        started = time.perf_counter_ns()
+        lo, hi = self.header.row_lo, self.header.row_hi
+        wanted: dict[int, list[int]] = {}  # row -> positions; a repeated id is read once
+        for pos, row in enumerate(ids):
+            if lo <= row < hi:
+                wanted.setdefault(row, []).append(pos)
+            elif not zeroed:
+                out[pos * fmt.ROW_BYTES:(pos + 1) * fmt.ROW_BYTES] = _ZERO_ROW
+        rows = list(wanted)
+        first = [wanted[r][0] for r in rows]
+        hits = 0
+        if self._cache is not None and rows:
+            missed = self._cache.get_into(rows, out, first)
+            hits = len(rows) - len(missed)
+            rows = [rows[k] for k in missed]
+            first = [first[k] for k in missed]
+        latencies = self._read(rows, first, out)
+        if self._cache is not None and rows:
+            self._cache.put_from(rows, out, first)
+        for positions in wanted.values():
+            if len(positions) > 1:
+                src = positions[0] * fmt.ROW_BYTES
+                for pos in positions[1:]:
+                    out[pos * fmt.ROW_BYTES:(pos + 1) * fmt.ROW_BYTES] = \
+                        out[src:src + fmt.ROW_BYTES]
+        self.stats.record(len(ids), hits, len(rows), latencies,
+                          time.perf_counter_ns() - started)
+
+    def _read(self, rows: list[int], positions: list[int], out: memoryview) -> list[int]:
+        if not rows:
+            return []
+        if self._pool is None or len(rows) == 1:
+            return self._read_some(rows, positions, out)
+        k = min(self.settings.io_threads, len(rows))
+        futures = [self._pool.submit(self._read_some, rows[i::k], positions[i::k], out)
+                   for i in range(k)]
+        latencies: list[int] = []
+        for f in futures:
+            latencies.extend(f.result())
+        return latencies
+
+    def _read_some(self, rows: list[int], positions: list[int], out: memoryview) -> list[int]:
+        fd, lo, size = self._fd, self.header.row_lo, fmt.ROW_BYTES
+        base = fmt.HEADER_BYTES - lo * size
+        latencies = []
+        clock = time.perf_counter_ns
+        for row, pos in zip(rows, positions):
+            t0 = clock()
+            n = os.preadv(fd, [out[pos * size:(pos + 1) * size]], base + row * size)
+            latencies.append(clock() - t0)
+            if n != size:
+                raise StoreError(f"{self.path}: short read of row {row} ({n} of {size} bytes): "
+                                 f"the file changed under the rank; {fmt.REPACK_HINT}")
+        return latencies
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._cache is not None:
+            self._cache.close()
+        os.close(self._fd)
+
+    def __enter__(self) -> RowStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
