@@ -24,7 +24,7 @@ from tests.harness.nspawn import Bridge, Cluster, HarnessError, Node, build_root
 @pytest.fixture(scope="session")
 def rootfs() -> Path:
     if os.geteuid() != 0:
-        pytest.skip("booting systemd-nspawn nodes needs root: " + "; ".join(host_problems()))
+        pytest.skip("cannot boot systemd-nspawn nodes: " + "; ".join(host_problems()))
     try:
         root = build_rootfs()  # also installs mmdebstrap and systemd-container when missing
     except HarnessError as e:

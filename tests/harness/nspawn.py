@@ -2,16 +2,18 @@
 
 Needs root on a Linux host with systemd-nspawn, nsenter, ip and overlayfs (PID 1 of the host
 need not be systemd). Every node boots the shared base tree from ``tools/rootfs.sh`` through
-its own overlayfs, so the base stays pristine and a node costs a few MB.
+its own overlayfs, so the base stays pristine; a node boots in ~0.3 s and costs a few MB.
 
-In tests use the fixtures (``from tests.harness.fixtures import rootfs, node, bridge, cluster``
-in a conftest.py, run pytest as ``/usr/bin/python3 -m pytest`` from the repository root)::
+In tests use the fixtures: put ``from tests.harness.fixtures import bridge, cluster, node,
+rootfs  # noqa: F401`` in a conftest.py and run ``/usr/bin/python3 -m pytest`` from the
+repository root (so that ``tests`` is importable)::
 
     def test_x(node):
         n = node("spark1")                                   # booted; stopped after the test
-        n.run(["systemctl", "is-active", "dbus.service"])    # root shell command (nsenter)
+        n.run(["systemctl", "is-active", "dbus.service"])    # as root via nsenter, returns
+                                                             # CompletedProcess (text), check=True
         r = n.run_service(["python3", "-c", "print(42)"],    # as a transient service
-                          properties={"MemoryMax": "64M"})
+                          properties={"LimitNOFILE": 1024}, env={"X": "1"})
         assert r.stdout == "42\\n"
         n.copy_in("build/dsv41-agent.deb", "/var/tmp/a.deb")  # not /tmp: a tmpfs in the node
         n.write_file("/etc/dsv41/agent.env", "NODE=spark1\\n")
@@ -20,27 +22,37 @@ in a conftest.py, run pytest as ``/usr/bin/python3 -m pytest`` from the reposito
 
     def test_y(cluster):
         c = cluster({"spark1": "192.168.241.11", "spark2": "192.168.241.12"})
-        c["spark2"].run(["python3", "-c", "..."])            # nodes reach each other by address
+        c["spark2"].run(["python3", "-c", "..."])
+        c["spark1"].address                                  # use this, not the literal:
 
+A Cluster that makes its own bridge takes the first free of 192.168.241-254.0/24 (another test
+run may hold 241) and keeps the host part of each address, so always read ``node.address``.
 Without fixtures::
 
     root = build_rootfs()
     with Bridge() as br, Node("a", root, bridge=br, address=br.address(11)) as a: ...
-    with Cluster(root, {"a": "192.168.241.11", "b": "192.168.241.12"}) as c: ...
+    with Cluster(root, ["a", "b"], memory_writable=True) as c: ...   # .11 and .12
 
-``Node`` options: ``bridge`` + ``address`` (static IPv4 via systemd-networkd on ``host0``),
-``binds`` / ``binds_ro`` (nspawn ``SRC[:DST[:OPTS]]``, e.g. ``/dev/fuse``), ``syscalls``
-(added to the seccomp allow list, e.g. ``open_by_handle_at`` for nfs-ganesha), and
-``memory_writable=True`` (MemoryMax= and friends are enforced inside the node; without it
-systemd accepts them but nothing limits memory). ``boot()`` returns a ``BootResult``; a node
-that boots "degraded" is accepted and its failed units are listed there.
+``Node(name, rootfs, ...)`` options: ``bridge`` + ``address`` (static IPv4 on the node's
+``host0`` through systemd-networkd; the host is ``bridge.host_address``), ``binds`` /
+``binds_ro`` (nspawn ``SRC[:DST[:OPTS]]``; ``"/dev/fuse"`` for FUSE, whose Python module in the
+base is ``fusepy``), ``syscalls`` (added to the seccomp allow list, e.g.
+``["open_by_handle_at"]`` for nfs-ganesha), ``memory_writable=True`` (MemoryMax= and friends
+are enforced inside the node, an OOM kill shows as Result=signal; without it systemd accepts
+the limits and enforces nothing), ``extra_args`` (more nspawn arguments), ``boot_timeout``.
+``boot()`` returns a ``BootResult`` (also ``node.boot_result``): "degraded" is accepted and
+lists the failed units. Useful attributes: ``name``, ``address``, ``root`` (the node's / on the
+host), ``leader`` (its PID 1 on the host), ``console()`` (boot output).
 
 Pitfalls handled here: each node is launched from its own cgroup (nspawn creates ``payload/``
 and ``supervisor/`` beside itself, so nodes started from one cgroup collide); commands enter
 through ``nsenter -t <leader> -a`` (no host systemd, so no ``machinectl``/``systemd-run -M``);
-``run()`` bypasses the node's seccomp filter and capability limits, ``run_service()`` does not,
-so run code under test with ``run_service()``. ``stop()`` always unmounts the overlay, removes
-the node's cgroups, kills leftovers and removes its veth, and may be called more than once.
+``run()`` bypasses the node's seccomp filter and capability limits and is in no unit, while
+``run_service()`` is a real service, so run code under test with ``run_service()`` (or start
+a long-running one with ``run(["systemd-run", "--unit=NAME", ...])``). journald writes
+asynchronously: poll ``journal()`` when waiting for a message. ``stop()`` powers off, then
+always unmounts the overlay, removes the node's cgroups, kills leftovers and removes its veth;
+it may be called more than once and raises HarnessError when something is left behind.
 """
 from __future__ import annotations
 
@@ -606,6 +618,11 @@ class Node:
                 return True
             time.sleep(0.05)
         return subprocess.run(["umount", "--lazy", str(path)], capture_output=True).returncode == 0
+
+    @property
+    def cgroup_dirs(self) -> list[Path]:
+        """The node's own cgroups on the host (one per hierarchy); removed by stop()."""
+        return list(self._cgroups.dirs) if self._cgroups else []
 
     def __enter__(self) -> Node:
         self.boot()
