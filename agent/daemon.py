@@ -1,0 +1,120 @@
+"""dsv41-agent: the node agent daemon (Type=notify).
+
+It re-adopts an existing rank unit, serves the agent gRPC service, reports READY=1 once serving,
+keeps STATUS= current and pets the watchdog. SIGTERM stops serving and never touches the rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from dsv41.journal import EventLog
+from dsv41.v1 import agent_pb2_grpc
+from dsv41.version import VERSION
+
+from . import settings as settings_mod
+from .events import EventHub
+from .memory import MemorySampler, PsiTrigger, TriggerWatcher
+from .rank import RankManager
+from .sdnotify import SdNotify
+from .service import AgentService, ensure_dirs, rank_memory_reader
+from .systemd import Systemd, SystemdError
+
+
+def _credentials(s: settings_mod.AgentSettings) -> grpc.ServerCredentials | None:
+    if not s.tls:
+        return None
+    with open(s.tls_key, "rb") as key, open(s.tls_cert, "rb") as cert, open(s.tls_ca, "rb") as ca:
+        return grpc.ssl_server_credentials([(key.read(), cert.read())], root_certificates=ca.read(),
+                                           require_client_auth=True)
+
+
+def _status_line(s: settings_mod.AgentSettings, rank: RankManager) -> str:
+    state = rank.status()
+    rank_text = f"rank {state.active_state}" + (f" pid {state.main_pid}" if state.main_pid else "")
+    return f"serving on {s.listen}; {rank_text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv41-agent", description="dsv41 node agent")
+    parser.add_argument("--config", default=settings_mod.DEFAULT_PATH, help="agent.env (default %(default)s)")
+    parser.add_argument("--version", action="version", version=VERSION)
+    args = parser.parse_args(argv)
+    try:
+        s = settings_mod.load(args.config)
+    except settings_mod.SettingsError as exc:
+        print(f"<3>dsv41-agent: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+
+    started = time.monotonic()
+    log = EventLog("dsv41-agent", {"DSV41_NODE": s.node})
+    events = EventHub(log)
+    notify = SdNotify.from_env()
+    ensure_dirs(s)
+    try:
+        systemd = Systemd()
+        rank = RankManager(systemd, s.node, events, working_directory=s.state_dir)
+        rank.adopt()
+    except SystemdError as exc:
+        log.error("agent_failed", f"cannot reach systemd over D-Bus: {exc}")
+        return 1
+    sampler = MemorySampler(rank_memory=rank_memory_reader(rank))
+    trigger = PsiTrigger()
+    if not trigger.armed:
+        log.warning("psi_trigger_unavailable", f"PSI trigger not armed ({trigger.error}); sampling only")
+    triggers = TriggerWatcher(trigger)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="rpc"),
+                         options=[("grpc.max_receive_message_length", 8 << 20)])
+    agent_pb2_grpc.add_AgentServicer_to_server(
+        AgentService(s, rank, sampler, triggers, events, started), server)
+    creds = _credentials(s)
+    try:
+        bound = server.add_secure_port(s.listen, creds) if creds else server.add_insecure_port(s.listen)
+    except RuntimeError as exc:
+        bound, error = 0, exc
+    else:
+        error = None
+    if not bound:
+        log.error("agent_failed", f"cannot listen on {s.listen}: {error or 'address in use or not local'}")
+        return 1
+    if creds is None:
+        log.warning("agent_insecure", f"serving on {s.listen} WITHOUT TLS (INSECURE_NO_TLS=1): anyone who can "
+                    "reach this port can start processes as root")
+    server.start()
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    log.info("agent_started", f"dsv41-agent {VERSION} serving on {s.listen}", version=VERSION, listen=s.listen)
+    notify.ready(_status_line(s, rank))
+
+    watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+    period = watchdog_usec / 2e6 if watchdog_usec else 10.0
+    last_status = ""
+    while not stop.wait(min(period, 10.0)):
+        if watchdog_usec:
+            notify.watchdog()
+        line = _status_line(s, rank)
+        if line != last_status:
+            notify.status(line)
+            last_status = line
+
+    notify.stopping()
+    log.info("agent_stopping", "dsv41-agent stopping; the rank unit is left as it is")
+    server.stop(grace=2.0).wait(5.0)
+    triggers.stop()
+    systemd.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""The rank unit's lifecycle: start from a validated launch, stop with a deadline, watch, re-adopt.
+
+The unit belongs to systemd (PID 1), not to the agent: an agent restart re-adopts it by name and
+never restarts it. Its state comes from D-Bus, pushed by PropertiesChanged so an exit is seen
+within a second, and the last exit is recorded before a failed unit is reset.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from dsv41.journal import EventLog
+
+from .rankspec import RANK_UNIT, RankLaunch, fill_env, fingerprint_from_fields, unit_properties
+from .systemd import UNIT_IFACE, Systemd, SystemdError, unit_path
+
+SERVICE_IFACE = "org.freedesktop.systemd1.Service"
+_UNKNOWN = 2**64 - 1
+
+
+class RankError(Exception):
+    """The start or stop could not be done; `code` is the gRPC status name to answer with."""
+
+    def __init__(self, message: str, code: str = "FAILED_PRECONDITION"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    result: str
+    code: str  # exited, killed, dumped
+    status: int
+    at_unix_s: float
+    invocation_id: str
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    active_state: str  # active, activating, deactivating, inactive, failed, or absent
+    sub_state: str
+    main_pid: int
+    active_since_unix_s: float
+    memory_current: int
+    fingerprint: str
+    invocation_id: str
+    status_text: str
+    n_restarts: int
+    last_exit: ExitRecord | None
+    control_group: str
+
+    @property
+    def running(self) -> bool:
+        return self.active_state in ("active", "activating", "reloading")
+
+
+ABSENT = RankStatus("absent", "", 0, 0.0, 0, "", "", "", 0, None, "")
+_CODES = {1: "exited", 2: "killed", 3: "dumped"}
+
+
+def _status_from(props: dict, last_exit: ExitRecord | None) -> RankStatus:
+    memory = int(props.get("MemoryCurrent", 0))
+    since = int(props.get("ActiveEnterTimestamp", 0)) / 1e6
+    invocation = bytes(props.get("InvocationID", b"")).hex()
+    return RankStatus(
+        active_state=str(props.get("ActiveState", "")), sub_state=str(props.get("SubState", "")),
+        main_pid=int(props.get("MainPID", 0)), active_since_unix_s=since,
+        memory_current=0 if memory == _UNKNOWN else memory,
+        fingerprint=fingerprint_from_fields(props.get("LogExtraFields", [])),
+        invocation_id=invocation, status_text=str(props.get("StatusText", "")),
+        n_restarts=int(props.get("NRestarts", 0)), last_exit=last_exit,
+        control_group=str(props.get("ControlGroup", "")))
+
+
+def _exit_from(props: dict, clock: Callable[[], float]) -> ExitRecord:
+    return ExitRecord(result=str(props.get("Result", "")), code=_CODES.get(int(props.get("ExecMainCode", 0)), ""),
+                      status=int(props.get("ExecMainStatus", 0)), at_unix_s=clock(),
+                      invocation_id=bytes(props.get("InvocationID", b"")).hex())
+
+
+class RankManager:
+    def __init__(self, systemd: Systemd, node: str, log: EventLog, working_directory: str,
+                 cgroup_roots: tuple[str, ...] = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd", "/sys/fs/cgroup"),
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic):
+        self._systemd = systemd
+        self._node = node
+        self._log = log
+        self._workdir = working_directory
+        self._cgroup_roots = cgroup_roots
+        self._clock = clock
+        self._monotonic = monotonic
+        self._path = unit_path(RANK_UNIT)
+        self._lifecycle = threading.Lock()  # one start or stop at a time
+        self._state_lock = threading.Condition()
+        self._props: dict = {}  # last known Unit+Service properties, merged from GetAll and signals
+        self._last_exit: ExitRecord | None = None
+        self._watchers: list[Callable[[RankStatus], None]] = []
+        self._expected_stop = False
+        systemd.on_properties_changed(self._on_properties)
+        systemd.on_reconnect(self.refresh)
+
+    # -- observation
+
+    def watch(self, callback: Callable[[RankStatus], None]) -> Callable[[], None]:
+        with self._state_lock:
+            self._watchers.append(callback)
+        return lambda: self._unwatch(callback)
+
+    def _unwatch(self, callback) -> None:
+        with self._state_lock:
+            if callback in self._watchers:
+                self._watchers.remove(callback)
+
+    def status(self) -> RankStatus:
+        with self._state_lock:
+            if not self._props or self._props.get("LoadState") == "not-found":
+                return replace(ABSENT, last_exit=self._last_exit)
+            return _status_from(self._props, self._last_exit)
+
+    def refresh(self) -> RankStatus:
+        """Reads the unit's properties from systemd (start-up, reconnect, or before answering)."""
+        props = self._systemd.properties(RANK_UNIT, (UNIT_IFACE, SERVICE_IFACE))
+        self._apply(props or {}, replace_all=True)
+        return self.status()
+
+    def adopt(self) -> RankStatus:
+        """On agent start: take over an existing rank unit without touching it."""
+        state = self.refresh()
+        if state.active_state == "failed":
+            self._record_exit_and_reset()
+            state = self.status()
+        if state.running:
+            self._log.info("rank_adopted", f"re-adopted running {RANK_UNIT} (pid {state.main_pid}, plan "
+                           f"{state.fingerprint})", unit=RANK_UNIT, pid=state.main_pid, fingerprint=state.fingerprint)
+        return state
+
+    def _on_properties(self, path: str, interface: str, changed: dict) -> None:
+        if path != self._path or interface not in (UNIT_IFACE, SERVICE_IFACE):
+            return
+        self._apply(dict(changed), replace_all=False)
+
+    def _apply(self, props: dict, replace_all: bool) -> None:
+        with self._state_lock:
+            before = self._props.get("ActiveState", "inactive") if self._props else "inactive"
+            self._props = props if replace_all else {**self._props, **props}
+            after = self._props.get("ActiveState", "inactive")
+            exited = before in ("active", "activating", "deactivating", "reloading") and after in ("inactive", "failed")
+            if exited:
+                self._last_exit = _exit_from(self._props, self._clock)
+            status = self.status()
+            watchers = list(self._watchers)
+            self._state_lock.notify_all()
+        if exited:
+            record = self._last_exit
+            expected = self._expected_stop
+            priority = "notice" if expected else "err"
+            self._log.event("rank_exit", f"{RANK_UNIT} exited: result {record.result}, {record.code} status "
+                            f"{record.status}{' (requested stop)' if expected else ''}", priority,
+                            unit=RANK_UNIT, result=record.result, exit_code=record.code, exit_status=record.status,
+                            requested=int(expected))
+            if after == "failed" and not expected:
+                threading.Thread(target=self._reset_quietly, name="reset-failed", daemon=True).start()
+        for callback in watchers:
+            callback(status)
+
+    def _reset_quietly(self) -> None:
+        try:
+            self._systemd.reset_failed(RANK_UNIT)
+        except SystemdError as exc:
+            self._log.warning("rank_reset_failed", f"ResetFailedUnit {RANK_UNIT}: {exc}", unit=RANK_UNIT)
+
+    def _record_exit_and_reset(self) -> None:
+        with self._state_lock:
+            self._last_exit = _exit_from(self._props, self._clock)
+        self._systemd.reset_failed(RANK_UNIT)
+        self.refresh()
+
+    def wait_for(self, predicate: Callable[[RankStatus], bool], timeout_s: float) -> RankStatus:
+        deadline = self._monotonic() + timeout_s
+        with self._state_lock:
+            while not predicate(self.status()):
+                left = deadline - self._monotonic()
+                if left <= 0:
+                    break
+                self._state_lock.wait(min(left, 0.5))
+            return self.status()
+
+    # -- lifecycle
+
+    def start(self, launch: RankLaunch, facts: dict[str, str], replace_running: bool,
+              timeout_s: float) -> tuple[str, RankStatus]:
+        """Returns (outcome, status): outcome is STARTED, ALREADY_RUNNING or REPLACED."""
+        with self._lifecycle:
+            current = self.refresh()
+            outcome = "STARTED"
+            if current.running:
+                if current.fingerprint == launch.fingerprint:
+                    return "ALREADY_RUNNING", current
+                if not replace_running:
+                    raise RankError(f"{RANK_UNIT} is running plan {current.fingerprint}; the request is plan "
+                                    f"{launch.fingerprint}: stop it first or ask to replace it")
+                self._stop_locked(launch.stop_timeout_s)
+                outcome = "REPLACED"
+            elif current.active_state == "failed":
+                self._record_exit_and_reset()
+            elif current.active_state == "deactivating":
+                self._stop_locked(launch.stop_timeout_s)
+            env = fill_env(launch, facts)
+            props = unit_properties(launch, env, self._node, self._workdir)
+            self._expected_stop = False
+            try:
+                job = self._systemd.start_transient(RANK_UNIT, props, timeout_s)
+            except SystemdError as exc:
+                if exc.name == "org.freedesktop.systemd1.UnitExists":
+                    raise RankError(f"{RANK_UNIT} already exists (another start raced this one)") from None
+                raise RankError(f"StartTransientUnit {RANK_UNIT}: {exc}", "INTERNAL") from None
+            state = self.refresh()
+            if job.result != "done":
+                props_now = self._props
+                detail = _start_failure(job.result, props_now, launch.argv[0])
+                if state.active_state == "failed":
+                    self._record_exit_and_reset()
+                self._log.error("rank_start_failed", f"{RANK_UNIT} did not start: {detail}", unit=RANK_UNIT,
+                                job_result=job.result, fingerprint=launch.fingerprint)
+                raise RankError(detail)
+            self._log.info("rank_started", f"started {RANK_UNIT} rank {launch.rank} (pid {state.main_pid}, plan "
+                           f"{launch.fingerprint})", unit=RANK_UNIT, pid=state.main_pid,
+                           fingerprint=launch.fingerprint, rank=launch.rank)
+            return outcome, state
+
+    def stop(self, deadline_s: float) -> tuple[str, ExitRecord | None, int]:
+        """Returns (outcome, exit, leftover processes); outcome CLEAN, KILLED_AFTER_DEADLINE or WAS_NOT_RUNNING."""
+        with self._lifecycle:
+            return self._stop_locked(deadline_s)
+
+    def _stop_locked(self, deadline_s: float) -> tuple[str, ExitRecord | None, int]:
+        current = self.refresh()
+        if current.active_state in ("absent", "inactive", "failed"):
+            if current.active_state == "failed":
+                self._record_exit_and_reset()
+            return "WAS_NOT_RUNNING", self._last_exit, 0
+        group = current.control_group
+        self._expected_stop = True
+        try:
+            job = self._systemd.stop(RANK_UNIT, deadline_s)
+            outcome = "CLEAN"
+            if job.result == "pending":
+                self._log.warning("rank_stop_deadline", f"{RANK_UNIT} still stopping after {deadline_s:g} s: "
+                                  "sending SIGKILL to every process", unit=RANK_UNIT, deadline_s=deadline_s)
+                self._systemd.kill(RANK_UNIT, signal.SIGKILL)
+                job = self._systemd.wait_job(job.job, 30.0)
+                outcome = "KILLED_AFTER_DEADLINE"
+            state = self.wait_for(lambda s: s.active_state in ("absent", "inactive", "failed"), 10.0)
+            if state.active_state == "failed":
+                self._record_exit_and_reset()
+            leftover = self._leftover_processes(group)
+            if leftover:
+                self._systemd.kill(RANK_UNIT, signal.SIGKILL)
+            self._log.info("rank_stopped", f"stopped {RANK_UNIT}: {outcome.lower().replace('_', ' ')}, "
+                           f"{leftover} process(es) left", unit=RANK_UNIT, outcome=outcome, leftover=leftover)
+            return outcome, self._last_exit, leftover
+        finally:
+            self._expected_stop = False
+
+    def _leftover_processes(self, control_group: str) -> int:
+        if not control_group:
+            return 0
+        for root in self._cgroup_roots:
+            procs = Path(root + control_group) / "cgroup.procs"
+            try:
+                return len([line for line in procs.read_text().split() if line])
+            except OSError:
+                continue
+        return 0
+
+
+def _start_failure(job_result: str, props: dict, executable: str) -> str:
+    status = int(props.get("ExecMainStatus", 0)) if props else 0
+    if status == 203:
+        return f"the executable {executable} could not be run (status 203/EXEC: missing or not executable)"
+    if status == 200:
+        return "systemd could not set up the rank's execution environment (status 200/CHDIR or a bind path missing)"
+    result = props.get("Result", "") if props else ""
+    return f"start job {job_result}" + (f", unit result {result}, exit status {status}" if result else "")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,216 @@
+"""The agent's gRPC service: validates every request, then asks the component that owns it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from dsv41.v1 import agent_pb2 as pb
+from dsv41.v1 import agent_pb2_grpc
+from dsv41.version import VERSION
+
+from .events import EventHub
+from .memory import MemorySampler, Sample, TriggerWatcher
+from .rank import ExitRecord, RankError, RankManager, RankStatus
+from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
+from .roce import find_roce_v2_gid
+from .settings import AgentSettings
+
+MIN_INTERVAL_MS, MAX_INTERVAL_MS = 20, 10_000
+
+
+def adapter_digest(directory: str) -> str:
+    """sha256 over the adapter files (relative path and content), so nodes can be compared."""
+    digest = hashlib.sha256()
+    root = Path(directory)
+    if not root.is_dir():
+        return ""
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def exit_pb(record: ExitRecord | None) -> pb.ExitInfo | None:
+    if record is None:
+        return None
+    return pb.ExitInfo(result=record.result, code=record.code, status=record.status, at_unix_s=record.at_unix_s,
+                       invocation_id=record.invocation_id)
+
+
+def rank_pb(state: RankStatus) -> pb.RankState:
+    return pb.RankState(unit=RANK_UNIT, active_state=state.active_state, sub_state=state.sub_state,
+                        main_pid=state.main_pid, active_since_unix_s=state.active_since_unix_s,
+                        memory_current_bytes=state.memory_current, fingerprint=state.fingerprint,
+                        invocation_id=state.invocation_id, status_text=state.status_text,
+                        last_exit=exit_pb(state.last_exit), n_restarts=state.n_restarts)
+
+
+def sample_pb(s: Sample) -> pb.MemorySample:
+    return pb.MemorySample(
+        at_monotonic_s=s.at_monotonic_s, mem_total_bytes=s.mem_total, mem_available_bytes=s.mem_available,
+        cgroup_limit_bytes=s.cgroup_limit, cgroup_usage_bytes=s.cgroup_usage, available_bytes=s.available,
+        some=pb.Pressure(avg10=s.some.avg10, avg60=s.some.avg60, avg300=s.some.avg300, total_us=s.some.total_us),
+        full=pb.Pressure(avg10=s.full.avg10, avg60=s.full.avg60, avg300=s.full.avg300, total_us=s.full.total_us),
+        rank_memory_bytes=s.rank_memory, psi_triggered=s.psi_triggered)
+
+
+class AgentService(agent_pb2_grpc.AgentServicer):
+    def __init__(self, settings: AgentSettings, rank: RankManager, sampler: MemorySampler,
+                 triggers: TriggerWatcher, events: EventHub, started_monotonic: float,
+                 monotonic: Callable[[], float] = time.monotonic):
+        self._settings = settings
+        self._rank = rank
+        self._sampler = sampler
+        self._triggers = triggers
+        self._events = events
+        self._started = started_monotonic
+        self._monotonic = monotonic
+        self._digest_lock = threading.Lock()
+        self._digest: tuple[float, str] = (0.0, "")
+
+    def _adapter_digest(self) -> str:
+        with self._digest_lock:
+            at, value = self._digest
+            if self._monotonic() - at > 10.0:
+                value = adapter_digest(self._settings.adapter_dir)
+                self._digest = (self._monotonic(), value)
+            return value
+
+    # -- status
+
+    def GetStatus(self, request, context):
+        return pb.NodeStatus(
+            node=self._settings.node, agent_version=VERSION, adapter_digest=self._adapter_digest(),
+            agent_up_s=self._monotonic() - self._started, rank=rank_pb(self._rank.refresh()),
+            memory=sample_pb(self._sampler.sample()), allowed_runtimes=list(self._settings.allowed_runtimes))
+
+    # -- rank
+
+    def StartRank(self, request, context):
+        spec = request.spec
+        try:
+            launch = check_launch(
+                runtime=spec.runtime, argv=list(spec.argv), env=dict(spec.env), fills=dict(spec.agent_fills),
+                binds=[(b.source, b.target, b.read_only) for b in spec.binds],
+                exec_start_pre=[list(c.argv) for c in spec.exec_start_pre],
+                exec_stop_post=[list(c.argv) for c in spec.exec_stop_post],
+                stop_timeout_s=spec.stop_timeout_s, memory_max=spec.memory_max_bytes,
+                memory_high=spec.memory_high_bytes, fingerprint=spec.fingerprint, rank=spec.rank,
+                generation=spec.cluster_generation, fabric_address=spec.fabric_address, hcas=list(spec.hcas),
+                settings=self._settings)
+        except SpecInvalid as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except SpecDenied as exc:
+            self._events.warning("rank_request_denied", f"refused a rank request: {exc}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        timeout = request.start_timeout_s or 60
+        if timeout > 600:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start_timeout_s: must be at most 600")
+        facts = {}
+        if "roce_gid_index" in launch.fills.values():
+            match = find_roce_v2_gid(self._settings.sysfs_root, launch.hcas, launch.fabric_address)
+            if match is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"no RoCE v2 GID for {launch.fabric_address} on {', '.join(launch.hcas) or 'any HCA'}")
+            facts["roce_gid_index"] = str(match.index)
+        try:
+            outcome, state = self._rank.start(launch, facts, request.replace, timeout)
+        except RankError as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        return pb.StartRankResponse(outcome=getattr(pb.StartRankResponse, outcome), rank=rank_pb(state))
+
+    def StopRank(self, request, context):
+        deadline = request.deadline_s or 120
+        if deadline > 3600:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "deadline_s: must be at most 3600")
+        try:
+            outcome, record, leftover = self._rank.stop(float(deadline))
+        except RankError as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        return pb.StopRankResponse(outcome=getattr(pb.StopRankResponse, outcome), exit=exit_pb(record),
+                                   leftover_processes=leftover)
+
+    def WatchRank(self, request, context):
+        changes: queue.Queue = queue.Queue()
+        unwatch = self._rank.watch(changes.put)
+        try:
+            yield pb.RankEvent(at_monotonic_s=self._monotonic(), at_unix_s=time.time(),
+                               rank=rank_pb(self._rank.status()))
+            while context.is_active():
+                try:
+                    state = changes.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                yield pb.RankEvent(at_monotonic_s=self._monotonic(), at_unix_s=time.time(), rank=rank_pb(state))
+        finally:
+            unwatch()
+
+    # -- memory
+
+    def WatchMemory(self, request, context):
+        interval_ms = request.interval_ms or 50
+        if not MIN_INTERVAL_MS <= interval_ms <= MAX_INTERVAL_MS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"interval_ms {interval_ms}: must be {MIN_INTERVAL_MS}..{MAX_INTERVAL_MS}")
+        fired = threading.Event()
+        remove = self._triggers.add(fired.set) if request.psi_trigger else (lambda: None)
+        interval = interval_ms / 1000.0
+        try:
+            next_at = self._monotonic()
+            while context.is_active():
+                triggered = fired.wait(max(0.0, next_at - self._monotonic()))
+                if triggered:
+                    fired.clear()
+                    yield sample_pb(self._sampler.sample(psi_triggered=True))
+                    continue
+                yield sample_pb(self._sampler.sample())
+                next_at += interval
+                if next_at < self._monotonic():  # a slow reader: skip ticks rather than burst
+                    next_at = self._monotonic() + interval
+        finally:
+            remove()
+
+    # -- events
+
+    def WatchEvents(self, request, context):
+        events, unsubscribe = self._events.subscribe(replay=64)
+        try:
+            while context.is_active():
+                try:
+                    event = events.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                yield pb.Event(at_unix_s=event.at_unix_s, node=self._settings.node, kind=event.kind,
+                               priority=event.priority, message=event.message, fields=event.fields)
+        finally:
+            unsubscribe()
+
+
+def rank_memory_reader(rank: RankManager, cgroup_root: str = "/sys/fs/cgroup") -> Callable[[], int]:
+    """Reads the rank unit's cgroup memory usage directly (cheaper than a D-Bus call per sample)."""
+    def read() -> int:
+        group = rank.status().control_group
+        if not group:
+            return 0
+        for path in (f"{cgroup_root}{group}/memory.current", f"{cgroup_root}/memory{group}/memory.usage_in_bytes"):
+            try:
+                with open(path, "rb") as f:
+                    return int(f.read().strip() or 0)
+            except (OSError, ValueError):
+                continue
+        return 0
+    return read
+
+
+def ensure_dirs(settings: AgentSettings) -> None:
+    for directory in (settings.state_dir, os.path.join(settings.state_dir, "state"), settings.cache_dir):
+        os.makedirs(directory, mode=0o755, exist_ok=True)
