@@ -71,9 +71,17 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 TMP="$ROOT.tmp.$$"
-rm -rf "$TMP"
-# A failed build leaves nothing behind that a later run could mistake for a tree.
-trap 'rm -rf "$TMP"' EXIT
+# A failed build leaves nothing behind that a later run could mistake for a tree. Never
+# delete through a mount mmdebstrap may have left inside (/dev, /proc, /sys of the host).
+cleanup() {
+    if grep -q " $TMP/" /proc/mounts; then
+        echo "tools/rootfs.sh: not removing $TMP: file systems are still mounted inside" >&2
+    else
+        rm -rf --one-file-system "$TMP"
+    fi
+}
+trap cleanup EXIT
+cleanup
 
 join() { local IFS="$1"; shift; echo "$*"; }
 start=$(date +%s)

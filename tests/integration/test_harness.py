@@ -199,16 +199,21 @@ def test_teardown_leaves_no_mounts_bridge_or_processes(rootfs):
         cgroups = [d for n in nodes for d in n.cgroup_dirs]
         veths = [n.host_veth for n in nodes]
         machines = [n.machine for n in nodes]
-        # Something for teardown to clean: a service inside, and state in the memory cgroup.
-        nodes[0].run(["systemd-run", "--quiet", "--unit=dsv41-sleeper",
-                      "--property=MemoryMax=32M", "sleep", "600"])
+        # Something for teardown to clean: a service with state in the memory cgroup, and on
+        # t1 one that ignores SIGTERM with a long stop timeout, so poweroff cannot finish.
+        for n in nodes:
+            n.run(["systemd-run", "--quiet", "--unit=dsv41-sleeper", "--property=MemoryMax=32M",
+                   "sleep", "600"])
+        nodes[0].run(["systemd-run", "--quiet", "--unit=dsv41-stubborn",
+                      "--property=TimeoutStopSec=300", "sh", "-c", "trap '' TERM; sleep 600"])
         assert all(_alive(p) for p in pids)
         assert all(Path(f"/sys/class/net/{v}").exists() for v in veths)
         assert all(d.is_dir() for d in cgroups)
         assert all(_host_pids_in_cgroups_named(m) for m in machines)
     finally:
-        c.stop()
+        c.stop(timeout=3)
     c.stop()  # idempotent
+    assert [n.stop_forced for n in nodes] == [True, False]
 
     mounts = Path("/proc/mounts").read_text()
     assert not [t for t in tmpdirs if t in mounts]
