@@ -28,11 +28,25 @@ def _host_pids_in_cgroups_named(fragment: str) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, started: str | None = None) -> bool:
+    """pid runs (not a zombie) and, if given, is the process that started at `started`
+    (so a pid reused by another process after teardown does not count)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return False
+    return stat[0] != "Z" and (started is None or stat[19] == started)
+
+
+def _started(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+
+
+def _ifindex(name: str) -> str | None:
+    try:
+        return Path(f"/sys/class/net/{name}/ifindex").read_text().strip()
+    except OSError:
+        return None
 
 
 def test_node_boots_and_runs_commands_and_services(node, record_property, capsys):
@@ -194,7 +208,8 @@ def test_teardown_leaves_no_mounts_bridge_or_processes(rootfs):
     c.boot()
     try:
         nodes = list(c)
-        pids = [p for n in nodes for p in (n.nspawn_pid, n.leader)]
+        pids = [(p, _started(p)) for n in nodes for p in (n.nspawn_pid, n.leader)]
+        bridge_ifindex = _ifindex(c.bridge.name)
         tmpdirs = [str(n.tmpdir) for n in nodes]
         cgroups = [d for n in nodes for d in n.cgroup_dirs]
         veths = [n.host_veth for n in nodes]
@@ -206,7 +221,7 @@ def test_teardown_leaves_no_mounts_bridge_or_processes(rootfs):
                    "sleep", "600"])
         nodes[0].run(["systemd-run", "--quiet", "--unit=dsv41-stubborn",
                       "--property=TimeoutStopSec=300", "sh", "-c", "trap '' TERM; sleep 600"])
-        assert all(_alive(p) for p in pids)
+        assert all(_alive(p, t) for p, t in pids)
         assert all(Path(f"/sys/class/net/{v}").exists() for v in veths)
         assert all(d.is_dir() for d in cgroups)
         assert all(_host_pids_in_cgroups_named(m) for m in machines)
@@ -218,9 +233,10 @@ def test_teardown_leaves_no_mounts_bridge_or_processes(rootfs):
     mounts = Path("/proc/mounts").read_text()
     assert not [t for t in tmpdirs if t in mounts]
     assert not [t for t in tmpdirs if os.path.exists(t)]
-    assert not Path(f"/sys/class/net/{c.bridge.name}").exists()
+    # Another test run may already have made a new bridge of the same name.
+    assert bridge_ifindex is not None and _ifindex(c.bridge.name) != bridge_ifindex
     assert not [v for v in veths if Path(f"/sys/class/net/{v}").exists()]
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p, t in pids if _alive(p, t)]
     assert not [d for d in cgroups if d.exists()]
     assert not [m for m in machines if _host_pids_in_cgroups_named(m)]
     assert subprocess.run(["pgrep", "-f", "|".join(machines)]).returncode == 1  # none matched
