@@ -102,6 +102,7 @@ class RankManager:
         self._last_exit: ExitRecord | None = None
         self._watchers: list[Callable[[RankStatus], None]] = []
         self._expected_stop = False
+        self._exits = 0  # exits recorded so far
         systemd.on_properties_changed(self._on_properties)
         systemd.on_reconnect(self.refresh)
 
@@ -151,29 +152,50 @@ class RankManager:
             self._props = props if replace_all else {**self._props, **props}
             after = self._props.get("ActiveState", "inactive")
             exited = before in ("active", "activating", "deactivating", "reloading") and after in ("inactive", "failed")
-            if exited:
-                self._last_exit = _exit_from(self._props, self._clock)
             status = self.status()
             watchers = list(self._watchers)
             self._state_lock.notify_all()
         if exited:
-            record = self._last_exit
-            expected = self._expected_stop
-            priority = "notice" if expected else "err"
-            self._log.event("rank_exit", f"{RANK_UNIT} exited: result {record.result}, {record.code} status "
-                            f"{record.status}{' (requested stop)' if expected else ''}", priority,
-                            unit=RANK_UNIT, result=record.result, exit_code=record.code, exit_status=record.status,
-                            requested=int(expected))
-            if after == "failed" and not expected:
-                threading.Thread(target=self._reset_quietly, name="reset-failed", daemon=True).start()
+            # Read the exit from systemd before anything resets the unit; off the signal thread.
+            threading.Thread(target=self._finalize_exit, args=(self._expected_stop,), name="rank-exit",
+                             daemon=True).start()
+            return
         for callback in watchers:
             callback(status)
 
-    def _reset_quietly(self) -> None:
+    def _finalize_exit(self, expected: bool) -> None:
         try:
-            self._systemd.reset_failed(RANK_UNIT)
-        except SystemdError as exc:
-            self._log.warning("rank_reset_failed", f"ResetFailedUnit {RANK_UNIT}: {exc}", unit=RANK_UNIT)
+            props = self._systemd.properties(RANK_UNIT, (UNIT_IFACE, SERVICE_IFACE))
+        except SystemdError:
+            props = None
+        with self._state_lock:
+            if props:
+                self._props = props
+            record = self._last_exit = _exit_from(self._props, self._clock)
+            self._exits += 1
+            status = self.status()
+            watchers = list(self._watchers)
+            self._state_lock.notify_all()
+        priority = "notice" if expected else "err"
+        self._log.event("rank_exit", f"{RANK_UNIT} exited: result {record.result}, {record.code} status "
+                        f"{record.status}{' (requested stop)' if expected else ''}", priority,
+                        unit=RANK_UNIT, result=record.result, exit_code=record.code, exit_status=record.status,
+                        requested=int(expected))
+        for callback in watchers:
+            callback(status)
+        if status.active_state == "failed" and not expected:
+            try:
+                self._systemd.reset_failed(RANK_UNIT)
+            except SystemdError as exc:
+                self._log.warning("rank_reset_failed", f"ResetFailedUnit {RANK_UNIT}: {exc}", unit=RANK_UNIT)
+
+    def wait_exit_recorded(self, seen: int, timeout_s: float) -> ExitRecord | None:
+        """Waits until more than `seen` exits were recorded; returns the last exit."""
+        deadline = self._monotonic() + timeout_s
+        with self._state_lock:
+            while self._exits <= seen and self._monotonic() < deadline:
+                self._state_lock.wait(0.1)
+            return self._last_exit
 
     def _record_exit_and_reset(self) -> None:
         with self._state_lock:
@@ -214,21 +236,20 @@ class RankManager:
             env = fill_env(launch, facts)
             props = unit_properties(launch, env, self._node, self._workdir)
             self._expected_stop = False
+            exits_before = self._exits
             try:
                 job = self._systemd.start_transient(RANK_UNIT, props, timeout_s)
             except SystemdError as exc:
                 if exc.name == "org.freedesktop.systemd1.UnitExists":
                     raise RankError(f"{RANK_UNIT} already exists (another start raced this one)") from None
                 raise RankError(f"StartTransientUnit {RANK_UNIT}: {exc}", "INTERNAL") from None
-            state = self.refresh()
             if job.result != "done":
-                props_now = self._props
-                detail = _start_failure(job.result, props_now, launch.argv[0])
-                if state.active_state == "failed":
-                    self._record_exit_and_reset()
+                record = self.wait_exit_recorded(exits_before, 5.0)
+                detail = _start_failure(job.result, record, launch.argv[0])
                 self._log.error("rank_start_failed", f"{RANK_UNIT} did not start: {detail}", unit=RANK_UNIT,
                                 job_result=job.result, fingerprint=launch.fingerprint)
                 raise RankError(detail)
+            state = self.refresh()
             self._log.info("rank_started", f"started {RANK_UNIT} rank {launch.rank} (pid {state.main_pid}, plan "
                            f"{launch.fingerprint})", unit=RANK_UNIT, pid=state.main_pid,
                            fingerprint=launch.fingerprint, rank=launch.rank)
@@ -280,21 +301,12 @@ class RankManager:
         return 0
 
 
-def _start_failure(job_result: str, props: dict, executable: str) -> str:
-    status = int(props.get("ExecMainStatus", 0)) if props else 0
+def _start_failure(job_result: str, record: ExitRecord | None, executable: str) -> str:
+    status = record.status if record else 0
     if status == 203:
         return f"the executable {executable} could not be run (status 203/EXEC: missing or not executable)"
-    if status == 200:
-        return "systemd could not set up the rank's execution environment (status 200/CHDIR or a bind path missing)"
-    result = props.get("Result", "") if props else ""
-    return f"start job {job_result}" + (f", unit result {result}, exit status {status}" if result else "")
+    if 200 <= status <= 243:
+        return (f"systemd could not set up the rank's execution environment (status {status}; e.g. a bind path "
+                "or the working directory is missing): see journalctl -u dsv41-rank")
+    return f"start job {job_result}" + (f", unit result {record.result}, exit status {status}" if record else "")
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

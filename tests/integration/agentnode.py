@@ -1,0 +1,65 @@
+"""Runs the agent from this source tree inside a booted node, as the real unit file does."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import grpc
+
+from dsv41.v1 import agent_pb2 as pb
+from dsv41.v1 import agent_pb2_grpc
+from tests.harness.nspawn import Node
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = "/opt/dsv41-src"
+STANDIN = f"{SRC}/tests/integration/standin_rank.py"
+
+DROP_IN = f"""[Service]
+ExecStart=
+ExecStart=/usr/bin/python3 -m agent --config /etc/dsv41/agent.env
+WorkingDirectory={SRC}
+Environment=PYTHONPATH={SRC}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def install_agent(node: Node, port: int, extra: str = "") -> None:
+    for part in ("agent", "dsv41", "adapter", "tests/integration/standin_rank.py"):
+        node.copy_in(REPO / part, f"{SRC}/{part}")
+    node.write_file("/etc/systemd/system/dsv41-agent.service", (REPO / "units/dsv41-agent.service").read_text())
+    node.write_file("/etc/systemd/system/dsv41-agent.service.d/source.conf", DROP_IN)
+    node.write_file("/etc/dsv41/agent.env",
+                    f"NODE_NAME={node.name}\nLISTEN=127.0.0.1:{port}\nINSECURE_NO_TLS=1\nALLOWED_RUNTIMES=host\n"
+                    f"ALLOWED_EXECUTABLES=/usr/bin/python3,/usr/local/bin/missing-rank\n"
+                    f"ADAPTER_DIR={SRC}/adapter\n{extra}")
+    node.run(["systemctl", "daemon-reload"])
+    node.run(["systemctl", "start", "dsv41-agent.service"], timeout=60)
+
+
+def channel(port: int) -> agent_pb2_grpc.AgentStub:
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(ch).result(timeout=20)
+    return agent_pb2_grpc.AgentStub(ch)
+
+
+def spec(*args: str, fingerprint: str = "a1", rank: int = 1, stop_timeout_s: int = 10,
+         env: dict | None = None, **fields) -> pb.RankSpec:
+    return pb.RankSpec(runtime="host", argv=["/usr/bin/python3", STANDIN, *args],
+                       env={"PYTHONPATH": f"{SRC}/adapter", **(env or {})}, fingerprint=fingerprint, rank=rank,
+                       stop_timeout_s=stop_timeout_s, cluster_generation="g1", **fields)
+
+
+def wait(predicate, timeout: float = 10.0, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(step)

@@ -1,0 +1,229 @@
+"""The node agent against a real systemd (booted in systemd-nspawn), driven over gRPC."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import grpc
+import pytest
+
+from dsv41.v1 import agent_pb2 as pb
+from tests.harness.nspawn import Node
+from tests.integration.agentnode import channel, free_port, install_agent, spec, wait
+
+pytestmark = pytest.mark.integration
+RANK = "dsv41-rank.service"
+
+
+@pytest.fixture(scope="module")
+def booted(rootfs):
+    node = Node("agent1", rootfs, memory_writable=True)
+    node.boot()
+    port = free_port()
+    try:
+        install_agent(node, port)
+        yield node, channel(port)
+    finally:
+        node.stop()
+
+
+@pytest.fixture
+def agent(booted):
+    node, stub = booted
+    yield node, stub
+    stub.StopRank(pb.StopRankRequest(deadline_s=5), timeout=30)
+
+
+def unit_state(node):
+    return node.show(RANK, "ActiveState", "MainPID", "LoadState")
+
+
+def test_start_status_stop_of_a_rank(agent):
+    node, stub = agent
+    reply = stub.StartRank(pb.StartRankRequest(spec=spec()), timeout=30)
+    assert reply.outcome == pb.StartRankResponse.STARTED
+    assert reply.rank.active_state == "active" and reply.rank.main_pid > 0
+    state = unit_state(node)
+    assert state["ActiveState"] == "active" and int(state["MainPID"]) == reply.rank.main_pid
+    props = node.show(RANK, "KillMode", "LimitMEMLOCK", "SyslogIdentifier", "TimeoutStopUSec")
+    assert props["KillMode"] == "mixed" and props["LimitMEMLOCK"] == "infinity"
+    assert props["SyslogIdentifier"] == "dsv41-rank" and props["TimeoutStopUSec"] == "10s"
+    status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    assert status.node == "agent1" and status.rank.fingerprint == "a1"
+    assert status.rank.main_pid == reply.rank.main_pid and status.agent_version
+    assert len(status.adapter_digest) == 64
+    # the rank's output is in the journal with the node's fields
+    lines = wait(lambda: node.journal(matches=["DSV41_NODE=agent1", "DSV41_RANK=1", "SYSLOG_IDENTIFIER=dsv41-rank"]))
+    assert any("stand-in rank up" in e["MESSAGE"] for e in lines)
+    stopped = stub.StopRank(pb.StopRankRequest(deadline_s=10), timeout=30)
+    assert stopped.outcome == pb.StopRankResponse.CLEAN and stopped.leftover_processes == 0
+    assert unit_state(node)["ActiveState"] == "inactive"
+    again = stub.StopRank(pb.StopRankRequest(deadline_s=10), timeout=30)
+    assert again.outcome == pb.StopRankResponse.WAS_NOT_RUNNING
+
+
+def test_same_spec_is_a_no_op_and_another_spec_needs_replace(agent):
+    _, stub = agent
+    first = stub.StartRank(pb.StartRankRequest(spec=spec(fingerprint="b1")), timeout=30)
+    same = stub.StartRank(pb.StartRankRequest(spec=spec(fingerprint="b1")), timeout=30)
+    assert same.outcome == pb.StartRankResponse.ALREADY_RUNNING and same.rank.main_pid == first.rank.main_pid
+    with pytest.raises(grpc.RpcError) as info:
+        stub.StartRank(pb.StartRankRequest(spec=spec(fingerprint="b2")), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "running plan b1" in info.value.details()
+    replaced = stub.StartRank(pb.StartRankRequest(spec=spec(fingerprint="b2"), replace=True), timeout=30)
+    assert replaced.outcome == pb.StartRankResponse.REPLACED
+    assert replaced.rank.fingerprint == "b2" and replaced.rank.main_pid != first.rank.main_pid
+
+
+def test_agent_restart_keeps_the_rank_and_readopts_it(agent):
+    node, stub = agent
+    started = stub.StartRank(pb.StartRankRequest(spec=spec(fingerprint="c1")), timeout=30)
+    pid = started.rank.main_pid
+    node.run(["systemctl", "restart", "dsv41-agent.service"], timeout=60)
+    status = wait(lambda: _status_or_none(stub))
+    assert status is not None
+    assert status.rank.main_pid == pid and status.rank.fingerprint == "c1"
+    assert int(unit_state(node)["MainPID"]) == pid
+    again = stub.StartRank(pb.StartRankRequest(spec=spec(fingerprint="c1")), timeout=30)
+    assert again.outcome == pb.StartRankResponse.ALREADY_RUNNING and again.rank.main_pid == pid
+    adopted = node.journal(matches=["DSV41_EVENT=rank_adopted"])
+    assert adopted, "the agent logs that it re-adopted the rank"
+    # stopping the agent leaves the rank running too
+    node.run(["systemctl", "stop", "dsv41-agent.service"], timeout=60)
+    assert int(unit_state(node)["MainPID"]) == pid
+    node.run(["systemctl", "start", "dsv41-agent.service"], timeout=60)
+    assert wait(lambda: _status_or_none(stub)).rank.main_pid == pid
+
+
+def _status_or_none(stub):
+    try:
+        return stub.GetStatus(pb.GetStatusRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+
+
+def test_rank_exit_status_3_is_reported_then_reset(agent):
+    node, stub = agent
+    events = stub.WatchRank(pb.WatchRankRequest(), timeout=30)
+    first = next(events)
+    assert first.rank.active_state in ("inactive", "absent")
+    started = stub.StartRank(pb.StartRankRequest(spec=spec("--exit-after", "0.5", "--code", "3", fingerprint="d1")),
+                             timeout=30)
+    exit_event = None
+    for event in events:
+        if event.rank.last_exit.invocation_id == started.rank.invocation_id:
+            exit_event = event
+            break
+    events.cancel()
+    assert exit_event.rank.last_exit.status == 3 and exit_event.rank.last_exit.code == "exited"
+    assert exit_event.rank.last_exit.result == "exit-code"
+    # recorded, then reset: the unit does not stay failed
+    assert wait(lambda: unit_state(node)["ActiveState"] == "inactive")
+    status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    assert status.rank.last_exit.status == 3
+    logged = wait(lambda: node.journal(matches=["DSV41_EVENT=rank_exit"], fields=None))
+    assert logged[-1]["DSV41_EXIT_STATUS"] == "3" and logged[-1]["PRIORITY"] == "3"
+
+
+def test_rank_exit_0_is_still_an_exit(agent):
+    _, stub = agent
+    stub.StartRank(pb.StartRankRequest(spec=spec("--exit-after", "0.3", fingerprint="e1")), timeout=30)
+    status = wait(lambda: (s := stub.GetStatus(pb.GetStatusRequest(), timeout=10)).rank.active_state
+                  in ("inactive", "absent") and s)
+    assert status and status.rank.last_exit.result == "success" and status.rank.last_exit.status == 0
+
+
+def test_missing_binary_fails_the_start_with_a_clear_message(agent):
+    node, stub = agent
+    bad = spec(fingerprint="f1")
+    bad.argv[:] = ["/usr/local/bin/missing-rank", "--port", "1"]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.StartRank(pb.StartRankRequest(spec=bad), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "/usr/local/bin/missing-rank could not be run" in info.value.details()
+    assert "203" in info.value.details()
+    assert unit_state(node)["ActiveState"] in ("inactive", "")
+
+
+def test_a_rank_ignoring_sigterm_is_killed_at_the_deadline(agent):
+    node, stub = agent
+    stub.StartRank(pb.StartRankRequest(spec=spec("--ignore-term", "--children", "2", fingerprint="a7",
+                                                  stop_timeout_s=60)), timeout=30)
+    assert wait(lambda: len(_rank_processes(node)) == 3)
+    t0 = time.monotonic()
+    reply = stub.StopRank(pb.StopRankRequest(deadline_s=2), timeout=60)
+    elapsed = time.monotonic() - t0
+    assert reply.outcome == pb.StopRankResponse.KILLED_AFTER_DEADLINE
+    assert elapsed < 30  # the unit's own 60 s TimeoutStopSec did not apply
+    assert reply.leftover_processes == 0
+    assert _rank_processes(node) == []
+
+
+def _rank_processes(node):
+    out = node.run(["pgrep", "-f", "standin_rank.py"], check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_stop_leaves_no_children_even_without_sigterm_handlers(agent):
+    node, stub = agent
+    stub.StartRank(pb.StartRankRequest(spec=spec("--children", "3", fingerprint="b8")), timeout=30)
+    assert wait(lambda: len(_rank_processes(node)) == 4)
+    reply = stub.StopRank(pb.StopRankRequest(deadline_s=10), timeout=60)
+    assert reply.outcome == pb.StopRankResponse.CLEAN
+    assert _rank_processes(node) == []
+
+
+@pytest.mark.parametrize("interval_ms", [20, 50])
+def test_memory_stream_delivers_samples_at_the_asked_rate(agent, interval_ms):
+    _, stub = agent
+    stream = stub.WatchMemory(pb.WatchMemoryRequest(interval_ms=interval_ms), timeout=30)
+    samples = []
+    for sample in stream:
+        samples.append(sample)
+        if len(samples) == 60:
+            break
+    stream.cancel()
+    gaps = [(b.at_monotonic_s - a.at_monotonic_s) * 1000 for a, b in zip(samples, samples[1:])]
+    assert statistics.median(gaps) == pytest.approx(interval_ms, rel=0.25)
+    last = samples[-1]
+    assert last.mem_total_bytes > 0 and last.mem_available_bytes > 0
+    assert 0 < last.available_bytes <= last.mem_available_bytes
+
+
+def test_memory_sample_sees_the_node_cgroup_limit_and_the_rank(booted, agent):
+    node, stub = agent
+    stub.StartRank(pb.StartRankRequest(spec=spec("--allocate-mb", "96", fingerprint="c9")), timeout=30)
+    status = wait(lambda: (s := stub.GetStatus(pb.GetStatusRequest(), timeout=10)).memory.rank_memory_bytes
+                  > 90 << 20 and s)
+    assert status, "the rank's cgroup memory shows up in the samples"
+    assert status.rank.memory_current_bytes > 90 << 20
+
+
+def test_memory_stream_rejects_a_bad_interval(agent):
+    _, stub = agent
+    with pytest.raises(grpc.RpcError) as info:
+        next(stub.WatchMemory(pb.WatchMemoryRequest(interval_ms=5), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "20..10000" in info.value.details()
+
+
+@pytest.mark.parametrize("mutate, code, fragment", [
+    (lambda s: s.env.update({"LD_PRELOAD": "/x.so"}), "PERMISSION_DENIED", "LD_PRELOAD"),
+    (lambda s: s.argv.__setitem__(0, "/bin/sh"), "PERMISSION_DENIED", "executable /bin/sh: not allowed"),
+    (lambda s: setattr(s, "runtime", "container"), "PERMISSION_DENIED", "runtime container: not allowed"),
+    (lambda s: s.binds.add(source="/", target="/mnt"), "PERMISSION_DENIED", "may not mount"),
+    (lambda s: setattr(s, "fingerprint", "NOT HEX"), "INVALID_ARGUMENT", "fingerprint"),
+    (lambda s: setattr(s, "stop_timeout_s", 0), "INVALID_ARGUMENT", "stop_timeout_s"),
+    (lambda s: s.env.update({"BAD NAME": "1"}), "INVALID_ARGUMENT", "env 'BAD NAME'"),
+    (lambda s: s.argv.append("a\0b"), "INVALID_ARGUMENT", "without NUL"),
+])
+def test_bad_requests_are_refused_and_start_nothing(agent, mutate, code, fragment):
+    node, stub = agent
+    request = spec(fingerprint="bad1")
+    mutate(request)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.StartRank(pb.StartRankRequest(spec=request), timeout=30)
+    assert info.value.code() == getattr(grpc.StatusCode, code)
+    assert fragment in info.value.details()
+    assert unit_state(node)["ActiveState"] in ("inactive", "")
