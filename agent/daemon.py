@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="rpc"),
                          options=[("grpc.max_receive_message_length", 8 << 20)])
     agent_pb2_grpc.add_AgentServicer_to_server(
-        AgentService(s, rank, sampler, triggers, events, started), server)
+        AgentService(s, systemd, rank, sampler, triggers, events, started), server)
     creds = _credentials(s)
     try:
         bound = server.add_secure_port(s.listen, creds) if creds else server.add_insecure_port(s.listen)

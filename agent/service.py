@@ -21,7 +21,9 @@ from .memory import MemorySampler, Sample, TriggerWatcher
 from .rank import ExitRecord, RankError, RankManager, RankStatus
 from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
+from .rpc_nodechecks import NodeCheckRpcs
 from .settings import AgentSettings
+from .systemd import Systemd
 
 MIN_INTERVAL_MS, MAX_INTERVAL_MS = 20, 10_000
 
@@ -63,11 +65,14 @@ def sample_pb(s: Sample) -> pb.MemorySample:
         rank_memory_bytes=s.rank_memory, psi_triggered=s.psi_triggered)
 
 
-class AgentService(agent_pb2_grpc.AgentServicer):
-    def __init__(self, settings: AgentSettings, rank: RankManager, sampler: MemorySampler,
+class AgentService(NodeCheckRpcs, agent_pb2_grpc.AgentServicer):
+    """The RPCs; groups of them live in mixins (rpc_*.py) that use the attributes set here."""
+
+    def __init__(self, settings: AgentSettings, systemd: Systemd, rank: RankManager, sampler: MemorySampler,
                  triggers: TriggerWatcher, events: EventHub, started_monotonic: float,
                  monotonic: Callable[[], float] = time.monotonic):
         self._settings = settings
+        self._systemd = systemd
         self._rank = rank
         self._sampler = sampler
         self._triggers = triggers
