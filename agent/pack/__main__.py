@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", required=True, type=int, help="this node's TP rank")
     p.add_argument("--tp", required=True, type=int, help="tensor-parallel size")
     p.add_argument("--layers", type=parse_layers, default=fmt.LAYERS, help="default: 1,14")
-    p.add_argument("--block-size", type=parse_size, default=64 * 2**20,
-                   help="rows copied per read/write (default 64M)")
+    p.add_argument("--block-size", type=parse_size, default=8 * 2**20,
+                   help="bytes per read and write (default 8M)")
     p.add_argument("--checkpoint-size", type=parse_size, default=2**30,
                    help="bytes between fsync'ed resume points (default 1G)")
     p.add_argument("--verify-rows", type=int, default=64,

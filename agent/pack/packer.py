@@ -1,9 +1,10 @@
 """The pack job: copy this rank's Engram rows from the checkpoint into packed shards on local disk.
 
-Per layer: rows [lo, hi) of the weight tensor ([N, 256]) and the scale tensor ([N, 8]) are read in
-large sequential blocks (the checkpoint is on NFS for workers), interleaved into 264-byte rows and
-written sequentially to ``engram-l{L}-r{R}of{TP}.bin.partial``. Reading, interleaving and writing
-overlap (a reader and a writer thread; the interleave runs on the main thread).
+Per layer: rows [lo, hi) of the weight tensor ([N, 256]) and the scale tensor ([N, 8]) are read
+sequentially (the checkpoint is on NFS for workers) with scattering reads (preadv) that land each
+row's weight and scale bytes side by side in a block buffer, so the kernel's copy is the interleave
+and no Python loop touches the bytes. Blocks are written sequentially to
+``engram-l{L}-r{R}of{TP}.bin.partial`` while the next block is read on a second thread.
 
 Crash safety: the partial file carries its own header (another magic, so it never passes for a
 shard) with ``rows_done``, which is raised only after the rows before it were fsync'ed. A pack
@@ -19,8 +20,9 @@ import errno
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,8 @@ from agent.sdnotify import SdNotify
 
 MiB = 2**20
 GiB = 2**30
-_SUB_ROWS = 1024  # interleave in cache-sized slices: one pass per 8-byte column stays in L2
+_BUFFERS = 3  # block buffers: the reader may run two blocks ahead of the writer
+_IOV_ROWS = 1024  # rows per preadv call: IOV_MAX is 1024 on Linux, one iovec a row and tensor
 _RESUME_SAMPLE_ROWS = 8
 
 
@@ -47,7 +50,7 @@ class PackJob:
     rank: int
     tp: int
     layers: tuple[int, ...] = fmt.LAYERS
-    block_bytes: int = 64 * MiB
+    block_bytes: int = 8 * MiB  # per read and write; buffers hold two blocks plus their iovecs
     checkpoint_bytes: int = 1 * GiB
     verify_rows: int = 64
     max_bytes_per_s: float | None = None  # throttle (e.g. to spare a shared NFS link)
@@ -73,26 +76,45 @@ def status_line(layer: int, done: int, total: int, rate_bps: float) -> str:
     return f"layer {layer}: {done / GiB:.1f}/{total / GiB:.1f} GiB, {rate_bps / 1e6:.0f} MB/s, {eta}"
 
 
-def interleave(weights: memoryview, scales: memoryview, out: memoryview, rows: int) -> None:
-    """out[r] = weights[r] (256 B) + scales[r] (8 B) for r < rows; rows are 33 u64 columns."""
-    w, s, o = weights.cast("Q"), scales.cast("Q"), out.cast("Q")
-    for r0 in range(0, rows, _SUB_ROWS):
-        r1 = min(rows, r0 + _SUB_ROWS)
-        ow, ww = o[r0 * 33:r1 * 33], w[r0 * 32:r1 * 32]
-        for col in range(32):
-            ow[col::33] = ww[col::32]
-        ow[32::33] = s[r0:r1]
-
-
 def disk_free(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
 
-def _pread_full(fd: int, view: memoryview, offset: int, what: str) -> None:
-    got = 0
-    while got < view.nbytes:
-        n = os.preadv(fd, [view[got:]], offset + got)
+class _ScatterBlock:
+    """A block buffer of 264-byte rows with, per row, an iovec for its weight and one for its
+    scale, built once and reused for every block."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.buf = bytearray(rows * fmt.ROW_BYTES)
+        view = memoryview(self.buf)
+        at = [r * fmt.ROW_BYTES for r in range(rows)]
+        self._weights = [view[a:a + fmt.WEIGHT_BYTES] for a in at]
+        self._scales = [view[a + fmt.WEIGHT_BYTES:a + fmt.ROW_BYTES] for a in at]
+
+    def read(self, n: int, wfd: int, woff: int, sfd: int, soff: int, what: str) -> memoryview:
+        """Fill the first ``n`` rows from weight bytes at ``woff`` and scale bytes at ``soff``."""
+        for r0 in range(0, n, _IOV_ROWS):
+            r1 = min(n, r0 + _IOV_ROWS)
+            _preadv_all(wfd, self._weights[r0:r1], woff + r0 * fmt.WEIGHT_BYTES, what)
+            _preadv_all(sfd, self._scales[r0:r1], soff + r0 * fmt.SCALE_BYTES, what)
+        return memoryview(self.buf)[:n * fmt.ROW_BYTES]
+
+
+def _preadv_all(fd: int, iovs: list[memoryview], offset: int, what: str) -> None:
+    want = sum(v.nbytes for v in iovs)
+    got = os.preadv(fd, iovs, offset)
+    while got < want:  # short read: continue after the bytes that arrived
+        skip = got
+        rest = []
+        for v in iovs:
+            if skip >= v.nbytes:
+                skip -= v.nbytes
+            else:
+                rest.append(v[skip:])
+                skip = 0
+        n = os.preadv(fd, rest, offset + got)
         if n == 0:
             raise PackError(f"{what}: the checkpoint file ends early at byte {offset + got}")
         got += n
@@ -232,61 +254,54 @@ class Packer:
 
     def _copy(self, fd: int, layer: _Layer, done: int) -> None:
         job, t, table = self.job, layer.target, layer.table
-        rows_per_block = max(1, job.block_bytes // fmt.ROW_BYTES)
+        rows_per_block = min(max(1, job.block_bytes // fmt.ROW_BYTES), t.rows - done)
         ckpt_rows = max(1, job.checkpoint_bytes // fmt.ROW_BYTES)
         blocks = [(r, min(rows_per_block, t.row_hi - r))
                   for r in range(t.row_lo + done, t.row_hi, rows_per_block)]
+        buffers = [_ScatterBlock(rows_per_block) for _ in range(min(_BUFFERS, len(blocks)))]
         wfd = os.open(table.weight.path, os.O_RDONLY | os.O_CLOEXEC)
         sfd = os.open(table.scale.path, os.O_RDONLY | os.O_CLOEXEC)
         for src in (wfd, sfd):
             os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        inputs = [(bytearray(rows_per_block * fmt.WEIGHT_BYTES),
-                   bytearray(rows_per_block * fmt.SCALE_BYTES)) for _ in range(2)]
-        outputs = [bytearray(rows_per_block * fmt.ROW_BYTES) for _ in range(2)]
 
-        def read(k: int) -> tuple[memoryview, memoryview]:
+        def read(k: int) -> memoryview:
             start, n = blocks[k]
-            w = memoryview(inputs[k % 2][0])[:n * fmt.WEIGHT_BYTES]
-            s = memoryview(inputs[k % 2][1])[:n * fmt.SCALE_BYTES]
-            _pread_full(wfd, w, table.weight_offset(start), f"layer {t.layer} weight")
-            _pread_full(sfd, s, table.scale_offset(start), f"layer {t.layer} scale")
-            return w, s
-
-        def write(out: memoryview, start: int) -> None:
-            try:
-                _pwrite_full(fd, out, fmt.row_offset(t, start))
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise PackError(f"disk full while writing {layer.partial}; the rows written "
-                                    "so far are kept and a new pack resumes after space is "
-                                    "freed") from None
-                raise
+            return buffers[k % len(buffers)].read(n, wfd, table.weight_offset(start), sfd,
+                                                  table.scale_offset(start), f"layer {t.layer}")
 
         progress = _Progress(self, t, done, self._clock())
         synced = done
         try:
-            with ThreadPoolExecutor(2, thread_name_prefix="pack-io") as pool:
-                pending_read = pool.submit(read, 0) if blocks else None
-                pending_write: Future[None] | None = None
+            # Blocks are written here, in order, while the reader thread fills the other buffers.
+            with ThreadPoolExecutor(1, thread_name_prefix="pack-read") as pool:
+                pending = deque(pool.submit(read, k) for k in range(len(buffers)))
                 for k, (start, n) in enumerate(blocks):
-                    w, s = pending_read.result()
-                    if k + 1 < len(blocks):
-                        pending_read = pool.submit(read, k + 1)
-                    out = memoryview(outputs[k % 2])[:n * fmt.ROW_BYTES]
-                    interleave(w, s, out, n)
-                    if pending_write is not None:
-                        pending_write.result()
+                    out = pending.popleft().result()
                     if (start - t.row_lo) - synced >= ckpt_rows:
                         synced = self._checkpoint(fd, t, start - t.row_lo)
-                    pending_write = pool.submit(write, out, start)
+                    self._write_rows(fd, layer, out, start)
+                    if k + len(buffers) < len(blocks):  # its buffer is free again
+                        pending.append(pool.submit(read, k + len(buffers)))
+                    if k:  # start writeback of the previous block now, not in one burst at fsync
+                        prev = fmt.row_offset(t, blocks[k - 1][0])
+                        os.posix_fadvise(fd, prev, blocks[k - 1][1] * fmt.ROW_BYTES,
+                                         os.POSIX_FADV_DONTNEED)
                     progress.advance(start + n - t.row_lo)
-                if pending_write is not None:
-                    pending_write.result()
         finally:
             os.close(wfd)
             os.close(sfd)
         self._checkpoint(fd, t, t.rows)
         progress.finish()
+
+    def _write_rows(self, fd: int, layer: _Layer, rows: memoryview, start: int) -> None:
+        try:
+            _pwrite_full(fd, rows, fmt.row_offset(layer.target, start))
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise PackError(f"disk full while writing {layer.partial}; the rows written so "
+                                "far are kept and a new pack resumes after space is "
+                                "freed") from None
+            raise
 
     def _checkpoint(self, fd: int, target: fmt.Header, rows_done: int) -> int:
         # Rows first, then the header that vouches for them: a crash in between loses progress,
