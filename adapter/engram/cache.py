@@ -1,4 +1,4 @@
-"""A set-associative cache of packed rows in anonymous memory (pages are touched only when filled)."""
+"""A set-associative cache of packed rows in anonymous memory (pages touched only when filled)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class RowCache:
         return (((row * _MIX) & _MASK) >> 32) % self.sets * self.ways
 
     def get_into(self, rows: list[int], out: memoryview, positions: list[int]) -> list[int]:
-        """Copy cached rows to ``out`` at their positions; return the indexes into ``rows`` missed."""
+        """Copy cached rows to ``out`` at their positions; return the indexes of ``rows`` missed."""
         missed = []
         tags, used, data = self._tags, self._used, self._view
         with self._lock:

@@ -33,7 +33,7 @@ class StoreSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
-        """Settings from DSV41_IO_THREADS, DSV41_CACHE_GIB, DSV41_CACHE_WAYS, DSV41_STATS_SECONDS."""
+        """From DSV41_IO_THREADS, DSV41_CACHE_GIB, DSV41_CACHE_WAYS and DSV41_STATS_SECONDS."""
         env = os.environ if environ is None else environ
         default = cls()
         values = {

@@ -1,4 +1,4 @@
-"""Row store statistics: lookups, cache hits and misses, miss-read latency, one log line per interval."""
+"""Row store statistics: lookups, cache hits and misses, read latency; one log line per interval."""
 
 from __future__ import annotations
 

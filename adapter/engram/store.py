@@ -1,4 +1,5 @@
-"""The row reader an SGLang rank uses: its own packed shard on local disk, one positioned read a row.
+"""The row reader an SGLang rank uses: its own packed shard on local disk, one positioned read
+a row.
 
 Rows are addressed by global id. Ids outside the rank's range come back as zeros: every rank looks
 up every id and the partial embeddings are summed by the TP all-reduce, so exactly one rank

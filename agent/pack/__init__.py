@@ -10,7 +10,7 @@ Pack state (for the agent's PackState RPC), a few milliseconds, never a full re-
 Pack job (for StartPack: a transient unit ``dsv41-pack.service`` with ``Type=notify``; refuse it
 while the rank runs from these files). Exact argv::
 
-    /usr/bin/python3 -m agent.pack --model MODEL_DIR --out PACKED_DIR --rank R --tp TP [--layers 1,14]
+    /usr/bin/python3 -m agent.pack --model MODEL --out PACKED_DIR --rank R --tp TP [--layers 1,14]
     # installed as: dsv41-pack --model ... (same options)
     # optional: --block-size 64M --checkpoint-size 1G --verify-rows 64 --max-mbps N
 

@@ -31,7 +31,8 @@ def parse_layers(text: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers takes numbers like 1,14, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--layers takes numbers like 1,14, got {text!r}") \
+            from None
     bad = [x for x in layers if x not in fmt.LAYERS]
     if bad or not layers:
         raise argparse.ArgumentTypeError(f"--layers must be taken from {fmt.LAYERS}, got {text!r}")

@@ -1,4 +1,5 @@
-"""Where the Engram tables sit in a safetensors checkpoint (headers parsed here, no safetensors package).
+"""Where the Engram tables sit in a safetensors checkpoint (headers parsed here, no safetensors
+package).
 
 A safetensors file is an 8-byte little-endian header length, a JSON header mapping tensor names to
 ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the header),

@@ -73,7 +73,8 @@ class PackJob:
 def status_line(layer: int, done: int, total: int, rate_bps: float) -> str:
     """The STATUS= text while packing, e.g. 'layer 14: 41.2/63.0 GiB, 812 MB/s, ETA 27 s'."""
     eta = f"ETA {max(total - done, 0) / rate_bps:.0f} s" if rate_bps > 0 else "ETA unknown"
-    return f"layer {layer}: {done / GiB:.1f}/{total / GiB:.1f} GiB, {rate_bps / 1e6:.0f} MB/s, {eta}"
+    return (f"layer {layer}: {done / GiB:.1f}/{total / GiB:.1f} GiB, {rate_bps / 1e6:.0f} MB/s, "
+            f"{eta}")
 
 
 def disk_free(path: Path) -> int:
@@ -171,13 +172,17 @@ class Packer:
         for layer in job.layers:
             state = layer_state(job.out_dir, layer, job.rank, job.tp, tables[layer], source,
                                 sample=job.verify_rows)
+            partial = job.out_dir / fmt.partial_name(layer, job.rank, job.tp)
             if state.status is Status.COMPLETE:
                 self._log(f"layer {layer}: {state.detail}; skipped")
+                if partial.exists():  # left from an attempt the complete file supersedes
+                    partial.unlink()
+                    self._log(f"layer {layer}: removed leftover {partial.name}")
                 continue
             self._log(f"layer {layer}: {state.status.value}: {state.detail}")
             todo.append(_Layer(tables[layer],
                                fmt.expected_header(layer, tables[layer].rows, job.rank, job.tp),
-                               state.path, job.out_dir / fmt.partial_name(layer, job.rank, job.tp)))
+                               state.path, partial))
         return todo
 
     def _check_space(self, todo: list[_Layer]) -> None:
@@ -226,7 +231,8 @@ class Packer:
             ph = fmt.decode_partial(os.pread(fd, fmt.HEADER_BYTES, 0))
         except fmt.HeaderError:
             return None
-        if ph.target != target or os.fstat(fd).st_size < fmt.HEADER_BYTES + ph.rows_done * fmt.ROW_BYTES:
+        if ph.target != target or \
+                os.fstat(fd).st_size < fmt.HEADER_BYTES + ph.rows_done * fmt.ROW_BYTES:
             return None
         rows = sample_rows(target.row_lo, target.row_lo + ph.rows_done, _RESUME_SAMPLE_ROWS)
         bad = first_mismatch(fd, target, source, rows)
@@ -254,7 +260,7 @@ class Packer:
 
     def _copy(self, fd: int, layer: _Layer, done: int) -> None:
         job, t, table = self.job, layer.target, layer.table
-        rows_per_block = min(max(1, job.block_bytes // fmt.ROW_BYTES), t.rows - done)
+        rows_per_block = max(1, min(job.block_bytes // fmt.ROW_BYTES, t.rows - done))
         ckpt_rows = max(1, job.checkpoint_bytes // fmt.ROW_BYTES)
         blocks = [(r, min(rows_per_block, t.row_hi - r))
                   for r in range(t.row_lo + done, t.row_hi, rows_per_block)]
@@ -269,7 +275,8 @@ class Packer:
             return buffers[k % len(buffers)].read(n, wfd, table.weight_offset(start), sfd,
                                                   table.scale_offset(start), f"layer {t.layer}")
 
-        progress = _Progress(self, t, done, self._clock())
+        progress = _Progress(t, done, self.notify, self._clock, self._sleep, self._log,
+                             job.max_bytes_per_s)
         synced = done
         try:
             # Blocks are written here, in order, while the reader thread fills the other buffers.
@@ -332,41 +339,42 @@ class Packer:
 
 
 class _Progress:
-    """STATUS= updates (at most once a second) and a log line every 30 s."""
+    """STATUS= updates (at most once a second), a log line every 30 s, and the optional throttle."""
 
-    def __init__(self, packer: Packer, target: fmt.Header, done_rows: int, now: float) -> None:
-        self._p = packer
+    def __init__(self, target: fmt.Header, done_rows: int, notify: SdNotify,
+                 clock: Callable[[], float], sleep: Callable[[float], None],
+                 log: Callable[[str], None], max_bytes_per_s: float | None) -> None:
         self._t = target
         self._start_rows = done_rows
-        self._start = now
-        self._last_status = self._last_log = now
-        packer.notify.status(status_line(target.layer, done_rows * fmt.ROW_BYTES,
-                                         target.rows * fmt.ROW_BYTES, 0.0))
+        self._notify, self._clock, self._sleep, self._log = notify, clock, sleep, log
+        self._limit = max_bytes_per_s
+        self._start = self._last_status = self._last_log = clock()
+        notify.status(status_line(target.layer, done_rows * fmt.ROW_BYTES,
+                                  target.rows * fmt.ROW_BYTES, 0.0))
 
     def _rate(self, rows: int, now: float) -> float:
         return (rows - self._start_rows) * fmt.ROW_BYTES / max(now - self._start, 1e-9)
 
     def advance(self, rows: int) -> None:
-        p, now = self._p, self._p._clock()
-        limit = p.job.max_bytes_per_s
-        if limit:
-            ahead = (rows - self._start_rows) * fmt.ROW_BYTES / limit - (now - self._start)
+        now = self._clock()
+        if self._limit:
+            ahead = (rows - self._start_rows) * fmt.ROW_BYTES / self._limit - (now - self._start)
             if ahead > 0:
-                p._sleep(ahead)
-                now = p._clock()
+                self._sleep(ahead)
+                now = self._clock()
         if now - self._last_status >= 1.0:
             self._last_status = now
             line = status_line(self._t.layer, rows * fmt.ROW_BYTES, self._t.rows * fmt.ROW_BYTES,
                                self._rate(rows, now))
-            p.notify.status(line)
+            self._notify.status(line)
             if now - self._last_log >= 30.0:
                 self._last_log = now
-                p._log(line)
+                self._log(line)
 
     def finish(self) -> None:
-        now = self._p._clock()
-        self._p._log(f"layer {self._t.layer}: copied {self._t.rows - self._start_rows} rows in "
-                     f"{now - self._start:.1f} s, {self._rate(self._t.rows, now) / 1e6:.0f} MB/s")
+        now = self._clock()
+        self._log(f"layer {self._t.layer}: copied {self._t.rows - self._start_rows} rows in "
+                  f"{now - self._start:.1f} s, {self._rate(self._t.rows, now) / 1e6:.0f} MB/s")
 
 
 def _fsync_dir(path: Path) -> None:

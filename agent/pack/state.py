@@ -1,5 +1,5 @@
-"""Pack state of one node: per Engram layer, is this rank's shard absent, packing, complete, stale or
-corrupt? Reads headers, sizes and a few sampled rows only, so it answers in milliseconds."""
+"""Pack state of one node: per Engram layer, is this rank's shard absent, packing, complete,
+stale or corrupt? Reads headers, sizes and a few sampled rows only: it answers in milliseconds."""
 
 from __future__ import annotations
 

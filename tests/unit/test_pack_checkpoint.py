@@ -1,4 +1,4 @@
-"""A small real checkpoint (safetensors shards + index) with the Engram tables, and the parser's tests.
+"""A small real checkpoint (safetensors shards + index) with the Engram tables; the parser's tests.
 
 ``write_checkpoint`` is the fixture the other pack/engram tests import. It writes the files from
 the safetensors layout directly (8-byte little-endian header length, JSON header padded with spaces
@@ -37,7 +37,8 @@ def packed_row(layer: int, row: int) -> bytes:
 def write_safetensors(path: Path, tensors: list[tuple[str, str, list[int], bytes]]) -> None:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, dtype, shape, data in tensors:
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [offset, offset + len(data)]}
         offset += len(data)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)

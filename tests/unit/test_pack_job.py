@@ -179,3 +179,34 @@ def test_sigkill_mid_pack_then_resume(tmp_path: Path) -> None:
         fmt.expected_header(1, 6001, 1, 3)) + b"".join(packed_row(1, i) for i in range(lo, hi))
     assert [s.status for s in pack_state(out, 1, 3, model_dir=model)] == [Status.COMPLETE] * 2
     assert not list(out.glob("*.partial"))
+
+
+def test_killed_after_last_checkpoint_finishes_without_copying(model: Path, tmp_path: Path) -> None:
+    # All rows durable, header still partial (killed between the last fsync and the rename).
+    target = fmt.expected_header(14, ROWS[14], 2, 4)
+    rows = b"".join(packed_row(14, i) for i in range(target.row_lo, target.row_hi))
+    partial = tmp_path / fmt.partial_name(14, 2, 4)
+    partial.write_bytes(fmt.encode_partial(fmt.PartialHeader(target, target.rows)) + rows)
+    lines = pack(model, tmp_path, 2, 4, layers=(14,))
+    assert f"layer 14: resuming at row {target.row_hi} ({target.rows} of {target.rows} rows " \
+        "already written)" in lines
+    assert any("copied 0 rows" in line for line in lines)
+    assert (tmp_path / fmt.file_name(14, 2, 4)).read_bytes() == fmt.encode_header(target) + rows
+    assert not partial.exists()
+
+
+def test_leftover_partial_beside_a_complete_file_is_removed(model: Path, tmp_path: Path) -> None:
+    pack(model, tmp_path, 0, 3, layers=(1,))
+    partial = tmp_path / fmt.partial_name(1, 0, 3)
+    partial.write_bytes(b"old attempt")
+    lines = pack(model, tmp_path, 0, 3, layers=(1,))
+    assert not partial.exists() and any("removed leftover" in line for line in lines)
+
+
+def test_rank_with_no_rows_gets_an_empty_shard(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "model", {1: 2, 14: 3})
+    pack(model, tmp_path / "out", 0, 3)  # floor split of 2 rows over 3 ranks: rank 0 owns none
+    path = tmp_path / "out" / fmt.file_name(1, 0, 3)
+    assert path.read_bytes() == fmt.encode_header(fmt.expected_header(1, 2, 0, 3))
+    states = pack_state(tmp_path / "out", 0, 3, model_dir=model)
+    assert [s.status for s in states] == [Status.COMPLETE] * 2
