@@ -2,14 +2,11 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "unit"))
-from configtext import HOME, SEED_TEXT, edited, nodes_text  # noqa: E402
-from conftest import REPO  # noqa: E402
-from coordinator import argcheck, config, plan  # noqa: E402
+from tests.configtext import HOME, REPO, SEED_TEXT, edited, nodes_text
+from coordinator import argcheck, config, plan
 
 pytestmark = pytest.mark.sglang
 

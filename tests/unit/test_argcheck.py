@@ -1,6 +1,6 @@
 import pytest
 
-from configtext import HOME, SEED_TEXT
+from tests.configtext import HOME, SEED_TEXT
 from coordinator import argcheck, config, plan
 
 pytestmark = pytest.mark.unit

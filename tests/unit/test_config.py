@@ -1,7 +1,6 @@
 import pytest
 
-from configtext import HOME, SEED_TEXT, edited, line_of, nodes_text
-from conftest import SEED_ENV
+from tests.configtext import HOME, REPO, SEED_ENV, SEED_TEXT, edited, line_of, nodes_text
 from coordinator import config, schema
 
 pytestmark = pytest.mark.unit
@@ -18,7 +17,7 @@ def errors_of(text, environ=HOME):
 
 
 def test_copy_of_the_seed_file_is_verbatim():
-    shared = SEED_ENV.parents[3] / "shared" / "seed" / "cluster.env.example"
+    shared = REPO.parent / "shared" / "seed" / "cluster.env.example"
     if not shared.exists():
         pytest.skip("../shared is not beside this checkout")
     assert SEED_ENV.read_bytes() == shared.read_bytes()

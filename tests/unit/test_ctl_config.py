@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from configtext import SEED_TEXT, edited
-from conftest import REPO
+from tests.configtext import REPO, SEED_TEXT, edited
 from coordinator import ctl
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@ import shlex
 
 import pytest
 
-from configtext import HOME, SEED_TEXT, edited, nodes_text
+from tests.configtext import HOME, SEED_TEXT, edited, nodes_text
 from coordinator import config, plan
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,8 @@ from concurrent import futures
 
 import pytest
 
-from conftest import REPO
+from tests.configtext import REPO
+
 
 pytestmark = pytest.mark.unit
 

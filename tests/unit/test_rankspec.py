@@ -3,7 +3,7 @@
 import pytest
 
 from agent import rankspec, settings
-from configtext import HOME, SEED_TEXT, edited
+from tests.configtext import HOME, SEED_TEXT, edited
 from coordinator import config, plan
 
 pytestmark = pytest.mark.unit

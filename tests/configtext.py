@@ -1,8 +1,11 @@
 """Builds cluster.env texts for tests from the recipe's example file."""
 
 import re
+from pathlib import Path
 
-from conftest import SEED_ENV
+REPO = Path(__file__).resolve().parent.parent
+# A verbatim copy of the recipe's example configuration (../shared/seed/cluster.env.example).
+SEED_ENV = REPO / "tests" / "cluster.env.example"
 
 SEED_TEXT = SEED_ENV.read_text()
 HOME = {"HOME": "/home/op"}
