@@ -1,0 +1,257 @@
+"""The stand-in's scheduler: requests wait, are admitted up to --max-running-requests, prefill in
+chunks of --chunked-prefill-size at a fixed token rate (shared by all requests, as on one GPU),
+then decode at a per-request rate. Prefill allocates real memory per token; completion or abort
+frees it. An abort takes effect at the next chunk boundary, as in SGLang."""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .memory import ChunkMemory
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+class Rejected(Exception):
+    """A request the engine does not take; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_tokens: int
+    created: float
+    prefilled: int = 0
+    generated: int = 0
+    phase: Phase = Phase.WAITING
+    finish_reason: str | None = None
+    abort_requested: bool = False
+    memory: ChunkMemory = field(default_factory=ChunkMemory)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    chunk_tokens: int  # -1: no chunking, a prompt is prefilled at once
+    max_running: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    bytes_per_token: int
+    max_total_tokens: int  # only reported (/v1/loads)
+    context_length: int | None
+
+
+def plan_chunk(pending: list[tuple[str, int]], budget: int) -> list[tuple[str, int]]:
+    """One prefill batch: FCFS over (rid, tokens still to prefill), at most `budget` tokens in all
+    (budget < 0: unlimited); the last request taken may be cut (chunked)."""
+    batch = []
+    for rid, remaining in pending:
+        if budget == 0:
+            break
+        take = remaining if budget < 0 else min(remaining, budget)
+        if take > 0:
+            batch.append((rid, take))
+            if budget > 0:
+                budget -= take
+    return batch
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, on_fatal: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.config = config
+        self._on_fatal = on_fatal
+        self._clock = clock
+        self._sleep = sleep
+        self._cond = threading.Condition()
+        self._requests: dict[str, Request] = {}  # in arrival order; finished ones are removed
+        self._accepting = True
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # --- the tokenizer side -------------------------------------------------------------------
+
+    def submit(self, rid: str, prompt_tokens: int) -> Request:
+        limit = self.config.context_length
+        if limit is not None and prompt_tokens > limit:
+            raise Rejected(400, f"The input ({prompt_tokens} tokens) is longer than the model's context "
+                                f"length ({limit} tokens).")
+        with self._cond:
+            if not self._accepting:
+                raise Rejected(503, "The server is shutting down; not accepting new requests.")
+            if rid in self._requests:
+                raise Rejected(400, f"Duplicate request ID: {rid}")
+            request = Request(rid, max(prompt_tokens, 1), self._clock())
+            self._requests[rid] = request
+            self._cond.notify_all()
+            return request
+
+    def abort(self, rid: str, abort_all: bool = False) -> list[str]:
+        """Flags requests for abort and returns their rids. Like SGLang 0.5.23 with one tokenizer
+        worker: an empty rid without abort_all does nothing; otherwise the rid must be one in flight,
+        and then every request whose rid starts with it is aborted (the scheduler's prefix match)."""
+        with self._cond:
+            if abort_all:
+                chosen = list(self._requests.values())
+            elif not rid or rid not in self._requests:
+                chosen = []
+            else:
+                chosen = [r for r in self._requests.values() if r.rid.startswith(rid)]
+            for request in chosen:
+                request.abort_requested = True
+                if request.phase is Phase.WAITING:
+                    self._finish_locked(request, "abort")
+            self._cond.notify_all()
+            return [r.rid for r in chosen]
+
+    def wait_prefilled(self, request: Request) -> None:
+        """Blocks until the request's prefill is done or it finished (aborted)."""
+        with self._cond:
+            while request.phase in (Phase.WAITING, Phase.PREFILL):
+                self._cond.wait()
+
+    def next_token(self, request: Request) -> bool:
+        """Waits one decode step; False when the request was aborted (then it is finished)."""
+        self._sleep(1.0 / self.config.decode_tokens_per_s)
+        with self._cond:
+            if request.abort_requested or request.phase is Phase.FINISHED:
+                self._finish_locked(request, "abort")
+                return False
+            request.generated += 1
+            return True
+
+    def cancel(self, request: Request) -> None:
+        """Aborts one request whose client went away. A prefill in progress ends at the chunk
+        boundary (the scheduler owns its memory until then)."""
+        with self._cond:
+            request.abort_requested = True
+            if request.phase in (Phase.WAITING, Phase.DECODE):
+                self._finish_locked(request, "abort")
+            self._cond.notify_all()
+
+    def finish(self, request: Request, reason: str) -> None:
+        with self._cond:
+            self._finish_locked(request, "abort" if request.abort_requested else reason)
+
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._accepting = False
+
+    @property
+    def accepting(self) -> bool:
+        with self._cond:
+            return self._accepting
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            while self._requests:
+                left = deadline - self._clock()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+            return True
+
+    # --- what the HTTP side reports -------------------------------------------------------------
+
+    def inflight(self) -> list[dict]:
+        now = self._clock()
+        with self._cond:
+            return [{"rid": r.rid, "prompt_tokens": r.prompt_tokens, "prefilled_tokens": r.prefilled,
+                     "age_s": round(now - r.created, 3)} for r in self._requests.values()]
+
+    def loads(self) -> dict:
+        with self._cond:
+            active = list(self._requests.values())
+        waiting = [r for r in active if r.phase is Phase.WAITING]
+        running = [r for r in active if r.phase in (Phase.PREFILL, Phase.DECODE)]
+        used = sum(r.prefilled + r.generated for r in running)
+        total = self.config.max_total_tokens
+        return {
+            "dp_rank": 0,
+            "num_running_reqs": len(running),
+            "num_waiting_reqs": len(waiting),
+            "num_waiting_uncached_tokens": sum(r.prompt_tokens for r in waiting),
+            "num_used_tokens": used,
+            "num_total_tokens": used,
+            "max_total_num_tokens": total,
+            "max_running_requests": self.config.max_running,
+            "token_usage": round(used / total, 6) if total else 0.0,
+            "memory_bytes": sum(r.memory.nbytes for r in active),
+        }
+
+    # --- the scheduler --------------------------------------------------------------------------
+
+    def _finish_locked(self, request: Request, reason: str) -> None:
+        if request.phase is Phase.FINISHED:
+            return
+        request.phase = Phase.FINISHED
+        request.finish_reason = reason
+        request.memory.release()
+        self._requests.pop(request.rid, None)
+        self._cond.notify_all()
+
+    def _next_batch(self) -> list[tuple[Request, int]] | None:
+        """Under the lock: finishes aborted prefills, admits waiting requests, plans a chunk."""
+        for request in list(self._requests.values()):
+            if request.abort_requested and request.phase in (Phase.WAITING, Phase.PREFILL):
+                self._finish_locked(request, "abort")
+        running = sum(1 for r in self._requests.values() if r.phase in (Phase.PREFILL, Phase.DECODE))
+        for request in self._requests.values():
+            if running >= self.config.max_running:
+                break
+            if request.phase is Phase.WAITING:
+                request.phase = Phase.PREFILL
+                running += 1
+        prefilling = {r.rid: r for r in self._requests.values() if r.phase is Phase.PREFILL}
+        batch = plan_chunk([(rid, r.prompt_tokens - r.prefilled) for rid, r in prefilling.items()],
+                           self.config.chunk_tokens)
+        return [(prefilling[rid], take) for rid, take in batch] or None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                batch = self._next_batch()
+                while batch is None and not self._closed:
+                    self._cond.wait()
+                    batch = self._next_batch()
+                if self._closed:
+                    return
+            self._sleep(sum(take for _, take in batch) / self.config.prefill_tokens_per_s)
+            for request, take in batch:
+                if request.abort_requested:
+                    continue  # finished at the top of the next round, at this chunk boundary
+                try:
+                    request.memory.grow(take * self.config.bytes_per_token)
+                except (MemoryError, OSError) as exc:
+                    # Like a CUDA out-of-memory error in SGLang's scheduler: the rank dies.
+                    self._on_fatal(f"out of memory prefilling request {request.rid} "
+                                   f"({take * self.config.bytes_per_token} more bytes): {exc}")
+                    return
+            with self._cond:
+                for request, take in batch:
+                    if request.phase is Phase.PREFILL and not request.abort_requested:
+                        request.prefilled += take
+                        if request.prefilled >= request.prompt_tokens:
+                            request.phase = Phase.DECODE
+                self._cond.notify_all()

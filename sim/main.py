@@ -1,0 +1,164 @@
+"""Entry point of dsv41-sim-rank: parse the SGLang argv, form the group, serve (rank 0) or follow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Sequence, TextIO
+
+from . import settings as settings_mod
+from .args import SimArgs, parse
+from .engine import Engine, EngineConfig
+from .group import GroupError, Head, Worker
+from .settings import Settings
+
+DEFAULT_CHUNK = 8192  # SGLang picks per GPU when --chunked-prefill-size is absent
+DEFAULT_MAX_RUNNING = 64
+
+
+class Log:
+    """One line per event on a stream, prefixed like SGLang's `[time TPn]`."""
+
+    def __init__(self, rank: int, stream: TextIO, clock: Callable[[], float] = time.time) -> None:
+        self._prefix = f"sim-rank{rank}"
+        self._stream = stream
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def __call__(self, message: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._clock()))
+        with self._lock:
+            self._stream.write(f"[{stamp} {self._prefix}] {message}\n")
+            self._stream.flush()
+
+
+def _die(log: Log, message: str, status: int = 1) -> None:
+    """Exits at once from any thread, as a crashed rank does (the OS frees its memory)."""
+    log(message)
+    os._exit(status)
+
+
+def engine_config(args: SimArgs, settings: Settings) -> EngineConfig:
+    chunk = args.chunked_prefill_size if args.chunked_prefill_size is not None else DEFAULT_CHUNK
+    return EngineConfig(chunk_tokens=int(chunk),
+                        max_running=int(args.max_running_requests or DEFAULT_MAX_RUNNING),
+                        prefill_tokens_per_s=settings.prefill_tokens_per_s,
+                        decode_tokens_per_s=settings.decode_tokens_per_s,
+                        bytes_per_token=settings.bytes_per_token,
+                        max_total_tokens=int(args.max_total_tokens or 0),
+                        context_length=args.context_length)
+
+
+def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
+    # Imported here: http.server pulls in ssl and email (~8 MB) that worker ranks never need.
+    from .api import ApiState, serve
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not stop.is_set():
+            log(f"{signal.Signals(signum).name} received: draining in-flight requests "
+                f"(up to {settings.drain_timeout_s:g} s), then shutting down all ranks")
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    head: Head | None = None
+    if int(args.nnodes) > 1:
+        def on_lost(rank: int, reason: str) -> None:
+            log(f"lost rank {rank} ({reason}); the TP group cannot continue, exiting")
+            assert head is not None
+            head.report_lost(rank, reason)
+            _die(log, f"exit 1: rank {rank} lost")
+
+        head = Head(args, settings.peer_timeout_s, settings.heartbeat_s, log, on_lost)
+        try:
+            head.listen()
+            formed = head.gather(settings.rendezvous_timeout_s, stop)
+        except GroupError as exc:
+            log(f"error: {exc}")
+            return 1
+        if not formed:
+            head.shutdown_workers()
+            log("stopped before the group formed; exit 0")
+            return 0
+
+    engine = Engine(engine_config(args, settings), on_fatal=lambda why: _die(log, f"error: {why}"))
+    engine.start()
+    state = ApiState(args, engine, log)
+    try:
+        server = serve(state, args.host, int(args.port))
+    except OSError as exc:
+        log(f"error: cannot serve HTTP on {args.host}:{args.port}: {exc.strerror or exc}")
+        if head:
+            head.shutdown_workers()
+        return 1
+    if settings.load_s > 0:
+        log(f"HTTP up on {args.host}:{args.port}; /health answers 503 while 'loading' for {settings.load_s:g} s")
+        stop.wait(settings.load_s)
+    if not stop.is_set():
+        state.set_state("serving")
+        log(f"serving {args.model_name} on http://{args.host}:{args.port} (stand-in engine, no model)")
+    while not stop.wait(0.5):
+        pass
+
+    state.set_state("draining")
+    engine.stop_accepting()
+    if not engine.wait_idle(settings.drain_timeout_s):
+        left = engine.abort("", abort_all=True)
+        log(f"drain budget of {settings.drain_timeout_s:g} s spent; aborted {len(left)} requests")
+        engine.wait_idle(5.0)
+    state.wait_responses(5.0)
+    if head:
+        stuck = head.shutdown_workers()
+        if stuck:
+            log(f"ranks {stuck} did not confirm the shutdown")
+    server.shutdown()
+    engine.close()
+    log("drained; all ranks told to exit; exit 0")
+    return 0
+
+
+def run_worker(args: SimArgs, settings: Settings, log: Log) -> int:
+    def on_term(_signum: int, _frame: object) -> None:
+        # Like SGLang: a worker's launcher only logs SIGTERM; it exits when rank 0 shuts the group
+        # down or goes away (stop the head first).
+        log("SIGTERM received and ignored: a worker rank exits when rank 0 shuts the group down or is lost")
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, lambda *_: _die(log, "SIGINT: exiting", 130))
+    worker = Worker(args, settings.peer_timeout_s, settings.heartbeat_s, log)
+    try:
+        worker.join(settings.rendezvous_timeout_s)
+    except GroupError as exc:
+        log(f"error: {exc}")
+        return 1
+    ok, why = worker.follow()
+    if ok:
+        log(f"{why}; exit 0")
+        return 0
+    log(f"error: {why}; the TP group cannot continue, exiting")
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    log = Log(args.rank, sys.stderr)
+    try:
+        settings = settings_mod.from_env(os.environ, args.dist_timeout)
+    except ValueError as exc:
+        log(f"error: {exc}")
+        return 2
+    log(f"dsv41-sim-rank (a stand-in for SGLang: no model, no GPU) rank {args.rank} of {args.nnodes}, "
+        f"pid {os.getpid()}")
+    if args.rank == 0:
+        return run_head(args, settings, log)
+    return run_worker(args, settings, log)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The stand-in's own knobs, read from DSV41_SIM_* environment variables (the coordinator passes
+every DSV41_* key of cluster.env through to the rank's environment)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Settings:
+    prefill_tokens_per_s: float = 20000.0
+    bytes_per_token: int = 16384
+    decode_tokens_per_s: float = 200.0
+    load_s: float = 0.0
+    drain_timeout_s: float = 60.0
+    rendezvous_timeout_s: float = 600.0
+    peer_timeout_s: float = 5.0
+    heartbeat_s: float = 0.5
+
+
+# name -> (field, converter, lowest allowed value, whether 0 is allowed)
+_ENV = {
+    "DSV41_SIM_PREFILL_TOKENS_PER_S": ("prefill_tokens_per_s", float, False),
+    "DSV41_SIM_BYTES_PER_TOKEN": ("bytes_per_token", int, True),
+    "DSV41_SIM_DECODE_TOKENS_PER_S": ("decode_tokens_per_s", float, False),
+    "DSV41_SIM_LOAD_S": ("load_s", float, True),
+    "DSV41_SIM_DRAIN_TIMEOUT_S": ("drain_timeout_s", float, True),
+    "DSV41_SIM_RENDEZVOUS_TIMEOUT_S": ("rendezvous_timeout_s", float, False),
+    "DSV41_SIM_PEER_TIMEOUT_S": ("peer_timeout_s", float, False),
+}
+
+
+def from_env(env: Mapping[str, str], dist_timeout_s: int | None = None) -> Settings:
+    """Settings from the environment; raises ValueError naming the variable and what is allowed.
+    --dist-timeout (SGLang's rendezvous timeout) sets the rendezvous default."""
+    values: dict[str, float | int] = {}
+    if dist_timeout_s is not None:
+        values["rendezvous_timeout_s"] = float(dist_timeout_s)
+    for name, (attr, kind, zero_ok) in _ENV.items():
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise ValueError(f"{name}={raw!r} must be {'zero or more' if zero_ok else 'more than zero'}")
+        values[attr] = value
+    settings = Settings(**values)  # type: ignore[arg-type]
+    # Heartbeats several times per timeout, so one late beat never counts as a lost peer.
+    return Settings(**{**settings.__dict__, "heartbeat_s": min(0.5, settings.peer_timeout_s / 5)})
