@@ -24,7 +24,7 @@ from . import settings as settings_mod
 from .events import EventHub
 from .memory import MemorySampler, PsiTrigger, TriggerWatcher
 from .rank import RankManager
-from .sdnotify import SdNotify
+from dsv41.sdnotify import SdNotify
 from .service import AgentService, ensure_dirs, rank_memory_reader
 from .systemd import Systemd, SystemdError
 

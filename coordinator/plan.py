@@ -293,7 +293,9 @@ def _fabric(cfg: ClusterConfig, node: Node) -> FabricSpec:
     peers = [Peer(n.name, n.address, int(cfg["AGENT_PORT"])) for n in cfg.nodes if n.name != node.name]
     if node.nfs_server and cfg["NFS_SHARE"]:
         peers.append(Peer(f"{cfg.head.name} (NFS)", node.nfs_server, 2049))
-    return FabricSpec(tuple(cfg["IB_HCA"]), str(cfg["FABRIC_IFACE"]), node.address, int(cfg["FABRIC_MTU"]),
+    # Without RoCE (NCCL_NET=Socket or IB disabled) the HCAs are not used, so they are not checked.
+    hcas = tuple(cfg["IB_HCA"]) if uses_roce(cfg) else ()
+    return FabricSpec(hcas, str(cfg["FABRIC_IFACE"]), node.address, int(cfg["FABRIC_MTU"]),
                       sockets, tuple(peers))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from adapter.engram import format as fmt
 from agent.pack.checkpoint import CheckpointError
 from agent.pack.packer import PackError, PackJob, Packer
-from agent.sdnotify import SdNotify
+from dsv41.sdnotify import SdNotify
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 

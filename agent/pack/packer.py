@@ -30,7 +30,7 @@ from adapter.engram import format as fmt
 from agent.pack.checkpoint import EngramTable, SourceRows, engram_tables
 from agent.pack.state import Status, layer_state
 from agent.pack.verify import first_mismatch, sample_rows
-from agent.sdnotify import SdNotify
+from dsv41.sdnotify import SdNotify
 
 MiB = 2**20
 GiB = 2**30

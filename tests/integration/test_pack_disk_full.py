@@ -18,7 +18,7 @@ from test_pack_checkpoint import write_checkpoint  # noqa: E402
 
 from adapter.engram import format as fmt  # noqa: E402
 from agent.pack.packer import PackError, PackJob, Packer  # noqa: E402
-from agent.sdnotify import SdNotify  # noqa: E402
+from dsv41.sdnotify import SdNotify  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

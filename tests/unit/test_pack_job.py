@@ -21,7 +21,7 @@ from adapter.engram.store import RowStore
 from agent.pack.__main__ import main
 from agent.pack.packer import PackError, PackJob, Packer, status_line
 from agent.pack.state import Status, pack_state
-from agent.sdnotify import SdNotify
+from dsv41.sdnotify import SdNotify
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sdnotify import SdNotify
+from dsv41.sdnotify import SdNotify
 
 pytestmark = pytest.mark.unit
 

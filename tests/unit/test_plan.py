@@ -206,3 +206,4 @@ def test_no_gid_to_fill_when_nccl_does_not_use_roce():
         _, plans = cluster(edited(**changes))
         assert plans[1].rank_spec.agent_fills == {}
         assert "NCCL_IB_GID_INDEX" not in plans[1].rank_spec.env
+        assert plans[1].fabric.hcas == ()

@@ -1,0 +1,158 @@
+"""The coordinator's view of one node agent: a gRPC client with a deadline on every call."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import grpc
+
+from dsv41.v1 import agent_pb2 as pb
+from dsv41.v1 import agent_pb2_grpc
+
+from .plan import NodePlan
+
+
+@dataclass(frozen=True)
+class Tls:
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
+class AgentUnavailable(Exception):
+    """The agent could not be reached or refused; the message names the node and says why."""
+
+    def __init__(self, node: str, what: str, error: grpc.RpcError | Exception):
+        code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
+        details = error.details() if isinstance(error, grpc.RpcError) else str(error)
+        super().__init__(f"{node}: {what}: {code}: {details}")
+        self.node = node
+        self.code = code
+        self.details = details
+
+
+def rank_spec_pb(plan: NodePlan, generation: str) -> pb.RankSpec:
+    spec = plan.rank_spec
+    return pb.RankSpec(
+        runtime=spec.runtime, argv=list(spec.argv), env=dict(spec.env), agent_fills=dict(spec.agent_fills),
+        binds=[pb.Bind(source=b.source, target=b.target, read_only=b.read_only) for b in spec.binds],
+        exec_start_pre=[pb.Command(argv=list(c)) for c in spec.exec_start_pre],
+        exec_stop_post=[pb.Command(argv=list(c)) for c in spec.exec_stop_post],
+        stop_timeout_s=spec.stop_timeout_s, fingerprint=plan.fingerprint, rank=plan.rank,
+        cluster_generation=generation, fabric_address=plan.address, hcas=list(plan.fabric.hcas))
+
+
+def fabric_spec_pb(plan: NodePlan) -> pb.FabricSpec:
+    f = plan.fabric
+    return pb.FabricSpec(hcas=list(f.hcas), iface=f.iface, address=f.address, mtu=f.mtu,
+                         socket_ifaces=list(f.socket_ifaces),
+                         peers=[pb.Peer(name=p.name, address=p.address, port=p.port) for p in f.peers])
+
+
+def pack_spec_pb(plan: NodePlan) -> pb.PackSpec:
+    p = plan.pack
+    return pb.PackSpec(source_dir=p.source_dir, out_dir=p.out_dir, tp=p.tp, ranks=list(p.ranks),
+                       layers=list(p.layers))
+
+
+class AgentClient:
+    def __init__(self, node: str, target: str, tls: Tls | None = None, call_timeout_s: float = 10.0,
+                 server_name: str | None = None):
+        self.node = node
+        self.target = target
+        self._timeout = call_timeout_s
+        options = [("grpc.max_receive_message_length", 8 << 20), ("grpc.keepalive_time_ms", 10_000),
+                   ("grpc.keepalive_timeout_ms", 5_000)]
+        if tls is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
+            options.append(("grpc.ssl_target_name_override", server_name or node))
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        self._stub = agent_pb2_grpc.AgentStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, what: str, method, request, timeout: float | None = None):
+        try:
+            return method(request, timeout=timeout or self._timeout)
+        except grpc.RpcError as exc:
+            raise AgentUnavailable(self.node, what, exc) from None
+
+    def status(self, timeout: float | None = None) -> pb.NodeStatus:
+        return self._call("GetStatus", self._stub.GetStatus, pb.GetStatusRequest(), timeout)
+
+    def start_rank(self, plan: NodePlan, generation: str, replace: bool, timeout_s: int) -> pb.StartRankResponse:
+        request = pb.StartRankRequest(spec=rank_spec_pb(plan, generation), replace=replace, start_timeout_s=timeout_s)
+        return self._call("StartRank", self._stub.StartRank, request, timeout_s + 10)
+
+    def stop_rank(self, deadline_s: int) -> pb.StopRankResponse:
+        return self._call("StopRank", self._stub.StopRank, pb.StopRankRequest(deadline_s=deadline_s),
+                          deadline_s + 45)
+
+    def check_fabric(self, plan: NodePlan, timeout: float) -> pb.FabricReport:
+        return self._call("CheckFabric", self._stub.CheckFabric, fabric_spec_pb(plan), timeout)
+
+    def ensure_export(self, plan: NodePlan, timeout: float) -> pb.ExportState:
+        e = plan.export
+        spec = pb.ExportSpec(path=e.path, clients=list(e.clients), options=e.options, backend=e.backend, name=e.name)
+        return self._call("EnsureExport", self._stub.EnsureExport, spec, timeout)
+
+    def ensure_mount(self, plan: NodePlan, timeout: float) -> pb.MountState:
+        m = plan.mount
+        spec = pb.MountSpec(what=m.what, where=m.where, type=m.type, options=m.options, server=m.server,
+                            expected_shards=m.expected_shards)
+        return self._call("EnsureMount", self._stub.EnsureMount, spec, timeout)
+
+    def get_mount(self, timeout: float | None = None) -> pb.MountState:
+        return self._call("GetMount", self._stub.GetMount, pb.GetMountRequest(), timeout)
+
+    def pack_state(self, plan: NodePlan, timeout: float | None = None) -> pb.PackState:
+        return self._call("GetPackState", self._stub.GetPackState, pack_spec_pb(plan), timeout)
+
+    def start_pack(self, plan: NodePlan) -> pb.PackState:
+        return self._call("StartPack", self._stub.StartPack, pb.StartPackRequest(spec=pack_spec_pb(plan)))
+
+    def put_file(self, name: str, content: bytes) -> pb.FileDigest:
+        return self._call("PutFile", self._stub.PutFile, pb.PutFileRequest(path=name, content=content, mode=0o644))
+
+    def remove_file(self, name: str) -> pb.FileDigest:
+        return self._call("RemoveFile", self._stub.RemoveFile, pb.RemoveFileRequest(path=name))
+
+    def file_digest(self, name: str) -> pb.FileDigest:
+        return self._call("GetFileDigest", self._stub.GetFileDigest, pb.FileDigestRequest(path=name))
+
+    def clear_caches(self, which: str) -> pb.ClearCachesResponse:
+        return self._call("ClearCaches", self._stub.ClearCaches, pb.ClearCachesRequest(which=which), 60)
+
+    def read_journal(self, lines: int, follow: bool) -> Iterator[pb.JournalLine]:
+        return self._stub.ReadJournal(pb.ReadJournalRequest(lines=lines, follow=follow),
+                                      timeout=None if follow else 30)
+
+    def watch_rank(self, on_event: Callable[[pb.RankEvent], None], on_lost: Callable[[str], None],
+                   stop: threading.Event) -> threading.Thread:
+        """Follows the rank unit's state in a thread; re-subscribes when the stream breaks."""
+        def run() -> None:
+            while not stop.is_set():
+                stream = self._stub.WatchRank(pb.WatchRankRequest())
+                try:
+                    for event in stream:
+                        if stop.is_set():
+                            break
+                        on_event(event)
+                except grpc.RpcError as exc:
+                    if stop.is_set():
+                        break
+                    on_lost(f"{exc.code().name}: {exc.details()}")
+                finally:
+                    stream.cancel()
+                stop.wait(1.0)
+        thread = threading.Thread(target=run, name=f"watch-{self.node}", daemon=True)
+        thread.start()
+        return thread
+
+    def watch_memory(self, interval_ms: int, psi_trigger: bool = True):
+        return self._stub.WatchMemory(pb.WatchMemoryRequest(interval_ms=interval_ms, psi_trigger=psi_trigger))

@@ -1,0 +1,550 @@
+"""The cluster runtime: bring-up, supervision, restart policy and stop, over the node agents.
+
+One supervisor thread performs every action in order (start, stop, restart, a rank's exit), so
+two actions never race; rank watchers and the control socket only enqueue. The coordinator never
+touches D-Bus, sysfs or netlink itself: it asks the agents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from dsv41.journal import EventLog
+from dsv41.v1 import agent_pb2 as pb
+
+from . import plan as plan_mod
+from . import serving
+from .agents import AgentClient, AgentUnavailable
+from .config import ClusterConfig
+
+STEPS = ("preflight", "share", "fabric", "pack", "launch", "health", "smoke")
+GIB = 1 << 30
+STABLE_SERVING_S = 600.0  # serving this long resets the restart attempt counter
+
+
+class StepFailed(Exception):
+    def __init__(self, step: str, node: str | None, reason: str):
+        super().__init__(f"{step}: {node + ': ' if node else ''}{reason}")
+        self.step, self.node, self.reason = step, node, reason
+
+
+@dataclass(frozen=True)
+class Incident:
+    at_unix_s: float
+    node: str
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    phase: str = "stopped"
+    detail: str = ""
+    since: float = 0.0
+    serving_since: float = 0.0
+    restart_attempt: int = 0
+    generation: str = ""
+    last_incident: Incident | None = None
+    fabric: dict = field(default_factory=dict)  # node -> FabricReport
+    fingerprints: dict = field(default_factory=dict)  # node -> plan fingerprint
+    ranks: dict = field(default_factory=dict)  # node -> last RankState seen
+
+
+def generation_of(plans) -> str:
+    return hashlib.sha256(",".join(p.fingerprint for p in plans).encode()).hexdigest()[:12]
+
+
+class ClusterRuntime:
+    def __init__(self, cfg: ClusterConfig, clients: dict[str, AgentClient], log: EventLog,
+                 table_source_dir: str = plan_mod.STATE_DIR, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep, monotonic: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.clients = clients
+        self._log = log
+        self._table_dir = table_source_dir
+        self._clock, self._sleep, self._monotonic = clock, sleep, monotonic
+        self._lock = threading.Lock()
+        self._snapshot = Snapshot(since=clock())
+        self._actions: queue.Queue = queue.Queue()
+        self._stop_watchers = threading.Event()
+        self._watch_threads: list[threading.Thread] = []
+        self._exited: dict[str, str] = {}  # node -> why its rank is gone, during a bring-up
+        self._incidents: list[Incident] = []
+        self._incident_listeners: list[Callable[[Incident], None]] = []
+        self._plans: tuple[plan_mod.NodePlan, ...] = ()
+        self._launched: dict[str, str] = {}  # node -> invocation ID of the rank this generation started
+        self._operator = threading.Event()  # an operator's action is waiting: it beats a restart backoff
+        self._done = threading.Event()
+        self._worker = threading.Thread(target=self._run, name="supervisor", daemon=True)
+        self.base_url = f"http://{cfg['HEAD_IP']}:{cfg['PORT']}"
+
+    # -- public, thread-safe
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return self._snapshot
+
+    def incidents(self) -> list[Incident]:
+        with self._lock:
+            return list(self._incidents)
+
+    def on_incident(self, listener: Callable[[Incident], None]) -> None:
+        self._incident_listeners.append(listener)
+
+    def run(self, autostart: bool = True) -> None:
+        """Starts the supervisor: re-adopt what runs, else bring the cluster up when asked to."""
+        for client in self.clients.values():
+            self._watch_threads.append(client.watch_rank(
+                lambda event, node=client.node: self._on_rank_event(node, event),
+                lambda why, node=client.node: self._on_watch_lost(node, why), self._stop_watchers))
+        self._worker.start()
+        self._actions.put(("adopt_or_start", autostart))
+
+    def request(self, action: str) -> None:
+        self._operator.set()
+        self._actions.put((action, None))
+
+    def shutdown(self, stop_cluster: bool) -> None:
+        """Stops the supervisor; with stop_cluster, brings the ranks down and confirms it on every node."""
+        self._operator.set()
+        self._actions.put(("shutdown", stop_cluster))
+        self._done.wait()
+        self._stop_watchers.set()
+
+    # -- state
+
+    def _set(self, **changes) -> Snapshot:
+        with self._lock:
+            if "phase" in changes and changes["phase"] != self._snapshot.phase:
+                changes.setdefault("since", self._clock())
+            self._snapshot = replace(self._snapshot, **changes)
+            return self._snapshot
+
+    def _incident(self, node: str, kind: str, message: str) -> Incident:
+        incident = Incident(self._clock(), node, kind, message)
+        with self._lock:
+            self._incidents.append(incident)
+            del self._incidents[:-200]
+            self._snapshot = replace(self._snapshot, last_incident=incident)
+        self._log.error("incident", f"{node}: {message}", node_name=node, incident=kind)
+        for listener in list(self._incident_listeners):
+            listener(incident)
+        return incident
+
+    # -- rank watching
+
+    def _on_rank_event(self, node: str, event: pb.RankEvent) -> None:
+        rank = event.rank
+        with self._lock:
+            ranks = dict(self._snapshot.ranks)
+            previous = ranks.get(node)
+            ranks[node] = rank
+            self._snapshot = replace(self._snapshot, ranks=ranks)
+            phase = self._snapshot.phase
+        was_running = previous is not None and previous.active_state in ("active", "activating")
+        if was_running and rank.active_state not in ("active", "activating", "reloading"):
+            exit_info = rank.last_exit
+            why = (f"rank unit {rank.active_state}: result {exit_info.result or 'unknown'}, "
+                   f"{exit_info.code or 'exit'} status {exit_info.status}")
+            if exit_info.invocation_id and exit_info.invocation_id == self._launched.get(node):
+                self._exited[node] = why  # only exits of the ranks this bring-up started count
+            if phase in ("serving", "health", "smoke"):
+                self._actions.put(("rank_exited", (node, why, exit_info.invocation_id)))
+
+    def _on_watch_lost(self, node: str, why: str) -> None:
+        self._log.warning("agent_stream_lost", f"{node}: lost the rank watch ({why}); re-subscribing",
+                          node_name=node)
+
+    # -- the supervisor
+
+    def _run(self) -> None:
+        while True:
+            action, arg = self._actions.get()
+            if action in ("start", "stop", "restart", "shutdown"):
+                self._operator.clear()
+            try:
+                if action == "shutdown":
+                    if arg:
+                        self._stop_cluster("coordinator stopping")
+                    self._done.set()
+                    return
+                if action == "adopt_or_start":
+                    if not self._adopt() and arg:
+                        self._bring_up_with_retries()
+                elif action == "start":
+                    if self.snapshot().phase != "serving":
+                        self._bring_up_with_retries(reset_attempts=True)
+                elif action == "stop":
+                    self._stop_cluster("requested by dsv41ctl stop")
+                elif action == "restart":
+                    self._stop_cluster("restart requested")
+                    self._bring_up_with_retries(reset_attempts=True)
+                elif action == "rank_exited":
+                    node, why, invocation = arg
+                    # Exits of ranks from before the last (re)start are old news.
+                    if self.snapshot().phase == "serving" and invocation == self._launched.get(node):
+                        self._incident(node, "rank_exit", why)
+                        self._recover(f"rank on {node} exited: {why}")
+            except Exception as exc:  # the supervisor must survive anything an action throws
+                self._log.error("supervisor_error", f"{action} failed unexpectedly: {exc!r}")
+                self._set(phase="failed", detail=f"{action}: internal error: {exc}")
+
+    def _recover(self, cause: str) -> None:
+        """A rank of a serving cluster is gone: the TP group is broken. Stop it all, then restart."""
+        self._stop_cluster(f"recovering: {cause}")
+        self._bring_up_with_retries(first_cause=cause)
+
+    def _bring_up_with_retries(self, reset_attempts: bool = False, first_cause: str | None = None) -> None:
+        snap = self._set(restart_attempt=0) if reset_attempts else self.snapshot()
+        attempt = snap.restart_attempt
+        if snap.serving_since and self._clock() - snap.serving_since > STABLE_SERVING_S:
+            attempt = 0
+        cause = first_cause
+        while True:
+            if cause is not None:
+                attempt += 1
+                max_attempts = int(self.cfg["RESTART_MAX_ATTEMPTS"])
+                if attempt > max_attempts:
+                    self._set(phase="failed", restart_attempt=attempt - 1,
+                              detail=f"gave up after {max_attempts} restart attempt(s); last cause: {cause}")
+                    self._log.error("restart_exhausted", f"not restarting again: {cause}", attempts=max_attempts)
+                    return
+                delay = float(self.cfg["RESTART_BACKOFF_S"]) * 2 ** (attempt - 1)
+                self._set(phase="restarting", restart_attempt=attempt,
+                          detail=f"attempt {attempt}/{max_attempts} in {delay:g} s after: {cause}")
+                self._log.warning("restart_attempt", f"restart attempt {attempt}/{max_attempts} in {delay:g} s: "
+                                  f"{cause}", attempt=attempt, delay_s=delay)
+                if self._operator.wait(delay):
+                    return  # an operator's stop/restart arrived during the backoff: it wins
+            try:
+                self._bring_up()
+                return
+            except StepFailed as exc:
+                self._incident(exc.node or "cluster", f"{exc.step}_failed", exc.reason)
+                self._stop_cluster(f"bring-up failed at {exc.step}", final_phase=None)
+                self._set(phase="failed", detail=str(exc))
+                if exc.step in ("preflight", "share", "fabric", "pack"):
+                    return  # a restart cannot fix configuration or a node that is not ready
+                cause = str(exc)
+
+    # -- bring-up
+
+    def _bring_up(self) -> None:
+        self._exited.clear()
+        self._launched.clear()
+        step_deadlines = {"preflight": "PREFLIGHT_TIMEOUT_S", "share": "SHARE_TIMEOUT_S", "fabric": "FABRIC_TIMEOUT_S",
+                          "pack": "PACK_TIMEOUT_S", "launch": "LAUNCH_TIMEOUT_S", "health": "HEALTH_TIMEOUT_S",
+                          "smoke": "SMOKE_TIMEOUT_S"}
+        for step in STEPS:
+            if step == "smoke" and self.cfg["SKIP_SMOKE"]:
+                continue
+            self._set(phase=step, detail="")
+            deadline = float(self.cfg[step_deadlines[step]])
+            started = self._monotonic()
+            self._log.info("step_started", f"bring-up: {step}", step=step)
+            getattr(self, f"_step_{step}")(deadline)
+            self._log.info("step_done", f"bring-up: {step} done in {self._monotonic() - started:.2f} s", step=step,
+                           duration_s=round(self._monotonic() - started, 3))
+        now = self._clock()
+        ranks = len(self._plans)
+        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {ranks}/{ranks} ranks", serving_since=now)
+        self._log.info("serving", f"cluster serving at {self.base_url} ({ranks}/{ranks} ranks, generation "
+                       f"{self.snapshot().generation})", generation=self.snapshot().generation)
+
+    def _each(self, fn: Callable[[AgentClient], object], step: str) -> dict[str, object]:
+        """Runs fn on every node concurrently; the first error fails the step naming its node."""
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
+            futures = {name: pool.submit(fn, client) for name, client in self.clients.items()}
+        results, errors = {}, []
+        for name, future in futures.items():
+            try:
+                results[name] = future.result()
+            except AgentUnavailable as exc:
+                errors.append(StepFailed(step, name, f"agent at {self.clients[name].target}: {exc.code}: "
+                                                      f"{exc.details}"))
+            except StepFailed as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return results
+
+    def _step_preflight(self, deadline: float) -> None:
+        statuses = self._each(lambda c: c.status(timeout=min(deadline, 10.0)), "preflight")
+        versions = {name: s.agent_version for name, s in statuses.items()}
+        if len(set(versions.values())) > 1:
+            raise StepFailed("preflight", None, "agents run different versions: " +
+                             ", ".join(f"{n} {v}" for n, v in versions.items()) + "; upgrade every node to one version")
+        digests = {name: s.adapter_digest for name, s in statuses.items()}
+        if len(set(digests.values())) > 1:
+            raise StepFailed("preflight", None, "adapter files differ between nodes: " +
+                             ", ".join(f"{n} {d[:12] or 'none'}" for n, d in digests.items()) +
+                             "; install the same dsv41-adapter everywhere")
+        self._plans = self._render_plans(sync_tables=True)
+        plans = {p.node: p for p in self._plans}
+        need = float(self.cfg["RANK_MEMORY_GIB"]) * GIB
+        for name, status in statuses.items():
+            rank = status.rank
+            running = rank.active_state in ("active", "activating")
+            if running and rank.fingerprint != plans[name].fingerprint:
+                self._log.warning("stale_rank", f"{name} runs plan {rank.fingerprint}, not {plans[name].fingerprint}:"
+                                  " stopping it before launch", node_name=name)
+                self.clients[name].stop_rank(int(self.cfg["RANK_STOP_TIMEOUT_S"]))
+                status = self.clients[name].status()
+            available = status.memory.available_bytes
+            if not running and available < need:
+                raise StepFailed("preflight", name, f"{available / GIB:.1f} GiB available, a rank needs "
+                                                    f"{need / GIB:.1f} GiB (RANK_MEMORY_GIB)")
+        self._set(generation=generation_of(self._plans),
+                  fingerprints={p.node: p.fingerprint for p in self._plans})
+
+    def _render_plans(self, sync_tables: bool) -> tuple[plan_mod.NodePlan, ...]:
+        """Renders plans; the DSpark table flags only when every node holds the head's copy."""
+        probe = plan_mod.render_cluster(self.cfg, dspark_tables=True)
+        tables = probe[0].dspark_tables  # rank path -> node path
+        if not tables:
+            return plan_mod.render_cluster(self.cfg)
+        names = [os.path.basename(node_path) for node_path in tables.values()]
+        head = self.cfg.head.name
+        sources = {}
+        for name in names:
+            path = os.path.join(self._table_dir, name)
+            try:
+                with open(path, "rb") as f:
+                    sources[name] = f.read()
+            except FileNotFoundError:
+                sources[name] = None
+        present = all(content is not None for content in sources.values())
+        for node, client in self.clients.items():
+            for name, content in sources.items():
+                if node == head:
+                    continue
+                if sync_tables:
+                    if content is None:
+                        client.remove_file(name)  # a stale copy would make ranks disagree
+                    else:
+                        digest = client.file_digest(name)
+                        if digest.sha256 != hashlib.sha256(content).hexdigest():
+                            client.put_file(name, content)
+        if not present:
+            missing = [n for n, c in sources.items() if c is None]
+            self._log.info("dspark_tables_absent", f"DSpark tables not on the head ({', '.join(missing)} in "
+                           f"{self._table_dir}): no rank gets the table flags")
+            return plan_mod.render_cluster(self.cfg)
+        want = {name: hashlib.sha256(content).hexdigest() for name, content in sources.items()}
+        for node, client in self.clients.items():
+            for name, sha in want.items():
+                got = client.file_digest(name)
+                if got.sha256 != sha:
+                    raise StepFailed("preflight", node, f"DSpark table {name} differs from the head's "
+                                                        f"({got.sha256[:12] or 'absent'} != {sha[:12]}): ranks would "
+                                                        "disagree on the verify schedule")
+        return plan_mod.render_cluster(self.cfg, dspark_tables=True)
+
+    def _step_share(self, deadline: float) -> None:
+        if not self.cfg["NFS_SHARE"]:
+            return
+        plans = {p.node: p for p in self._plans}
+        head = self.cfg.head.name
+        try:
+            state = self.clients[head].ensure_export(plans[head], deadline)
+        except AgentUnavailable as exc:
+            raise StepFailed("share", head, f"export: {exc.code}: {exc.details}") from None
+        if not state.exported:
+            raise StepFailed("share", head, f"export of {plans[head].export.path} failed: {state.detail}")
+        end = self._monotonic() + deadline
+        workers = [n for n in self.clients if n != head]
+        for node in workers:
+            try:
+                self.clients[node].ensure_mount(plans[node], deadline)
+            except AgentUnavailable as exc:
+                raise StepFailed("share", node, f"mount: {exc.code}: {exc.details}") from None
+        pending = set(workers)
+        last: dict[str, pb.MountState] = {}
+        while pending:
+            for node in sorted(pending):
+                last[node] = self.clients[node].get_mount()
+                if last[node].state == pb.MountState.HEALTHY:
+                    pending.discard(node)
+            if not pending:
+                break
+            if self._monotonic() > end:
+                node = sorted(pending)[0]
+                state = last[node]
+                raise StepFailed("share", node, f"mount of {plans[node].mount.what} at {plans[node].mount.where} is "
+                                                f"{pb.MountState.State.Name(state.state).lower()}: {state.detail}")
+            self._sleep(0.5)
+
+    def _step_fabric(self, deadline: float) -> None:
+        plans = {p.node: p for p in self._plans}
+        reports = self._each(lambda c: c.check_fabric(plans[c.node], deadline), "fabric")
+        self._set(fabric=reports)
+        for node, report in reports.items():
+            if not report.ok:
+                failed = [f"{c.name}: {c.detail}" for c in report.checks if not c.ok]
+                raise StepFailed("fabric", node, "; ".join(failed) or "fabric check failed")
+
+    def _step_pack(self, deadline: float) -> None:
+        todo = [p for p in self._plans if p.pack.required]
+        if not todo:
+            return
+        plans = {p.node: p for p in todo}
+        states = {p.node: self.clients[p.node].pack_state(p) for p in todo}
+        incomplete = {n: [l for l in s.layers if l.state != "complete"] for n, s in states.items()}
+        incomplete = {n: ls for n, ls in incomplete.items() if ls}
+        if not incomplete:
+            return
+        if not plans[next(iter(incomplete))].pack.run_if_missing:
+            node, layers = next(iter(incomplete.items()))
+            what = ", ".join(f"layer {l.layer} rank {l.rank}: {l.state}" + (f" ({l.detail})" if l.detail else "")
+                             for l in layers)
+            raise StepFailed("pack", node, f"packed Engram shards not complete ({what}); run `dsv41ctl pack` "
+                                           "or set SKIP_PREPARE=0")
+        for node in incomplete:
+            self.clients[node].start_pack(plans[node])
+        end = self._monotonic() + deadline
+        while incomplete:
+            if self._monotonic() > end:
+                raise StepFailed("pack", sorted(incomplete)[0], f"pack not complete after {deadline:g} s")
+            self._sleep(2.0)
+            for node in list(incomplete):
+                state = self.clients[node].pack_state(plans[node])
+                if all(l.state == "complete" for l in state.layers):
+                    del incomplete[node]
+                elif not state.running:
+                    bad = [l for l in state.layers if l.state != "complete"]
+                    raise StepFailed("pack", node, f"pack job ended with {bad[0].state}: {bad[0].detail or state.status_text}")
+
+    def _step_launch(self, deadline: float) -> None:
+        # Workers first, then the head: rank 0 starts the rendezvous the others are waiting for.
+        generation = self.snapshot().generation
+        order = sorted(self._plans, key=lambda p: (p.rank == 0, p.rank))
+        for node_plan in order:
+            try:
+                reply = self.clients[node_plan.node].start_rank(node_plan, generation, replace=True,
+                                                                timeout_s=int(deadline))
+            except AgentUnavailable as exc:
+                raise StepFailed("launch", node_plan.node, f"{exc.code}: {exc.details}") from None
+            with self._lock:
+                ranks = dict(self._snapshot.ranks)
+                ranks[node_plan.node] = reply.rank
+                self._snapshot = replace(self._snapshot, ranks=ranks)
+                self._launched[node_plan.node] = reply.rank.invocation_id
+            self._log.info("rank_launched", f"{node_plan.node}: rank {node_plan.rank} "
+                           f"{pb.StartRankResponse.Outcome.Name(reply.outcome).lower()} (pid {reply.rank.main_pid})",
+                           node_name=node_plan.node, rank=node_plan.rank, pid=reply.rank.main_pid)
+
+    def _first_exit(self) -> str | None:
+        for node, why in list(self._exited.items()):
+            return f"rank on {node} exited during bring-up: {why}"
+        return None
+
+    def _step_health(self, deadline: float) -> None:
+        result = serving.wait_healthy(self.base_url, deadline, self._first_exit, sleep=self._sleep,
+                                      monotonic=self._monotonic)
+        if not result.ok:
+            raise StepFailed("health", self.cfg.head.name, result.detail)
+
+    def _step_smoke(self, deadline: float) -> None:
+        result = serving.smoke(self.base_url, str(self.cfg["SERVED_MODEL_NAME"]), bool(self.cfg["SMOKE_QUICK"]),
+                               int(self.cfg["MAX_RUNNING_REQUESTS"]), timeout=deadline)
+        if not result.ok:
+            raise StepFailed("smoke", self.cfg.head.name, result.detail)
+        exited = self._first_exit()
+        if exited:
+            raise StepFailed("smoke", None, exited)
+
+    # -- adoption and stop
+
+    def _adopt(self) -> bool:
+        """A restarted coordinator takes over ranks that run the current plans instead of restarting them."""
+        try:
+            statuses = self._each(lambda c: c.status(), "adopt")
+        except StepFailed as exc:
+            self._log.warning("adopt_skipped", f"cannot see every agent ({exc}); bringing the cluster up instead")
+            return False
+        running = {n for n, s in statuses.items() if s.rank.active_state in ("active", "activating")}
+        if not running:
+            return False
+        try:
+            plans = self._render_plans(sync_tables=False)
+        except (AgentUnavailable, StepFailed):
+            return False
+        matches = all(statuses[p.node].rank.fingerprint == p.fingerprint for p in plans)
+        if running != set(self.clients) or not matches:
+            self._log.warning("adopt_refused", "ranks running do not match the current plans on every node "
+                              f"(running on {', '.join(sorted(running))}); restarting the cluster")
+            return False
+        self._plans = plans
+        self._launched = {n: s.rank.invocation_id for n, s in statuses.items()}
+        with self._lock:
+            self._snapshot = replace(self._snapshot, ranks={n: s.rank for n, s in statuses.items()},
+                                     generation=generation_of(plans),
+                                     fingerprints={p.node: p.fingerprint for p in plans})
+        self._set(phase="health", detail="re-adopting running ranks")
+        result = serving.health(self.base_url)
+        if not result.ok:
+            self._log.warning("adopt_refused", f"running ranks do not answer ({result.detail}); restarting")
+            return False
+        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {len(plans)}/{len(plans)} ranks "
+                                          "(re-adopted)", serving_since=self._clock())
+        self._log.info("adopted", f"re-adopted a serving cluster ({len(plans)} ranks, generation "
+                       f"{generation_of(plans)}) without restarting it")
+        return True
+
+    def _stop_cluster(self, why: str, final_phase: str | None = "stopped") -> None:
+        """Rank 0 first (it drains), then the workers; then confirm on every node that nothing is left."""
+        self._set(phase="stopping", detail=why)
+        deadline = int(self.cfg["RANK_STOP_TIMEOUT_S"])
+        head = self.cfg.head.name
+        results: dict[str, str] = {}
+
+        def stop(client: AgentClient) -> str:
+            try:
+                reply = client.stop_rank(deadline)
+                return pb.StopRankResponse.Outcome.Name(reply.outcome).lower()
+            except AgentUnavailable as exc:
+                return f"not confirmed: {exc.code}: {exc.details}"
+
+        results[head] = stop(self.clients[head])
+        workers = [c for n, c in self.clients.items() if n != head]
+        with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
+            for client, outcome in zip(workers, pool.map(stop, workers)):
+                results[client.node] = outcome
+        for node, client in self.clients.items():
+            try:
+                state = client.status().rank.active_state
+                confirmed = state in ("absent", "inactive")
+                detail = f"rank unit {state}"
+            except AgentUnavailable as exc:
+                confirmed, detail = False, f"agent unreachable: {exc.details}"
+            priority = "info" if confirmed else "err"
+            self._log.event("rank_stop_confirmed" if confirmed else "rank_stop_unconfirmed",
+                            f"{node}: stop {results[node]}; {detail}", priority, node_name=node)
+        if final_phase:
+            self._set(phase=final_phase, detail=why, serving_since=0.0)
+        self._wait_memory_back()
+
+    def _wait_memory_back(self) -> None:
+        """A restart must not stack a new rank on memory the old one has not returned yet."""
+        need = float(self.cfg["RANK_MEMORY_GIB"]) * GIB
+        end = self._monotonic() + float(self.cfg["MEMORY_RECOVERY_TIMEOUT_S"])
+        pending = set(self.clients)
+        while pending and self._monotonic() < end:
+            for node in sorted(pending):
+                try:
+                    if self.clients[node].status().memory.available_bytes >= need:
+                        pending.discard(node)
+                except AgentUnavailable:
+                    pass
+            if pending:
+                self._sleep(1.0)
+        for node in sorted(pending):
+            self._log.warning("memory_not_back", f"{node}: available memory still below RANK_MEMORY_GIB after the "
+                              "stop", node_name=node)

@@ -1,0 +1,147 @@
+"""Health and smoke checks against rank 0's OpenAI-compatible HTTP API (stdlib HTTP only).
+
+A worker's own /health proves nothing (it always answers 200); only rank 0's counts, and a
+real completion is the proof: 19+23 must come back as 42 with finish_reason "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ok: bool
+    detail: str
+
+
+def _request(url: str, body: dict | None, timeout: float, api_key: str | None = None) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read().decode(errors="replace")
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")[:500]
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text[:500]
+
+
+def health(base: str, timeout: float = 20.0) -> CheckResult:
+    try:
+        status, body = _request(f"{base}/health", None, timeout)
+    except (OSError, urllib.error.URLError) as exc:
+        return CheckResult(False, f"{base}/health: {getattr(exc, 'reason', exc)}")
+    return CheckResult(status == 200, f"{base}/health answered {status}")
+
+
+def wait_healthy(base: str, deadline_s: float, abort: Callable[[], str | None],
+                 sleep: Callable[[float], None] = time.sleep, monotonic: Callable[[], float] = time.monotonic,
+                 interval_s: float = 1.0) -> CheckResult:
+    """Polls /health until 200, the deadline, or `abort()` names a reason (e.g. a rank exited)."""
+    end = monotonic() + deadline_s
+    last = CheckResult(False, "not asked yet")
+    while monotonic() < end:
+        reason = abort()
+        if reason:
+            return CheckResult(False, reason)
+        last = health(base, timeout=min(20.0, max(1.0, end - monotonic())))
+        if last.ok:
+            return last
+        sleep(interval_s)
+    return CheckResult(False, f"rank 0 not healthy after {deadline_s:g} s (last: {last.detail})")
+
+
+def _chat(base: str, model: str, messages: list, timeout: float, api_key: str | None = None, **extra) -> dict:
+    body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": extra.pop("max_tokens", 64),
+            **extra}
+    status, reply = _request(f"{base}/v1/chat/completions", body, timeout, api_key)
+    if status != 200 or not isinstance(reply, dict):
+        raise SmokeFailed(f"/v1/chat/completions answered {status}: {str(reply)[:200]}")
+    return reply
+
+
+class SmokeFailed(Exception):
+    pass
+
+
+def _choice(reply: dict) -> tuple[dict, str]:
+    try:
+        choice = reply["choices"][0]
+        return choice["message"], choice.get("finish_reason") or ""
+    except (KeyError, IndexError, TypeError):
+        raise SmokeFailed(f"malformed completion: {str(reply)[:200]}") from None
+
+
+def looks_like_garbage(text: str) -> str | None:
+    """Why a reply looks like the NaN-logits failure (empty, replacement characters, one token
+    repeated), or None when it reads like text."""
+    stripped = text.strip()
+    if not stripped:
+        return "empty answer"
+    if "\ufffd" in stripped:
+        return "replacement characters in the answer"
+    words = stripped.split()
+    if len(words) >= 8 and len(set(words)) <= 2:
+        return f"one word repeated: {words[0]!r}"
+    letters = sum(ch.isalnum() for ch in stripped)
+    if letters < len(stripped) * 0.4:
+        return "mostly punctuation or symbols"
+    return None
+
+
+def smoke(base: str, model: str, quick: bool, batch: int, timeout: float, api_key: str | None = None) -> CheckResult:
+    try:
+        message, finish = _choice(_chat(base, model, [{"role": "user", "content": "What is 19+23? Answer with the "
+                                                        "number only."}], timeout, api_key))
+        content = str(message.get("content") or "")
+        if not re.search(r"(?<!\d)42(?!\d)", content) or finish != "stop":
+            return CheckResult(False, f"19+23 came back as {content[:80]!r} (finish_reason {finish!r}); expected 42, stop")
+        if quick:
+            return CheckResult(True, "19+23 = 42")
+        schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+        message, _ = _choice(_chat(base, model, [{"role": "user", "content": "Give 19+23 as JSON."}], timeout,
+                                   api_key, response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "sum", "schema": schema}}))
+        try:
+            parsed = json.loads(message.get("content") or "")
+            if not isinstance(parsed, dict) or not isinstance(parsed.get("answer"), int):
+                raise ValueError
+        except ValueError:
+            return CheckResult(False, f"JSON-schema answer is not valid: {str(message.get('content'))[:80]!r}")
+        tool = {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "a": {"type": "integer"}, "b": {"type": "integer"}},
+                                                     "required": ["a", "b"]}}}
+        message, finish = _choice(_chat(base, model, [{"role": "user", "content": "Use the add tool for 19+23."}],
+                                        timeout, api_key, tools=[tool]))
+        calls = message.get("tool_calls") or []
+        if not calls or calls[0].get("function", {}).get("name") != "add":
+            return CheckResult(False, f"no tool call in the answer (finish_reason {finish!r})")
+        prompts = [f"Write one sentence about the number {n}." for n in range(batch)]
+        with ThreadPoolExecutor(max_workers=batch) as pool:
+            replies = list(pool.map(lambda p: _chat(base, model, [{"role": "user", "content": p}], timeout, api_key),
+                                    prompts))
+        for prompt, reply in zip(prompts, replies):
+            text = str(_choice(reply)[0].get("content") or "")
+            why = looks_like_garbage(text)
+            if why:
+                return CheckResult(False, f"batch of {batch}: {why} for {prompt!r}: {text[:80]!r}")
+        return CheckResult(True, f"19+23 = 42, JSON schema, tool call, batch of {batch} readable")
+    except SmokeFailed as exc:
+        return CheckResult(False, str(exc))
+    except (OSError, urllib.error.URLError) as exc:
+        return CheckResult(False, f"{base}: {getattr(exc, 'reason', exc)}")
