@@ -1,0 +1,275 @@
+#!/usr/bin/python3
+"""Builds the Debian packages from a clean copy of the tree (`make debs` runs this).
+
+    packaging/debs.py build [--out DIR] [--version-suffix SUFFIX] [--source worktree|HEAD]
+    packaging/debs.py lintian [--out DIR]
+    packaging/debs.py version [--version-suffix SUFFIX]
+
+build: copies the tracked files (as they are in the working tree, or as committed in HEAD) into a
+temporary directory, adds packaging/debian as debian/ with a changelog whose version comes from
+dsv41/version.py, runs `dpkg-buildpackage -A` in a fixed environment (system PATH, C.UTF-8, UTC,
+SOURCE_DATE_EPOCH of the last commit, umask 022) and leaves the .deb, .buildinfo and .changes
+files in DIR (default packaging/out). The same tree and commit give byte-identical .deb files.
+
+lintian: runs lintian on the .changes file in DIR; exits 1 when lintian reports an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import email.utils
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "packaging" / "out"
+SOURCE_NAME = "dsv41"
+DISTRIBUTION = "unstable"
+# Debian's tools only: a pyenv or venv python3 ahead of these breaks dh_python3 and pybuild.
+BUILD_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+# Directories whose untracked files would be silently left out of a build: worth a warning.
+PACKAGED_DIRS = ("agent", "coordinator", "dsv41", "adapter", "sim", "units", "packaging")
+_SUFFIX = re.compile(r"[A-Za-z0-9.+~]*")
+_UPSTREAM = re.compile(r"[0-9][A-Za-z0-9.+~]*")
+BUILD_OUTPUTS = ("*.deb", "*.buildinfo", "*.changes")
+
+
+class BuildError(RuntimeError):
+    """The packages could not be built; the message says why."""
+
+
+@dataclass(frozen=True)
+class SourceState:
+    commit: str          # full hash of HEAD
+    epoch: int           # committer time of HEAD: SOURCE_DATE_EPOCH
+    modified: tuple[str, ...]   # tracked files that differ from HEAD
+    untracked: tuple[str, ...]  # untracked files under PACKAGED_DIRS (left out of the build)
+
+
+# ----- pure decisions -----
+
+def read_version(version_py: str) -> str:
+    """VERSION = "x.y.z" from the text of dsv41/version.py, without importing it."""
+    for node in ast.parse(version_py).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "VERSION"
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            return node.value.value
+    raise BuildError("dsv41/version.py: no VERSION = \"...\" assignment")
+
+
+def debian_version(version: str, suffix: str = "") -> str:
+    """The native package's version: the project version, plus an optional suffix that makes a
+    rebuild of the same version sort higher (+1, +2, ...) or lower (~rc1) for dpkg."""
+    if not _UPSTREAM.fullmatch(version):
+        raise BuildError(f"version {version!r}: must start with a digit and hold only letters, digits and . + ~")
+    if not _SUFFIX.fullmatch(suffix):
+        raise BuildError(f"version suffix {suffix!r}: only letters, digits and . + ~ are allowed (e.g. +1)")
+    if suffix and suffix[0] not in "+~.":
+        raise BuildError(f"version suffix {suffix!r}: must start with + (sorts higher), ~ (lower) or .")
+    return version + suffix
+
+
+def changelog(version: str, maintainer: str, epoch: int, commit: str, modified: bool) -> str:
+    """debian/changelog with one entry; dated SOURCE_DATE_EPOCH so that rebuilds are identical."""
+    when = email.utils.format_datetime(datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc))
+    what = f"Build of commit {commit[:12]}" + (" with uncommitted changes" if modified else "")
+    return (f"{SOURCE_NAME} ({version}) {DISTRIBUTION}; urgency=medium\n\n"
+            f"  * {what}.\n\n"
+            f" -- {maintainer}  {when}\n")
+
+
+def maintainer(control: str) -> str:
+    match = re.search(r"^Maintainer:\s*(.+)$", control, re.MULTILINE)
+    if not match:
+        raise BuildError("debian/control: no Maintainer field")
+    return match.group(1).strip()
+
+
+def build_environment(epoch: int, home: str, base: Mapping[str, str]) -> dict[str, str]:
+    """A fixed environment: nothing from the caller's shell except proxy-free basics."""
+    env = {
+        "PATH": BUILD_PATH,
+        "HOME": home,
+        "LC_ALL": "C.UTF-8",
+        "LANG": "C.UTF-8",
+        "TZ": "UTC",
+        "SOURCE_DATE_EPOCH": str(epoch),
+        "DEB_BUILD_OPTIONS": "nocheck",
+    }
+    if "TERM" in base:
+        env["TERM"] = base["TERM"]
+    return env
+
+
+def lintian_counts(output: str) -> dict[str, int]:
+    """Tags per severity letter in lintian's output (E:, W:, I:, P:, X:, O:, N: lines)."""
+    counts: dict[str, int] = {}
+    for line in output.splitlines():
+        if len(line) > 2 and line[1] == ":" and line[0] in "EWIPXON":
+            counts[line[0]] = counts.get(line[0], 0) + 1
+    return counts
+
+
+# ----- effects -----
+
+def _git(repo: Path, *args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                              text=True, env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        raise BuildError(f"git {' '.join(args)} failed in {repo}: {detail.strip()}") from None
+
+
+def source_state(repo: Path) -> SourceState:
+    commit = _git(repo, "rev-parse", "HEAD").strip()
+    epoch = int(_git(repo, "log", "-1", "--format=%ct", "HEAD").strip())
+    modified = tuple(sorted(filter(None, _git(repo, "diff", "--name-only", "-z", "HEAD").split("\0"))))
+    untracked = tuple(sorted(filter(None, _git(repo, "ls-files", "--others", "--exclude-standard", "-z", "--",
+                                                 *PACKAGED_DIRS).split("\0"))))
+    return SourceState(commit, epoch, modified, untracked)
+
+
+def export_worktree(repo: Path, dest: Path) -> None:
+    """Tracked files as they are in the working tree, with the mode git records (not the
+    checkout's), so that the copy does not depend on umask or on who checked it out."""
+    entries = _git(repo, "ls-files", "-s", "-z").split("\0")
+    for entry in filter(None, entries):
+        meta, path = entry.split("\t", 1)
+        mode = meta.split()[0]
+        src, dst = repo / path, dest / path
+        if mode == "160000":  # a submodule: not part of this project's packages
+            continue
+        if not src.exists() and not src.is_symlink():
+            raise BuildError(f"{path}: tracked but missing from the working tree (commit or restore it)")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if mode == "120000":
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copyfile(src, dst)
+            os.chmod(dst, 0o755 if mode == "100755" else 0o644)
+
+
+def export_head(repo: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.Popen(["git", "-C", str(repo), "archive", "--format=tar", "HEAD"],
+                               stdout=subprocess.PIPE)
+    untar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True, text=True)
+    archive.stdout.close()  # type: ignore[union-attr]
+    if archive.wait() != 0 or untar.returncode != 0:
+        raise BuildError(f"git archive HEAD | tar -x failed: {untar.stderr.strip()}")
+
+
+def build(repo: Path, out: Path, suffix: str = "", source: str = "worktree",
+          log: object = sys.stderr) -> list[Path]:
+    state = source_state(repo)
+    version = debian_version(read_version((repo / "dsv41" / "version.py").read_text()), suffix)
+    if source == "worktree":
+        if state.modified:
+            print(f"debs: building uncommitted changes to {len(state.modified)} tracked file(s) "
+                  f"({', '.join(state.modified[:5])}{', ...' if len(state.modified) > 5 else ''})", file=log)
+    elif source != "HEAD":
+        raise BuildError(f"--source {source!r}: must be worktree or HEAD")
+    if state.untracked:
+        print(f"debs: left out (untracked): {', '.join(state.untracked[:8])}"
+              f"{', ...' if len(state.untracked) > 8 else ''}", file=log)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dsv41-debs.") as tmp:
+        top = Path(tmp)
+        src = top / f"{SOURCE_NAME}-{version}"
+        (export_worktree if source == "worktree" else export_head)(repo, src)
+        if source == "HEAD":
+            version = debian_version(read_version((src / "dsv41" / "version.py").read_text()), suffix)
+        if (src / "debian").exists():
+            raise BuildError("the tree has a top-level debian/ directory; the packaging lives in packaging/debian")
+        shutil.copytree(src / "packaging" / "debian", src / "debian", symlinks=True)
+        control = (src / "debian" / "control").read_text()
+        modified = bool(state.modified) and source == "worktree"
+        (src / "debian" / "changelog").write_text(
+            changelog(version, maintainer(control), state.epoch, state.commit, modified))
+        home = top / "home"
+        home.mkdir()
+        env = build_environment(state.epoch, str(home), os.environ)
+        old_umask = os.umask(0o022)
+        try:
+            result = subprocess.run(["dpkg-buildpackage", "-A", "-us", "-uc"], cwd=src, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        finally:
+            os.umask(old_umask)
+        if result.returncode != 0:
+            raise BuildError(f"dpkg-buildpackage failed (exit {result.returncode}):\n{result.stdout[-6000:]}")
+        for line in result.stdout.splitlines():
+            if "warning" in line.lower() and "debian/rules" in line:
+                print(line, file=log)
+        for pattern in BUILD_OUTPUTS:
+            for old in out.glob(pattern):
+                old.unlink()
+        made = []
+        for pattern in BUILD_OUTPUTS:
+            for path in sorted(top.glob(pattern)):
+                target = out / path.name
+                shutil.move(str(path), target)
+                os.chmod(target, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
+                made.append(target)
+    debs = [p for p in made if p.suffix == ".deb"]
+    if not debs:
+        raise BuildError("dpkg-buildpackage succeeded but made no .deb files")
+    return debs
+
+
+def run_lintian(out: Path) -> tuple[int, str]:
+    changes = sorted(out.glob("*.changes"))
+    if len(changes) != 1:
+        raise BuildError(f"{out}: expected one .changes file from `make debs`, found {len(changes)}")
+    result = subprocess.run(["lintian", "--display-info", "--pedantic", "--tag-display-limit", "0",
+                             str(changes[0])], capture_output=True, text=True,
+                            env={"PATH": BUILD_PATH, "LC_ALL": "C.UTF-8", "HOME": os.environ.get("HOME", "/")})
+    counts = lintian_counts(result.stdout)
+    return (1 if counts.get("E") or result.returncode not in (0, 1, 2) else 0), result.stdout + result.stderr
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="packaging/debs.py", description="Build the dsv41 Debian packages.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build every package into --out")
+    b.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    b.add_argument("--version-suffix", default="", help="appended to the version, e.g. +1 for an upgrade test")
+    b.add_argument("--source", default="worktree", choices=("worktree", "HEAD"),
+                   help="tracked files as in the working tree (default) or as committed in HEAD")
+    lint = sub.add_parser("lintian", help="run lintian on what `build` left in --out")
+    lint.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    v = sub.add_parser("version", help="print the Debian version a build would have")
+    v.add_argument("--version-suffix", default="")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "version":
+            print(debian_version(read_version((REPO / "dsv41" / "version.py").read_text()), args.version_suffix))
+            return 0
+        if args.command == "build":
+            for deb in build(REPO, args.out.resolve(), args.version_suffix, args.source):
+                print(deb)
+            return 0
+        code, text = run_lintian(args.out.resolve())
+        print(text, end="")
+        counts = lintian_counts(text)
+        print(f"lintian: {counts.get('E', 0)} error(s), {counts.get('W', 0)} warning(s), "
+              f"{counts.get('I', 0)} info, {counts.get('P', 0)} pedantic (see packaging/LINTIAN.md)")
+        return code
+    except BuildError as e:
+        print(f"debs: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
