@@ -23,6 +23,7 @@ from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
 from .rpc_files import FileRpcs
 from .rpc_nodechecks import NodeCheckRpcs
+from .rpc_pack import PackRpcs
 from .settings import AgentSettings
 from .systemd import Systemd
 
@@ -66,7 +67,7 @@ def sample_pb(s: Sample) -> pb.MemorySample:
         rank_memory_bytes=s.rank_memory, psi_triggered=s.psi_triggered)
 
 
-class AgentService(NodeCheckRpcs, FileRpcs, agent_pb2_grpc.AgentServicer):
+class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, agent_pb2_grpc.AgentServicer):
     """The RPCs; groups of them live in mixins (rpc_*.py) that use the attributes set here."""
 
     def __init__(self, settings: AgentSettings, systemd: Systemd, rank: RankManager, sampler: MemorySampler,

@@ -12,6 +12,7 @@ from typing import Sequence, TextIO
 from . import config as config_mod
 from . import plan as plan_mod
 from . import schema
+from . import ctl_cluster
 
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
 
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=_config_show)
     keys = cfg_sub.add_parser("keys", help="list every key cluster.env may hold")
     keys.set_defaults(handler=_config_keys)
+    ctl_cluster.add_commands(sub, DEFAULT_CONFIG)
     return parser
 
 

@@ -80,6 +80,7 @@ class ClusterRuntime:
         self._incident_listeners: list[Callable[[Incident], None]] = []
         self._plans: tuple[plan_mod.NodePlan, ...] = ()
         self._launched: dict[str, str] = {}  # node -> invocation ID of the rank this generation started
+        self._exit_times: dict[str, float] = {}  # node -> when its current-generation rank exited
         self._operator = threading.Event()  # an operator's action is waiting: it beats a restart backoff
         self._done = threading.Event()
         self._worker = threading.Thread(target=self._run, name="supervisor", daemon=True)
@@ -155,6 +156,7 @@ class ClusterRuntime:
                    f"{exit_info.code or 'exit'} status {exit_info.status}")
             if exit_info.invocation_id and exit_info.invocation_id == self._launched.get(node):
                 self._exited[node] = why  # only exits of the ranks this bring-up started count
+                self._exit_times[node] = exit_info.at_unix_s or self._clock()
             if phase in ("serving", "health", "smoke"):
                 self._actions.put(("rank_exited", (node, why, exit_info.invocation_id)))
 
@@ -190,11 +192,23 @@ class ClusterRuntime:
                     node, why, invocation = arg
                     # Exits of ranks from before the last (re)start are old news.
                     if self.snapshot().phase == "serving" and invocation == self._launched.get(node):
-                        self._incident(node, "rank_exit", why)
-                        self._recover(f"rank on {node} exited: {why}")
+                        first, message = self._first_failure()
+                        self._incident(first, "rank_exit", message)
+                        self._recover(f"rank on {first} exited: {self._exited[first]}")
             except Exception as exc:  # the supervisor must survive anything an action throws
                 self._log.error("supervisor_error", f"{action} failed unexpectedly: {exc!r}")
                 self._set(phase="failed", detail=f"{action}: internal error: {exc}")
+
+    def _first_failure(self, settle_s: float = 0.5) -> tuple[str, str]:
+        """When one rank dies the others follow within moments: wait for them, then blame the first."""
+        self._sleep(settle_s)
+        exits = sorted(self._exit_times.items(), key=lambda item: item[1])
+        first = exits[0][0]
+        message = f"rank on {first} died first: {self._exited[first]}"
+        followers = [f"{node} ({self._exited[node].split(': ', 1)[-1]})" for node, _ in exits[1:]]
+        if followers:
+            message += "; then " + ", ".join(followers)
+        return first, message
 
     def _recover(self, cause: str) -> None:
         """A rank of a serving cluster is gone: the TP group is broken. Stop it all, then restart."""
@@ -238,6 +252,7 @@ class ClusterRuntime:
 
     def _bring_up(self) -> None:
         self._exited.clear()
+        self._exit_times.clear()
         self._launched.clear()
         step_deadlines = {"preflight": "PREFLIGHT_TIMEOUT_S", "share": "SHARE_TIMEOUT_S", "fabric": "FABRIC_TIMEOUT_S",
                           "pack": "PACK_TIMEOUT_S", "launch": "LAUNCH_TIMEOUT_S", "health": "HEALTH_TIMEOUT_S",

@@ -85,6 +85,9 @@ KEYS: tuple[Key, ...] = (
     _k("RANK_STOP_TIMEOUT_S", v.integer(5, 3600), "120",
        "drain budget: how long a rank may take to stop after SIGTERM before it is killed"),
     # coordinator
+    _k("PKI_DIR", v.abspath, "/etc/dsv41/pki",
+       "cluster CA and the coordinator's certificate (ca.crt, coordinator.crt, coordinator.key; `dsv41ctl pki init`)"),
+    _k("INSECURE_NO_TLS", v.flag, "0", "1 talks to agents without TLS: for isolated test networks only"),
     _k("RANK_MEMORY_GIB", v.real(0.0, 1024.0), "100",
        "memory a rank needs; preflight refuses to launch on a node with less available"),
     _k("PREFLIGHT_TIMEOUT_S", v.integer(1, 3600), "30", "preflight step deadline"),

@@ -30,15 +30,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def install_agent(node: Node, port: int, extra: str = "") -> None:
+def install_agent(node: Node, port: int, extra: str = "", listen: str | None = None) -> None:
     for part in ("agent", "dsv41", "adapter", "tests/integration/standin_rank.py"):
         node.copy_in(REPO / part, f"{SRC}/{part}")
     node.write_file("/etc/systemd/system/dsv41-agent.service", (REPO / "units/dsv41-agent.service").read_text())
     node.write_file("/etc/systemd/system/dsv41-agent.service.d/source.conf", DROP_IN)
-    node.write_file("/etc/dsv41/agent.env",
-                    f"NODE_NAME={node.name}\nLISTEN=127.0.0.1:{port}\nINSECURE_NO_TLS=1\nALLOWED_RUNTIMES=host\n"
-                    f"ALLOWED_EXECUTABLES=/usr/bin/python3,/usr/local/bin/missing-rank\n"
-                    f"ADAPTER_DIR={SRC}/adapter\n{extra}")
+    settings = {"NODE_NAME": node.name, "LISTEN": listen or f"127.0.0.1:{port}", "INSECURE_NO_TLS": "1",
+                "ALLOWED_RUNTIMES": "host", "ALLOWED_EXECUTABLES": "/usr/bin/python3,/usr/local/bin/missing-rank",
+                "ADAPTER_DIR": f"{SRC}/adapter"}
+    for line in extra.splitlines():
+        key, _, value = line.partition("=")
+        settings[key] = value
+    node.write_file("/etc/dsv41/agent.env", "".join(f"{k}={v}\n" for k, v in settings.items()))
     node.run(["systemctl", "daemon-reload"])
     node.run(["systemctl", "start", "dsv41-agent.service"], timeout=60)
 

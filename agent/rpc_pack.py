@@ -1,0 +1,102 @@
+"""RPCs for the packed Engram shards: their state (milliseconds: headers and sizes) and the pack job.
+
+The job runs as the transient unit dsv41-pack.service (Type=notify), so it outlives an agent
+restart and its progress is the unit's STATUS= line. One TP rank per node, as on DGX Spark.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import grpc
+
+import adapter
+import agent
+from agent.pack.state import pack_state
+from dsv41.v1 import agent_pb2 as pb
+
+from .rankspec import SpecDenied, SpecInvalid, check_bind_path, check_path
+from .systemd import UNIT_IFACE, SystemdError
+
+PACK_UNIT = "dsv41-pack.service"
+SERVICE_IFACE = "org.freedesktop.systemd1.Service"
+LAYERS = (1, 14)
+
+
+def _module_path() -> str:
+    """Where this agent's packages (agent, dsv41, adapter) are importable from, for the job's PYTHONPATH."""
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))) for m in (agent, adapter)]
+    return os.pathsep.join(dict.fromkeys(dirs))
+
+
+class PackRpcs:
+    """Mixin of AgentService: uses self._settings, self._systemd, self._events, self._rank."""
+
+    def _check_pack_spec(self, spec: pb.PackSpec, context) -> None:
+        try:
+            check_path(spec.source_dir, "source_dir")
+            check_bind_path(spec.out_dir, "out_dir")
+        except (SpecInvalid, SpecDenied) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not 1 <= spec.tp <= 64:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tp {spec.tp}: must be 1..64")
+        if len(spec.ranks) != 1 or not 0 <= spec.ranks[0] < spec.tp:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ranks: exactly one TP rank per node, in 0..tp-1")
+        if not spec.layers or any(layer not in LAYERS for layer in spec.layers) or len(set(spec.layers)) != len(spec.layers):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "layers: a subset of the Engram layers 1, 14")
+
+    def _pack_unit(self) -> tuple[bool, str]:
+        try:
+            props = self._systemd.properties(PACK_UNIT, (UNIT_IFACE, SERVICE_IFACE))
+        except SystemdError:
+            return False, ""
+        if not props:
+            return False, ""
+        return props.get("ActiveState") in ("active", "activating"), str(props.get("StatusText", ""))
+
+    def _state(self, spec: pb.PackSpec) -> pb.PackState:
+        running, text = self._pack_unit()
+        layers = []
+        for rank in spec.ranks:
+            for state in pack_state(spec.out_dir, rank, spec.tp, tuple(spec.layers)):
+                layers.append(pb.PackLayerState(layer=state.layer, rank=rank, state=state.status.value,
+                                                detail=state.detail, done_bytes=state.done_bytes,
+                                                total_bytes=state.total_bytes))
+        return pb.PackState(layers=layers, running=running, status_text=text)
+
+    def GetPackState(self, request, context):
+        self._check_pack_spec(request, context)
+        return self._state(request)
+
+    def StartPack(self, request, context):
+        spec = request.spec
+        self._check_pack_spec(spec, context)
+        if self._rank.status().running:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "the rank is running and reads these files: stop it before packing")
+        running, _ = self._pack_unit()
+        if running:
+            return self._state(spec)
+        self._systemd.reset_failed(PACK_UNIT)
+        argv = [sys.executable, "-m", "agent.pack", "--model", spec.source_dir, "--out", spec.out_dir,
+                "--rank", str(spec.ranks[0]), "--tp", str(spec.tp), "--layers", ",".join(map(str, spec.layers))]
+        props = [("Description", "s", f"dsv41 Engram pack, rank {spec.ranks[0]} of {spec.tp}"),
+                 ("Type", "s", "notify"), ("NotifyAccess", "s", "main"),
+                 ("ExecStart", "a(sasb)", [(argv[0], argv, False)]),
+                 ("Environment", "as", [f"PYTHONPATH={_module_path()}"]),
+                 ("WorkingDirectory", "s", "/"), ("SyslogIdentifier", "s", "dsv41-pack"),
+                 ("LogExtraFields", "aay", [f"DSV41_NODE={self._settings.node}".encode(), b"DSV41_UNIT=dsv41-pack"]),
+                 ("IOSchedulingClass", "i", 3)]  # idle: a pack must not starve a serving node's disk
+        os.makedirs(spec.out_dir, exist_ok=True)
+        try:
+            job = self._systemd.start_transient(PACK_UNIT, props, 120.0)
+        except SystemdError as exc:
+            context.abort(grpc.StatusCode.INTERNAL, f"StartTransientUnit {PACK_UNIT}: {exc}")
+        if job.result != "done":
+            _, text = self._pack_unit()
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the pack job did not start ({job.result}): {text or 'see journalctl -u dsv41-pack'}")
+        self._events.info("pack_started", f"started {PACK_UNIT} for rank {spec.ranks[0]} of {spec.tp}",
+                          unit=PACK_UNIT, rank=spec.ranks[0], tp=spec.tp)
+        return self._state(spec)

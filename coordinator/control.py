@@ -1,0 +1,152 @@
+"""The coordinator's control service for dsv41ctl, on a unix socket (0660 root:dsv41)."""
+
+from __future__ import annotations
+
+import grp
+import os
+import queue
+import threading
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from dsv41.v1 import agent_pb2 as apb
+from dsv41.v1 import control_pb2 as pb
+from dsv41.v1 import control_pb2_grpc
+from dsv41.version import VERSION
+
+from .agents import AgentClient, AgentUnavailable
+from .config import ClusterConfig
+from .runtime import ClusterRuntime, Incident, Snapshot
+
+CONTROL_SOCKET = "/run/dsv41/control.sock"
+CONTROL_GROUP = "dsv41"
+
+
+def node_views(cfg: ClusterConfig, clients: dict[str, AgentClient], fingerprints: dict, fabric: dict,
+               timeout: float = 3.0) -> list[pb.NodeView]:
+    """Asks every agent for its status at once; an unreachable agent is a view with its error."""
+    def view(node) -> pb.NodeView:
+        out = pb.NodeView(name=node.name, rank=node.rank, address=node.address,
+                          plan_fingerprint=fingerprints.get(node.name, ""))
+        if node.name in fabric:
+            out.fabric.CopyFrom(fabric[node.name])
+        try:
+            out.status.CopyFrom(clients[node.name].status(timeout=timeout))
+            out.agent_reachable = True
+        except AgentUnavailable as exc:
+            out.agent_error = f"{exc.code}: {exc.details}"
+        return out
+    with ThreadPoolExecutor(max_workers=len(cfg.nodes)) as pool:
+        return list(pool.map(view, cfg.nodes))
+
+
+def incident_pb(incident: Incident | None) -> pb.Incident | None:
+    if incident is None:
+        return None
+    return pb.Incident(at_unix_s=incident.at_unix_s, node=incident.node, kind=incident.kind,
+                       message=incident.message)
+
+
+def cluster_status(cfg: ClusterConfig, snap: Snapshot, views: list[pb.NodeView], running: bool) -> pb.ClusterStatus:
+    ranks_running = sum(1 for v in views if v.agent_reachable and v.status.rank.active_state == "active")
+    return pb.ClusterStatus(
+        phase=snap.phase, phase_detail=snap.detail, phase_since_unix_s=snap.since,
+        endpoint=f"http://{cfg['HEAD_IP']}:{cfg['PORT']}" if snap.phase == "serving" else "",
+        ranks_running=ranks_running, ranks_total=len(cfg.nodes), serving_since_unix_s=snap.serving_since,
+        last_incident=incident_pb(snap.last_incident), nodes=views, coordinator_version=VERSION,
+        config_path=cfg.path, restart_attempt=snap.restart_attempt, coordinator_running=running,
+        generation=snap.generation)
+
+
+class ControlService(control_pb2_grpc.ControlServicer):
+    def __init__(self, cfg: ClusterConfig, runtime: ClusterRuntime):
+        self._cfg = cfg
+        self._runtime = runtime
+        self._event_lock = threading.Lock()
+        self._subscribers: list[queue.Queue] = []
+        runtime.on_incident(self._publish)
+
+    def _publish(self, incident: Incident) -> None:
+        with self._event_lock:
+            subscribers = list(self._subscribers)
+        for q in subscribers:
+            q.put(incident)
+
+    def _status(self) -> pb.ClusterStatus:
+        snap = self._runtime.snapshot()
+        views = node_views(self._cfg, self._runtime.clients, snap.fingerprints, snap.fabric)
+        return cluster_status(self._cfg, snap, views, True)
+
+    def GetStatus(self, request, context):
+        return self._status()
+
+    def _act(self, action: str, message: str):
+        self._runtime.request(action)
+        return pb.ActionReply(ok=True, message=message, status=self._status())
+
+    def Start(self, request, context):
+        return self._act("start", "start requested")
+
+    def Stop(self, request, context):
+        return self._act("stop", "stop requested")
+
+    def Restart(self, request, context):
+        return self._act("restart", "restart requested")
+
+    def Events(self, request, context):
+        q: queue.Queue = queue.Queue()
+        with self._event_lock:
+            self._subscribers.append(q)
+        try:
+            history = self._runtime.incidents()
+            for incident in history[-(request.last or 50):]:
+                yield _event(incident)
+            while request.follow and context.is_active():
+                try:
+                    yield _event(q.get(timeout=1.0))
+                except queue.Empty:
+                    continue
+        finally:
+            with self._event_lock:
+                self._subscribers.remove(q)
+
+    def Logs(self, request, context):
+        nodes = [n for n in self._cfg.nodes if not request.node or n.name == request.node]
+        if not nodes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no node {request.node!r}")
+        for node in nodes:
+            try:
+                for line in self._runtime.clients[node.name].read_journal(request.lines or 50, False):
+                    yield line
+            except grpc.RpcError as exc:
+                yield apb.JournalLine(node=node.name, priority="err", message=f"cannot read the journal: {exc.details()}")
+
+
+def _event(incident: Incident) -> apb.Event:
+    return apb.Event(at_unix_s=incident.at_unix_s, node=incident.node, kind=incident.kind, priority="err",
+                     message=incident.message)
+
+
+def serve(cfg: ClusterConfig, runtime: ClusterRuntime, socket_path: str = CONTROL_SOCKET) -> grpc.Server:
+    os.makedirs(os.path.dirname(socket_path), mode=0o755, exist_ok=True)
+    try:
+        os.unlink(socket_path)
+    except FileNotFoundError:
+        pass
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="control"))
+    control_pb2_grpc.add_ControlServicer_to_server(ControlService(cfg, runtime), server)
+    old = os.umask(0o117)  # the socket is born 0660: no window where others could connect
+    try:
+        server.add_insecure_port(f"unix:{socket_path}")
+    finally:
+        os.umask(old)
+    try:
+        os.chown(socket_path, 0, grp.getgrnam(CONTROL_GROUP).gr_gid)
+    except (KeyError, PermissionError):
+        pass  # no dsv41 group (source checkout): root only
+    os.chmod(socket_path, 0o660)
+    server.start()
+    return server
+

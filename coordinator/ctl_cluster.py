@@ -1,0 +1,221 @@
+"""dsv41ctl commands that talk to the running cluster: status, start, stop, restart, events, logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import TextIO
+
+import grpc
+from google.protobuf import json_format
+
+from dsv41.v1 import agent_pb2 as apb
+from dsv41.v1 import control_pb2 as pb
+from dsv41.v1 import control_pb2_grpc
+
+from . import config as config_mod
+from .control import CONTROL_SOCKET, cluster_status, node_views
+from .runtime import Snapshot
+
+GIB = 1 << 30
+
+
+class ControlUnavailable(Exception):
+    pass
+
+
+def _stub(socket_path: str) -> control_pb2_grpc.ControlStub:
+    if os.path.exists(socket_path) and not os.access(socket_path, os.R_OK | os.W_OK):
+        raise PermissionError(f"permission denied on {socket_path}: add yourself to the dsv41 group "
+                              "(sudo usermod -aG dsv41 $USER, then log in again)")
+    if not os.path.exists(socket_path):
+        raise ControlUnavailable(f"{socket_path} does not exist")
+    return control_pb2_grpc.ControlStub(grpc.insecure_channel(f"unix:{socket_path}"))
+
+
+def add_commands(sub, default_config: str) -> None:
+    def common(p, socket=True):
+        p.add_argument("--config", default=default_config, help="cluster.env (for asking agents directly)")
+        if socket:
+            p.add_argument("--socket", default=CONTROL_SOCKET, help="the coordinator's control socket")
+    status = sub.add_parser("status", help="the cluster and every node; exit 0 only when serving")
+    common(status)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=_status)
+    for name, help_text in (("start", "bring the cluster up"), ("stop", "stop every rank, rank 0 first"),
+                            ("restart", "stop, then bring the cluster up")):
+        p = sub.add_parser(name, help=help_text)
+        common(p)
+        p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for serving/stopped")
+        p.set_defaults(handler=_action, action=name)
+    events = sub.add_parser("events", help="incidents (rank exits, failed steps, restarts)")
+    common(events)
+    events.add_argument("--follow", "-f", action="store_true")
+    events.add_argument("--last", type=int, default=50)
+    events.set_defaults(handler=_events)
+    logs = sub.add_parser("logs", help="journal lines of the dsv41 units, fetched from the agents")
+    common(logs)
+    logs.add_argument("--node")
+    logs.add_argument("--lines", "-n", type=int, default=50)
+    logs.set_defaults(handler=_logs)
+
+
+def _colour(out: TextIO):
+    tty = hasattr(out, "isatty") and out.isatty() and not os.environ.get("NO_COLOR")
+
+    def paint(text: str, code: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if tty else text
+    return paint
+
+
+def fetch_status(args) -> pb.ClusterStatus:
+    """From the coordinator; when it is not running, from the agents directly."""
+    try:
+        return _stub(args.socket).GetStatus(pb.ClusterStatusRequest(), timeout=15)
+    except (ControlUnavailable, grpc.RpcError):
+        pass
+    from .daemon import load_tls, make_clients
+    cfg = config_mod.load(args.config)
+    try:
+        tls = load_tls(cfg)
+    except (OSError, FileNotFoundError):
+        tls = None
+    clients = make_clients(cfg, tls)
+    try:
+        views = node_views(cfg, clients, {}, {})
+    finally:
+        for client in clients.values():
+            client.close()
+    return cluster_status(cfg, Snapshot(phase="unknown", detail="the coordinator is not running"), views, False)
+
+
+def _age(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    if seconds >= 86400:
+        return f"{seconds // 86400}d{seconds % 86400 // 3600}h"
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -> None:
+    paint = _colour(out)
+    now = time.time() if now is None else now
+    good = st.phase == "serving"
+    phase = paint(st.phase.upper(), "32" if good else ("31" if st.phase in ("failed", "unknown") else "33"))
+    head = f"cluster: {phase}"
+    if good:
+        head += f"  {st.ranks_running}/{st.ranks_total} ranks  up {_age(now - st.serving_since_unix_s)}  {st.endpoint}"
+    print(head, file=out)
+    if st.phase_detail and not good:
+        print(f"  {st.phase_detail}", file=out)
+    if not st.coordinator_running:
+        print(paint("  coordinator: not running (status read from the agents)", "33"), file=out)
+    if st.restart_attempt:
+        print(f"  restart attempt {st.restart_attempt}", file=out)
+    if st.last_incident.kind:
+        i = st.last_incident
+        print(f"  last incident {_age(now - i.at_unix_s)} ago: {i.node}: {i.message}"[:80], file=out)
+    print(f"{'NODE':<9}{'RANK':<5}{'AGENT':<8}{'RANK UNIT':<17}{'UP':<8}{'RSS':>7}{'AVAIL':>8}{'PSI10':>7}  MOUNT",
+          file=out)
+    for view in st.nodes:
+        s = view.status
+        if not view.agent_reachable:
+            print(f"{view.name:<9}{view.rank:<5}{paint('down', '31'):<8} {view.agent_error}"[:80], file=out)
+            continue
+        rank = s.rank
+        unit = rank.active_state + (f" {rank.main_pid}" if rank.main_pid else "")
+        up = _age(now - rank.active_since_unix_s) if rank.active_state == "active" and rank.active_since_unix_s else "-"
+        rss = f"{rank.memory_current_bytes / GIB:.1f}G" if rank.memory_current_bytes else "-"
+        avail = f"{s.memory.available_bytes / GIB:.1f}G"
+        mount = apb.MountState.State.Name(s.mount.state).lower() if s.mount.state else "-"
+        print(f"{view.name:<9}{view.rank:<5}{'up':<8}{unit:<17}{up:<8}{rss:>7}{avail:>8}"
+              f"{s.memory.some.avg10:>6.1f}%  {mount}", file=out)
+        if rank.last_exit.result and rank.active_state != "active":
+            e = rank.last_exit
+            print(f"{'':<13}last exit: {e.result}, {e.code} {e.status}"[:80], file=out)
+        failed = [c for c in view.fabric.checks if not c.ok]
+        for check in failed[:3]:
+            print(f"{'':<13}fabric: {check.name}: {check.detail}"[:80], file=out)
+
+
+def _status(args, out: TextIO, err: TextIO) -> int:
+    try:
+        st = fetch_status(args)
+    except PermissionError as exc:
+        print(str(exc), file=err)
+        return 4
+    except config_mod.ConfigInvalid as exc:
+        print(f"coordinator not running, and {args.config} is invalid:\n{exc}", file=err)
+        return 3
+    if args.json:
+        body = json_format.MessageToDict(st, preserving_proto_field_name=True, including_default_value_fields=True)
+        json.dump(body, out, indent=2, sort_keys=True)
+        out.write("\n")
+    else:
+        render_status(st, out)
+    return 0 if st.phase == "serving" else 1
+
+
+def _action(args, out: TextIO, err: TextIO) -> int:
+    try:
+        stub = _stub(args.socket)
+        method = {"start": stub.Start, "stop": stub.Stop, "restart": stub.Restart}[args.action]
+        request = {"start": pb.StartRequest, "stop": pb.StopRequest, "restart": pb.RestartRequest}[args.action]()
+        reply = method(request, timeout=30)
+    except PermissionError as exc:
+        print(str(exc), file=err)
+        return 4
+    except (ControlUnavailable, grpc.RpcError) as exc:
+        print(f"cannot reach the coordinator ({exc}): is dsv41-coordinator running? (systemctl status "
+              "dsv41-coordinator)", file=err)
+        return 3
+    print(reply.message, file=out)
+    want = "stopped" if args.action == "stop" else "serving"
+    end = time.monotonic() + args.wait
+    status = reply.status
+    while args.wait and time.monotonic() < end:
+        status = stub.GetStatus(pb.ClusterStatusRequest(), timeout=15)
+        if status.phase == want or status.phase == "failed":
+            break
+        time.sleep(0.5)
+    if args.wait:
+        render_status(status, out)
+        return 0 if status.phase == want else 1
+    return 0
+
+
+def _events(args, out: TextIO, err: TextIO) -> int:
+    try:
+        stream = _stub(args.socket).Events(pb.EventsRequest(follow=args.follow, last=args.last))
+        for event in stream:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at_unix_s))
+            print(f"{when} {event.node} {event.kind}: {event.message}", file=out, flush=True)
+    except PermissionError as exc:
+        print(str(exc), file=err)
+        return 4
+    except (ControlUnavailable, grpc.RpcError) as exc:
+        print(f"cannot reach the coordinator: {exc}", file=err)
+        return 3
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _logs(args, out: TextIO, err: TextIO) -> int:
+    try:
+        stream = _stub(args.socket).Logs(pb.LogsRequest(node=args.node or "", lines=args.lines))
+        for line in stream:
+            when = time.strftime("%H:%M:%S", time.localtime(line.at_unix_s))
+            print(f"{when} {line.node} {line.unit}: {line.message}", file=out, flush=True)
+    except PermissionError as exc:
+        print(str(exc), file=err)
+        return 4
+    except (ControlUnavailable, grpc.RpcError) as exc:
+        print(f"cannot reach the coordinator: {exc}", file=err)
+        return 3
+    return 0
+
+

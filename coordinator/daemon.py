@@ -1,0 +1,105 @@
+"""dsv41-coordinator: brings the cluster up, keeps it serving, and brings it down on stop (Type=notify).
+
+READY=1 is sent when the coordinator is up (not when the 12-minute model load ends); STATUS=
+shows the phase. SIGTERM (systemctl stop) stops rank 0 first, then the workers, and confirms on
+every node that no rank is left. SIGKILL or a crash leaves the ranks serving; started again, the
+coordinator re-adopts ranks that run the current plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+from dsv41.journal import EventLog
+from dsv41.sdnotify import SdNotify
+from dsv41.version import VERSION
+
+from . import config as config_mod
+from .agents import AgentClient, Tls
+from .control import CONTROL_SOCKET, serve
+from .runtime import ClusterRuntime
+
+DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
+
+
+def load_tls(cfg: config_mod.ClusterConfig) -> Tls | None:
+    if cfg["INSECURE_NO_TLS"]:
+        return None
+    pki = str(cfg["PKI_DIR"])
+    paths = [os.path.join(pki, name) for name in ("ca.crt", "coordinator.crt", "coordinator.key")]
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(f"missing {', '.join(missing)}: run `dsv41ctl pki init` (or set INSECURE_NO_TLS=1 "
+                                "on an isolated test network)")
+    ca, cert, key = (open(p, "rb").read() for p in paths)
+    return Tls(ca, cert, key)
+
+
+def make_clients(cfg: config_mod.ClusterConfig, tls: Tls | None) -> dict[str, AgentClient]:
+    return {n.name: AgentClient(n.name, f"{n.address}:{cfg['AGENT_PORT']}", tls) for n in cfg.nodes}
+
+
+def status_line(runtime: ClusterRuntime, clock=time.time) -> str:
+    snap = runtime.snapshot()
+    if snap.phase == "serving":
+        up = int(clock() - snap.serving_since)
+        total = len(runtime.clients)
+        running = sum(1 for r in snap.ranks.values() if r.active_state == "active")
+        return f"serving on :{runtime.cfg['PORT']}, {running}/{total} ranks, up {up // 3600}h{up % 3600 // 60:02d}m"
+    return f"{snap.phase}" + (f": {snap.detail}" if snap.detail else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv41-coordinator", description="dsv41 cluster coordinator")
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--control-socket", default=CONTROL_SOCKET)
+    parser.add_argument("--no-autostart", action="store_true", help="wait for `dsv41ctl start`")
+    parser.add_argument("--version", action="version", version=VERSION)
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_mod.load(args.config)
+    except config_mod.ConfigInvalid as exc:
+        print(f"<3>dsv41-coordinator: {args.config} is invalid; nothing was started:\n{exc}", file=sys.stderr)
+        return 2
+    log = EventLog("dsv41-coordinator", {"DSV41_NODE": cfg.head.name})
+    try:
+        tls = load_tls(cfg)
+    except (OSError, FileNotFoundError) as exc:
+        log.error("coordinator_failed", str(exc))
+        return 2
+    runtime = ClusterRuntime(cfg, make_clients(cfg, tls), log)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server = serve(cfg, runtime, args.control_socket)
+    notify = SdNotify.from_env()
+    runtime.run(autostart=not args.no_autostart)
+    log.info("coordinator_started", f"dsv41-coordinator {VERSION}: {len(cfg.nodes)} nodes, control socket "
+             f"{args.control_socket}", version=VERSION)
+    notify.ready(status_line(runtime))
+    watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+    period = min(2.0, watchdog_usec / 2e6) if watchdog_usec else 2.0
+    last = ""
+    while not stop.wait(period):
+        if watchdog_usec:
+            notify.watchdog()
+        line = status_line(runtime)
+        if line != last:
+            notify.status(line)
+            last = line
+    notify.stopping()
+    notify.status("stopping the cluster: rank 0 first, then the workers")
+    log.info("coordinator_stopping", "stopping the cluster")
+    runtime.shutdown(stop_cluster=True)
+    server.stop(grace=1.0).wait(3.0)
+    log.info("coordinator_stopped", "cluster stopped; coordinator exiting")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

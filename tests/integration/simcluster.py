@@ -1,0 +1,110 @@
+"""Three booted nodes on a bridge, each running the agent from this source tree, and a cluster.env
+that uses the stand-in engine; the coordinator runs on the host (the test machine) against them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from dsv41.v1 import control_pb2 as cpb
+from dsv41.v1 import control_pb2_grpc
+from tests.harness.nspawn import Cluster
+from tests.integration.agentnode import REPO, SRC, install_agent
+
+AGENT_PORT = 7441
+SIM = f"{SRC}/bin/dsv41-sim-rank"
+ADAPTER = "/usr/share/dsv41/rank"
+
+
+def cluster_env(nodes: dict, port: int = 8888, **extra: str) -> str:
+    names = list(nodes)
+    head, workers = nodes[names[0]], [nodes[n] for n in names[1:]]
+    lines = {
+        "HEAD_IP": head.address, "HEAD_HOST": names[0], "AGENT_PORT": str(AGENT_PORT),
+        "FABRIC_IFACE": "host0", "FABRIC_MTU": "1500", "GLOO_SOCKET_IFNAME": "host0", "NCCL_SOCKET_IFNAME": "host0",
+        "IB_HCA": "rocep1s0f0,rocep1s0f1", "NCCL_NET": "Socket", "NCCL_IB_DISABLE": "1",
+        "MODEL_DIR": "/var/tmp/model", "COMMON_MODEL": "/var/tmp/model",
+        "BASE_IMAGE": "lmsysorg/sglang:dev-dsv41@sha256:" + "0" * 64, "PORT": str(port),
+        "NFS_SHARE": "0", "NNODES": str(len(nodes)), "TP_SIZE": str(len(nodes)), "DIST_PORT": "20000",
+        "OFFLOAD_MODE": "host", "CONTEXT_LENGTH": "65536", "MEM_FRACTION_STATIC": "0.9",
+        "MAX_TOTAL_TOKENS": "131072", "DSV41_MAX_NEW_TOKENS": "1024", "ENGRAM_DIR": "/var/tmp/engram",
+        "RANK_RUNTIME": "host", "RANK_ENGINE": "sim", "SIM_RANK_COMMAND": SIM, "RANK_MEMORY_GIB": "0.05",
+        "INSECURE_NO_TLS": "1", "RESTART_BACKOFF_S": "0.2", "RANK_STOP_TIMEOUT_S": "10",
+        "HEALTH_TIMEOUT_S": "60", "MEMORY_RECOVERY_TIMEOUT_S": "10", "DSV41_SIM_PEER_TIMEOUT_S": "1",
+    }
+    for k, worker in enumerate(workers, start=1):
+        lines[f"WORKER{k}_IP"] = worker.address
+        lines[f"WORKER{k}_HOST"] = names[k]
+    lines.update(extra)
+    return "".join(f"{k}={v}\n" for k, v in lines.items())
+
+
+def boot(rootfs, names=("spark1", "spark2", "spark3"), **options) -> Cluster:
+    cluster = Cluster(rootfs, list(names), **options)
+    cluster.boot()
+    try:
+        for node in cluster.nodes.values():
+            node.copy_in(REPO / "sim", f"{SRC}/sim")
+            node.copy_in(REPO / "coordinator", f"{SRC}/coordinator")
+            node.copy_in(REPO / "bin", f"{SRC}/bin")
+            node.run(["mkdir", "-p", ADAPTER, "/var/tmp/model", "/var/tmp/engram"])
+            install_agent(node, AGENT_PORT, listen=f"{node.address}:{AGENT_PORT}",
+                          extra=f"ALLOWED_EXECUTABLES={SIM}\nADAPTER_DIR={ADAPTER}\n")
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+class Coordinator:
+    """dsv41-coordinator from this source tree, as a host process."""
+
+    def __init__(self, workdir: Path, env_text: str):
+        self.workdir = workdir
+        self.config = workdir / "cluster.env"
+        self.config.write_text(env_text)
+        self.socket = str(workdir / "control.sock")
+        self.log = workdir / "coordinator.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *extra: str) -> "Coordinator":
+        log = open(self.log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--config", str(self.config),
+                                      "--control-socket", self.socket, *extra], cwd=REPO, stdout=log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+        deadline = time.monotonic() + 20
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"coordinator did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        return self
+
+    def stub(self) -> control_pb2_grpc.ControlStub:
+        return control_pb2_grpc.ControlStub(grpc.insecure_channel(f"unix:{self.socket}"))
+
+    def status(self) -> cpb.ClusterStatus:
+        return self.stub().GetStatus(cpb.ClusterStatusRequest(), timeout=20)
+
+    def wait_phase(self, *phases: str, timeout: float = 60.0) -> cpb.ClusterStatus:
+        deadline = time.monotonic() + timeout
+        status = None
+        while time.monotonic() < deadline:
+            status = self.status()
+            if status.phase in phases:
+                return status
+            time.sleep(0.1)
+        raise AssertionError(f"phase {status.phase if status else '?'} ({status.phase_detail if status else ''}), "
+                             f"wanted {phases}\n{self.log.read_text()[-3000:]}")
+
+    def terminate(self, timeout: float = 90.0) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
