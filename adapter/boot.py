@@ -1,0 +1,76 @@
+"""Arming the adapters in one process: read the settings, build the patches, hook the imports.
+
+Called from sitecustomize.py at interpreter start and from the `sglang.srt.plugins` entry point
+(adapter.plugin:load); the second call in a process finds the first one's finder and does
+nothing. Only DSV41_SOURCE (the model path the coordinator always sets for a rank) arms it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+from adapter import (
+    autotune_keep,
+    inflight,
+    loop_abort,
+    max_new_tokens,
+    mxfp8_b12x,
+    prefill_empty_cache,
+    reasoning_effort,
+    tp3_pad,
+)
+from adapter.log import AdapterLog
+from adapter.patching import AdapterSpec, Installer, arm, armed_finder
+from adapter.settings import SettingError
+
+ARM_VARIABLE = "DSV41_SOURCE"
+
+Builder = Callable[[Mapping[str, str], AdapterLog], AdapterSpec | None]
+
+# Order matters only for the order of the "installed" lines.
+BUILDERS: tuple[tuple[str, Builder], ...] = (
+    (tp3_pad.NAME, tp3_pad.build),
+    (mxfp8_b12x.NAME, mxfp8_b12x.build),
+    (autotune_keep.NAME, lambda env, log: autotune_keep.build(env, log=log)),
+    (prefill_empty_cache.NAME, lambda env, log: prefill_empty_cache.build(env)),
+    (loop_abort.NAME, lambda env, log: loop_abort.build(env)),
+    (max_new_tokens.NAME, lambda env, log: max_new_tokens.build(env)),
+    (reasoning_effort.NAME, lambda env, log: reasoning_effort.build(env)),
+    (inflight.NAME, lambda env, log: inflight.build(env)),
+)
+
+
+def armed(env: Mapping[str, str]) -> bool:
+    return bool(env.get(ARM_VARIABLE, "").strip())
+
+
+def build_specs(env: Mapping[str, str], log: AdapterLog, builders: tuple[tuple[str, Builder], ...] = BUILDERS) -> list[AdapterSpec]:
+    """The adapters the settings switch on; a bad setting keeps only its own adapter out."""
+    specs = []
+    for name, builder in builders:
+        try:
+            spec = builder(env, log)
+        except SettingError as e:
+            log.stays_out(name, str(e))
+            continue
+        except Exception as e:  # noqa: BLE001 - one adapter's bug must not block the others
+            log.stays_out(name, f"{type(e).__name__}: {e}")
+            continue
+        if spec is not None:
+            specs.append(spec)
+    return specs
+
+
+def arm_process(env: Mapping[str, str] | None = None, log: AdapterLog | None = None) -> Installer | None:
+    """Arm this process once; None when DSV41_SOURCE is not set."""
+    environ = os.environ if env is None else env
+    if not armed(environ):
+        return None
+    existing = armed_finder()
+    if existing is not None:
+        return existing.installer
+    logger = log if log is not None else AdapterLog()
+    installer = Installer(build_specs(environ, logger), logger)
+    arm(installer)
+    return installer

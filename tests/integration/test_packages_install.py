@@ -1,0 +1,195 @@
+"""The packages on a real systemd: install, configure, upgrade and purge with apt, as an operator would.
+
+One booted node (tests/harness) gets the .deb files built from this tree (`packaging/debs.py`,
+what `make debs` runs), once at the tree's version and once with the suffix +1 for the upgrade.
+The base root file system already holds the python3-* dependencies, so apt needs no network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.harness.nspawn import Node
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("dsv41-adapter", "dsv41-agent", "dsv41-coordinator", "dsv41-sim")
+APT = ["apt-get", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Options::=--force-confdef",
+       "-o", "Dpkg::Options::=--force-confold"]
+APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
+V1, V2 = "/var/tmp/debs-v1", "/var/tmp/debs-v2"
+AGENT_ENV = """NODE_NAME={name}
+LISTEN=127.0.0.1:7441
+INSECURE_NO_TLS=1
+ALLOWED_RUNTIMES=host
+ALLOWED_EXECUTABLES=/usr/bin/dsv41-sim-rank
+"""
+# Stands in for the coordinator daemon: what is under test is how the packages treat the service
+# (enablement, start, stop and restart on upgrade), not the daemon.
+COORDINATOR_DROP_IN = "/etc/systemd/system/dsv41-coordinator.service.d/test.conf"
+COORDINATOR_STANDIN = "[Service]\nType=simple\nExecStart=\nExecStart=/bin/sleep infinity\n"
+
+
+def _debs_module():
+    spec = importlib.util.spec_from_file_location("dsv41_debs", REPO / "packaging" / "debs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+@pytest.fixture(scope="module")
+def debs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    debs = _debs_module()
+    out = {}
+    for name, suffix in (("v1", ""), ("v2", "+1")):
+        out[name] = tmp_path_factory.mktemp(f"debs-{name}")
+        try:
+            debs.build(REPO, out[name], suffix, log=sys.stderr)
+        except debs.BuildError as e:
+            pytest.fail(str(e), pytrace=False)
+    yield out
+
+
+def _version() -> str:
+    return _debs_module().read_version((REPO / "dsv41" / "version.py").read_text())
+
+
+def _sh(n: Node, script: str, check: bool = True) -> subprocess.CompletedProcess:
+    return n.run(["sh", "-c", script], check=check)
+
+
+def _status(n: Node, package: str) -> str:
+    r = n.run(["dpkg-query", "-W", "-f=${db:Status-Abbrev}${Version}", package], check=False)
+    return r.stdout.strip() if r.returncode == 0 else "unknown"
+
+
+def _wait(predicate, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _agent_messages(n: Node) -> str:
+    return "\n".join(e.get("MESSAGE", "") for e in n.journal(unit="dsv41-agent.service"))
+
+
+def _debs_in(directory: str, version: str) -> list[str]:
+    return [f"{directory}/{p}_{version}_all.deb" for p in PACKAGES]
+
+
+def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
+    version = _version()
+    n = node("pkgnode")
+    n.copy_in(debs["v1"], V1)
+    n.copy_in(debs["v2"], V2)
+
+    # --- install: nothing configured yet ---
+    n.run([*APT, "install", *_debs_in(V1, version)], env=APT_ENV, timeout=120)
+    for p in PACKAGES:
+        assert _status(n, p) == f"ii {version}", p
+    n.run(["apt-get", "check", "-q"])
+    conffiles = n.run(["dpkg-query", "-W", "-f=${Conffiles}\n", "dsv41-agent", "dsv41-coordinator"]).stdout
+    assert {line.split()[0] for line in conffiles.splitlines() if line.strip()} == {
+        "/etc/dsv41/agent.env", "/etc/dsv41/cluster.env"}
+    modes = _sh(n, "stat -c '%n %a %U:%G' /usr/bin/dsv41-agent /usr/bin/dsv41-pack /usr/bin/dsv41ctl "
+                   "/usr/bin/dsv41-coordinator /usr/bin/dsv41-sim-rank /etc/dsv41/agent.env "
+                   "/etc/dsv41/cluster.env /lib/systemd/system/dsv41-agent.service "
+                   "/lib/systemd/system/dsv41-coordinator.service /usr/lib/sysusers.d/dsv41.conf").stdout
+    for line in modes.splitlines():
+        path, mode, owner = line.split()
+        assert owner == "root:root", line
+        assert mode == ("755" if path.startswith("/usr/bin/") else "644"), line
+    group = n.run(["getent", "group", "dsv41"]).stdout.split(":")
+    assert group[0] == "dsv41" and int(group[2]) < 1000, group  # a system group
+    # Private module directories, byte-compiled by py3compile; nothing in dist-packages.
+    _sh(n, "test -d /usr/share/dsv41-agent/agent/__pycache__ && test -d /usr/share/dsv41-coordinator/"
+           "coordinator/__pycache__ && test -f /usr/share/dsv41/rank/adapter/engram/format.py")
+    assert not _sh(n, "ls /usr/lib/python3/dist-packages | grep -E '^(agent|coordinator|adapter|dsv41|sim)$'",
+                   check=False).stdout
+    has_sitecustomize = (REPO / "adapter" / "sitecustomize.py").exists() and bool(
+        subprocess.run(["git", "-C", str(REPO), "ls-files", "adapter/sitecustomize.py"], capture_output=True,
+                       text=True).stdout.strip())
+    rank_files = n.run(["ls", "/usr/share/dsv41/rank"]).stdout.split()
+    assert ("sitecustomize.py" in rank_files) == has_sitecustomize, rank_files
+
+    # The code and the generated stubs run on the distribution's Python and packages.
+    assert n.run(["dsv41-agent", "--version"]).stdout.strip() == version
+    assert "HEAD_IP" in n.run(["dsv41ctl", "config", "keys"]).stdout
+    _sh(n, "HOME=/root dsv41ctl config check /etc/dsv41/cluster.env")  # the shipped example is valid
+    assert "--rank" in n.run(["dsv41-pack", "--help"]).stdout
+    assert "usage" in n.run(["dsv41-sim-rank", "--help"]).stdout.lower()
+    for d in ("/usr/share/dsv41-agent", "/usr/share/dsv41-coordinator"):
+        n.run(["python3", "-I", "-c", f"import sys; sys.path.insert(0, {d!r}); "
+               "import dsv41.v1.agent_pb2_grpc, dsv41.v1.control_pb2_grpc"])
+
+    # Units: the agent enabled and started (it fails at once, clearly, without a configuration);
+    # the coordinator neither enabled nor started.
+    assert n.run(["systemctl", "is-enabled", "dsv41-agent"], check=False).stdout.strip() == "enabled"
+    assert n.run(["systemctl", "is-enabled", "dsv41-coordinator"], check=False).stdout.strip() == "disabled"
+    assert n.show("dsv41-coordinator", "ActiveState")["ActiveState"] == "inactive"
+    text = _wait(lambda: (t := _agent_messages(n)) and "invalid configuration" in t and t, "the agent's refusal")
+    assert "NODE_NAME" in text and "TLS" in text, text
+    assert n.show("dsv41-agent", "ActiveState")["ActiveState"] != "active"
+
+    # --- configure the agent; a rank and a coordinator are running ---
+    n.write_file("/etc/dsv41/agent.env", AGENT_ENV.format(name=n.name))
+    n.run(["systemctl", "reset-failed", "dsv41-agent"], check=False)
+    n.run(["systemctl", "restart", "dsv41-agent"])
+    agent_pid = n.show("dsv41-agent", "ActiveState", "MainPID")
+    assert agent_pid["ActiveState"] == "active", agent_pid
+    n.run(["systemd-run", "--unit=dsv41-rank", "--quiet", "/bin/sleep", "infinity"])
+    n.write_file(COORDINATOR_DROP_IN, COORDINATOR_STANDIN)
+    n.run(["systemctl", "daemon-reload"])
+    n.run(["systemctl", "start", "dsv41-coordinator"])
+    before = {u: n.show(u, "ActiveState", "MainPID") for u in ("dsv41-coordinator", "dsv41-rank")}
+    assert all(s["ActiveState"] == "active" for s in before.values()), before
+
+    # --- upgrade to a rebuilt higher version ---
+    upgraded = n.run([*APT, "install", *_debs_in(V2, f"{version}+1")], env=APT_ENV, timeout=120)
+    for p in PACKAGES:
+        assert _status(n, p) == f"ii {version}+1", (p, upgraded.stdout)
+    after_agent = n.show("dsv41-agent", "ActiveState", "MainPID")
+    assert after_agent["ActiveState"] == "active" and after_agent["MainPID"] != agent_pid["MainPID"], \
+        (agent_pid, after_agent)  # restarted
+    after = {u: n.show(u, "ActiveState", "MainPID") for u in ("dsv41-coordinator", "dsv41-rank")}
+    assert after == before  # neither the coordinator nor the rank was touched
+    assert n.run(["systemctl", "is-enabled", "dsv41-coordinator"], check=False).stdout.strip() == "disabled"
+    assert n.run(["cat", "/etc/dsv41/agent.env"]).stdout == AGENT_ENV.format(name=n.name)
+    _wait(lambda: f"pid {before['dsv41-rank']['MainPID']}" in _agent_messages(n), "the rank re-adopted")
+
+    # --- purge ---
+    n.run(["systemctl", "stop", "dsv41-coordinator", "dsv41-rank"])
+    n.run(["rm", "-r", str(Path(COORDINATOR_DROP_IN).parent)])
+    n.run(["systemctl", "daemon-reload"])
+    n.run([*APT, "purge", *PACKAGES], env=APT_ENV, timeout=120)
+    for p in PACKAGES:
+        assert _status(n, p) in ("unknown", "un "), p
+    left = _sh(n, "ls -d /etc/dsv41 /var/cache/dsv41 /usr/share/dsv41 /usr/share/dsv41-* /usr/bin/dsv41* "
+                  "/lib/systemd/system/dsv41* /etc/systemd/system/*/dsv41* /usr/lib/sysusers.d/dsv41.conf "
+                  "/var/lib/systemd/deb-systemd-helper-enabled/*dsv41* "
+                  "/var/lib/systemd/deb-systemd-helper-enabled/*/dsv41* 2>/dev/null", check=False).stdout
+    assert left == "", left
+    units = n.run(["systemctl", "list-unit-files", "--no-legend", "dsv41*"]).stdout
+    assert units.strip() == "", units
+    assert n.show("dsv41-agent", "LoadState")["LoadState"] == "not-found"
+    assert not _sh(n, "pgrep -f dsv41-agent", check=False).stdout
+
+    # --- a node provisioned with its agent.env before the packages: the agent runs at once ---
+    n.write_file("/etc/dsv41/agent.env", AGENT_ENV.format(name=n.name))
+    n.run([*APT, "install", *_debs_in(V2, f"{version}+1")[:2]], env=APT_ENV, timeout=120)
+    state = n.show("dsv41-agent", "ActiveState", "SubState")
+    assert state == {"ActiveState": "active", "SubState": "running"}, state
+    assert n.run(["cat", "/etc/dsv41/agent.env"]).stdout == AGENT_ENV.format(name=n.name)
