@@ -19,3 +19,16 @@ protos:
 
 check-protos:
 	tools/gen-protos.sh --check
+
+# Debian packages (packaging/README.md): built from the last commit (DEBS_SOURCE=worktree: from
+# the working tree as it is) into packaging/out/, reproducibly; `make debs VERSION_SUFFIX=+1` builds
+# a higher version for upgrades; `make debs-lintian` checks them (exit 1 on any lintian error).
+.PHONY: debs debs-lintian
+VERSION_SUFFIX ?=
+DEBS_OUT ?= packaging/out
+DEBS_SOURCE ?= HEAD
+debs:
+	$(PYTHON) packaging/debs.py build --out $(DEBS_OUT) --version-suffix "$(VERSION_SUFFIX)" --source $(DEBS_SOURCE)
+
+debs-lintian:
+	$(PYTHON) packaging/debs.py lintian --out $(DEBS_OUT)

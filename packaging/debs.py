@@ -1,15 +1,16 @@
 #!/usr/bin/python3
 """Builds the Debian packages from a clean copy of the tree (`make debs` runs this).
 
-    packaging/debs.py build [--out DIR] [--version-suffix SUFFIX] [--source worktree|HEAD]
+    packaging/debs.py build [--out DIR] [--version-suffix SUFFIX] [--source HEAD|worktree]
     packaging/debs.py lintian [--out DIR]
     packaging/debs.py version [--version-suffix SUFFIX]
 
-build: copies the tracked files (as they are in the working tree, or as committed in HEAD) into a
+build: copies the tree as committed in HEAD (default; `git archive`), or with --source worktree
+every file of the working tree that git does not ignore (tracked or not, as they are now), into a
 temporary directory, adds packaging/debian as debian/ with a changelog whose version comes from
 dsv41/version.py, runs `dpkg-buildpackage -A` in a fixed environment (system PATH, C.UTF-8, UTC,
 SOURCE_DATE_EPOCH of the last commit, umask 022) and leaves the .deb, .buildinfo and .changes
-files in DIR (default packaging/out). The same tree and commit give byte-identical .deb files.
+files in DIR (default packaging/out). The same files and commit give byte-identical .deb files.
 
 lintian: runs lintian on the .changes file in DIR; exits 1 when lintian reports an error.
 """
@@ -29,7 +30,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "packaging" / "out"
@@ -53,7 +54,7 @@ class SourceState:
     commit: str          # full hash of HEAD
     epoch: int           # committer time of HEAD: SOURCE_DATE_EPOCH
     modified: tuple[str, ...]   # tracked files that differ from HEAD
-    untracked: tuple[str, ...]  # untracked files under PACKAGED_DIRS (left out of the build)
+    untracked: tuple[str, ...]  # untracked, not ignored files under PACKAGED_DIRS
 
 
 # ----- pure decisions -----
@@ -96,9 +97,9 @@ def maintainer(control: str) -> str:
     return match.group(1).strip()
 
 
-def build_environment(epoch: int, home: str, base: Mapping[str, str]) -> dict[str, str]:
-    """A fixed environment: nothing from the caller's shell except proxy-free basics."""
-    env = {
+def build_environment(epoch: int, home: str) -> dict[str, str]:
+    """A fixed environment: nothing from the caller's shell (PATH, locale, time zone, umask-free)."""
+    return {
         "PATH": BUILD_PATH,
         "HOME": home,
         "LC_ALL": "C.UTF-8",
@@ -107,9 +108,6 @@ def build_environment(epoch: int, home: str, base: Mapping[str, str]) -> dict[st
         "SOURCE_DATE_EPOCH": str(epoch),
         "DEB_BUILD_OPTIONS": "nocheck",
     }
-    if "TERM" in base:
-        env["TERM"] = base["TERM"]
-    return env
 
 
 def lintian_counts(output: str) -> dict[str, int]:
@@ -142,23 +140,20 @@ def source_state(repo: Path) -> SourceState:
 
 
 def export_worktree(repo: Path, dest: Path) -> None:
-    """Tracked files as they are in the working tree, with the mode git records (not the
-    checkout's), so that the copy does not depend on umask or on who checked it out."""
-    entries = _git(repo, "ls-files", "-s", "-z").split("\0")
-    for entry in filter(None, entries):
-        meta, path = entry.split("\t", 1)
-        mode = meta.split()[0]
+    """Every file git does not ignore, as it is in the working tree, with mode 0755 or 0644 only
+    (so that the copy does not depend on umask or on who checked it out). Files deleted but not
+    yet committed as deleted are left out."""
+    paths = _git(repo, "ls-files", "--cached", "--others", "--exclude-standard", "-z").split("\0")
+    for path in sorted(set(filter(None, paths))):
         src, dst = repo / path, dest / path
-        if mode == "160000":  # a submodule: not part of this project's packages
-            continue
-        if not src.exists() and not src.is_symlink():
-            raise BuildError(f"{path}: tracked but missing from the working tree (commit or restore it)")
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if mode == "120000":
+        if src.is_symlink():
+            dst.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(os.readlink(src), dst)
-        else:
+        elif src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
-            os.chmod(dst, 0o755 if mode == "100755" else 0o644)
+            os.chmod(dst, 0o755 if src.stat().st_mode & 0o111 else 0o644)
+        # else: deleted in the working tree, or a submodule directory: not part of the packages
 
 
 def export_head(repo: Path, dest: Path) -> None:
@@ -171,36 +166,36 @@ def export_head(repo: Path, dest: Path) -> None:
         raise BuildError(f"git archive HEAD | tar -x failed: {untar.stderr.strip()}")
 
 
-def build(repo: Path, out: Path, suffix: str = "", source: str = "worktree",
+def _listing(paths: Sequence[str], limit: int = 6) -> str:
+    return ", ".join(paths[:limit]) + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def build(repo: Path, out: Path, suffix: str = "", source: str = "HEAD",
           log: object = sys.stderr) -> list[Path]:
+    if source not in ("HEAD", "worktree"):
+        raise BuildError(f"--source {source!r}: must be HEAD or worktree")
     state = source_state(repo)
-    version = debian_version(read_version((repo / "dsv41" / "version.py").read_text()), suffix)
-    if source == "worktree":
-        if state.modified:
-            print(f"debs: building uncommitted changes to {len(state.modified)} tracked file(s) "
-                  f"({', '.join(state.modified[:5])}{', ...' if len(state.modified) > 5 else ''})", file=log)
-    elif source != "HEAD":
-        raise BuildError(f"--source {source!r}: must be worktree or HEAD")
-    if state.untracked:
-        print(f"debs: left out (untracked): {', '.join(state.untracked[:8])}"
-              f"{', ...' if len(state.untracked) > 8 else ''}", file=log)
+    changes = [*state.modified, *state.untracked]
+    if changes and source == "worktree":
+        print(f"debs: building uncommitted files: {_listing(changes)}", file=log)
+    elif changes:
+        print(f"debs: building HEAD {state.commit[:12]}; not included (uncommitted): {_listing(changes)}", file=log)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dsv41-debs.") as tmp:
         top = Path(tmp)
-        src = top / f"{SOURCE_NAME}-{version}"
+        src = top / SOURCE_NAME
         (export_worktree if source == "worktree" else export_head)(repo, src)
-        if source == "HEAD":
-            version = debian_version(read_version((src / "dsv41" / "version.py").read_text()), suffix)
+        version = debian_version(read_version((src / "dsv41" / "version.py").read_text()), suffix)
         if (src / "debian").exists():
             raise BuildError("the tree has a top-level debian/ directory; the packaging lives in packaging/debian")
         shutil.copytree(src / "packaging" / "debian", src / "debian", symlinks=True)
         control = (src / "debian" / "control").read_text()
-        modified = bool(state.modified) and source == "worktree"
+        modified = bool(changes) and source == "worktree"
         (src / "debian" / "changelog").write_text(
             changelog(version, maintainer(control), state.epoch, state.commit, modified))
         home = top / "home"
         home.mkdir()
-        env = build_environment(state.epoch, str(home), os.environ)
+        env = build_environment(state.epoch, str(home))
         old_umask = os.umask(0o022)
         try:
             result = subprocess.run(["dpkg-buildpackage", "-A", "-us", "-uc"], cwd=src, env=env,
@@ -210,7 +205,7 @@ def build(repo: Path, out: Path, suffix: str = "", source: str = "worktree",
         if result.returncode != 0:
             raise BuildError(f"dpkg-buildpackage failed (exit {result.returncode}):\n{result.stdout[-6000:]}")
         for line in result.stdout.splitlines():
-            if "warning" in line.lower() and "debian/rules" in line:
+            if line.startswith("debian/rules: warning:"):
                 print(line, file=log)
         for pattern in BUILD_OUTPUTS:
             for old in out.glob(pattern):
@@ -245,8 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     b = sub.add_parser("build", help="build every package into --out")
     b.add_argument("--out", type=Path, default=DEFAULT_OUT)
     b.add_argument("--version-suffix", default="", help="appended to the version, e.g. +1 for an upgrade test")
-    b.add_argument("--source", default="worktree", choices=("worktree", "HEAD"),
-                   help="tracked files as in the working tree (default) or as committed in HEAD")
+    b.add_argument("--source", default="HEAD", choices=("HEAD", "worktree"),
+                   help="the tree as committed in HEAD (default), or every file of the working tree "
+                        "that git does not ignore")
     lint = sub.add_parser("lintian", help="run lintian on what `build` left in --out")
     lint.add_argument("--out", type=Path, default=DEFAULT_OUT)
     v = sub.add_parser("version", help="print the Debian version a build would have")

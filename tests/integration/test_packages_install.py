@@ -39,10 +39,13 @@ COORDINATOR_STANDIN = "[Service]\nType=simple\nExecStart=\nExecStart=/bin/sleep 
 
 
 def _debs_module():
-    spec = importlib.util.spec_from_file_location("dsv41_debs", REPO / "packaging" / "debs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    """packaging/debs.py (packaging/ is no Python package: the name would shadow python3-packaging)."""
+    if "dsv41_debs" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("dsv41_debs", REPO / "packaging" / "debs.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["dsv41_debs"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return sys.modules["dsv41_debs"]
 
 
 @pytest.fixture(scope="module")
