@@ -153,6 +153,7 @@ def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
     n.run(["systemctl", "restart", "dsv41-agent"])
     agent_pid = n.show("dsv41-agent", "ActiveState", "MainPID")
     assert agent_pid["ActiveState"] == "active", agent_pid
+    assert n.run(["pgrep", "-x", "dsv41-agent"]).stdout.split() == [agent_pid["MainPID"]]
     n.run(["systemd-run", "--unit=dsv41-rank", "--quiet", "/bin/sleep", "infinity"])
     n.write_file(COORDINATOR_DROP_IN, COORDINATOR_STANDIN)
     n.run(["systemctl", "daemon-reload"])
@@ -185,10 +186,10 @@ def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
                   "/var/lib/systemd/deb-systemd-helper-enabled/*dsv41* "
                   "/var/lib/systemd/deb-systemd-helper-enabled/*/dsv41* 2>/dev/null", check=False).stdout
     assert left == "", left
-    units = n.run(["systemctl", "list-unit-files", "--no-legend", "dsv41*"]).stdout
+    units = n.run(["systemctl", "list-unit-files", "--no-legend", "dsv41*"], check=False).stdout
     assert units.strip() == "", units
     assert n.show("dsv41-agent", "LoadState")["LoadState"] == "not-found"
-    assert not _sh(n, "pgrep -f dsv41-agent", check=False).stdout
+    assert not n.run(["pgrep", "-x", "dsv41-agent"], check=False).stdout  # comm of the agent
 
     # --- a node provisioned with its agent.env before the packages: the agent runs at once ---
     n.write_file("/etc/dsv41/agent.env", AGENT_ENV.format(name=n.name))
