@@ -91,15 +91,17 @@ def overlay(python: Path) -> Path:
     return OVERLAY
 
 
-def adapter_dir(root: Path) -> Path:
+def adapter_dir(root: Path, sitecustomize: bool = True) -> Path:
     """A PYTHONPATH entry laid out like the installed adapter, made of symlinks."""
-    entry = root / "adapter-entry"
+    entry = root / ("adapter-entry" if sitecustomize else "adapter-entry-plugin-only")
     entry.mkdir(exist_ok=True)
-    for name, target in (
-        ("sitecustomize.py", REPO / "adapter" / "sitecustomize.py"),
+    links = [
         ("adapter", REPO / "adapter"),
         ("dsv41_adapter.dist-info", REPO / "adapter" / "dsv41_adapter.dist-info"),
-    ):
+    ]
+    if sitecustomize:
+        links.append(("sitecustomize.py", REPO / "adapter" / "sitecustomize.py"))
+    for name, target in links:
         link = entry / name
         if not link.exists():
             link.symlink_to(target)
@@ -111,11 +113,13 @@ class Sglang:
         self.python = python
         self.overlay = overlay_dir
         self.entry = adapter_dir(root)
+        self.plugin_only_entry = adapter_dir(root, sitecustomize=False)
         self.root = root
 
-    def env(self, armed: bool, extra: dict[str, str] | None = None) -> dict[str, str]:
+    def env(self, armed: bool, extra: dict[str, str] | None = None, sitecustomize: bool = True) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "SGLANG_", "PYTHON"))}
-        env["PYTHONPATH"] = os.pathsep.join([str(self.entry), str(STUBS), str(self.overlay)])
+        entry = self.entry if sitecustomize else self.plugin_only_entry
+        env["PYTHONPATH"] = os.pathsep.join([str(entry), str(STUBS), str(self.overlay)])
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env["SGLANG_CACHE_DIR"] = str(self.root / "sglang-cache")
         env["HOME"] = str(self.root)
@@ -124,14 +128,22 @@ class Sglang:
         env.update(extra or {})
         return env
 
-    def check(self, script: str, *args: str, armed: bool = True, env: dict[str, str] | None = None, timeout: float = 300) -> tuple[dict[str, Any], str]:
+    def check(
+        self,
+        script: str,
+        *args: str,
+        armed: bool = True,
+        env: dict[str, str] | None = None,
+        sitecustomize: bool = True,
+        timeout: float = 300,
+    ) -> tuple[dict[str, Any], str]:
         """Run checks/<script>.py; (its JSON result, its stderr)."""
         done = subprocess.run(
             [str(self.python), str(CHECKS / f"{script}.py"), *args],
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=self.env(armed, env),
+            env=self.env(armed, env, sitecustomize),
             cwd=str(self.root),
         )
         lines = done.stdout.strip().splitlines()
