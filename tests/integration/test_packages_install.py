@@ -8,6 +8,7 @@ The base root file system already holds the python3-* dependencies, so apt needs
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import time
@@ -32,10 +33,15 @@ INSECURE_NO_TLS=1
 ALLOWED_RUNTIMES=host
 ALLOWED_EXECUTABLES=/usr/bin/dsv41-sim-rank
 """
-# Stands in for the coordinator daemon: what is under test is how the packages treat the service
-# (enablement, start, stop and restart on upgrade), not the daemon.
+# The real coordinator under the packaged unit, told not to bring the cluster up: what is under
+# test is how the packages treat the service (group, socket, start, upgrade), not the bring-up.
 COORDINATOR_DROP_IN = "/etc/systemd/system/dsv41-coordinator.service.d/test.conf"
-COORDINATOR_STANDIN = "[Service]\nType=simple\nExecStart=\nExecStart=/bin/sleep infinity\n"
+COORDINATOR_NO_AUTOSTART = ("[Service]\nExecStart=\n"
+                            "ExecStart=/usr/bin/dsv41-coordinator --config /etc/dsv41/cluster.env --no-autostart\n")
+# The shipped example, edited as an operator would: addresses that refuse at once (no agents in
+# this test), no TLS, and short stop budgets because no rank ever runs.
+CLUSTER_EDITS = {"HEAD_IP": "127.0.0.1", "WORKER1_IP": "127.0.0.2", "WORKER2_IP": "127.0.0.3"}
+CLUSTER_ADDED = "INSECURE_NO_TLS=1\nAGENT_PORT=7449\nRANK_STOP_TIMEOUT_S=5\nMEMORY_RECOVERY_TIMEOUT_S=1\n"
 
 
 def _debs_module():
@@ -155,11 +161,24 @@ def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
     assert agent_pid["ActiveState"] == "active", agent_pid
     assert n.run(["pgrep", "-x", "dsv41-agent"]).stdout.split() == [agent_pid["MainPID"]]
     n.run(["systemd-run", "--unit=dsv41-rank", "--quiet", "/bin/sleep", "infinity"])
-    n.write_file(COORDINATOR_DROP_IN, COORDINATOR_STANDIN)
+    cluster = n.run(["cat", "/etc/dsv41/cluster.env"]).stdout
+    for key, value in CLUSTER_EDITS.items():
+        cluster = re.sub(rf"^{key}=.*$", f"{key}={value}", cluster, count=1, flags=re.MULTILINE)
+    n.write_file("/etc/dsv41/cluster.env", "HOME=/root\n" + cluster + CLUSTER_ADDED)
+    n.write_file(COORDINATOR_DROP_IN, COORDINATOR_NO_AUTOSTART)
     n.run(["systemctl", "daemon-reload"])
-    n.run(["systemctl", "start", "dsv41-coordinator"])
+    n.run(["systemctl", "start", "dsv41-coordinator"])  # returns once it has sent READY=1
     before = {u: n.show(u, "ActiveState", "MainPID") for u in ("dsv41-coordinator", "dsv41-rank")}
     assert all(s["ActiveState"] == "active" for s in before.values()), before
+    socket = _sh(n, "stat -c '%F %a %U:%G' /run/dsv41/control.sock").stdout.strip()
+    assert socket == "socket 660 root:dsv41", socket
+    # Members of the dsv41 group reach the coordinator (exit 1: not serving); others may not (4).
+    n.run(["useradd", "--groups", "dsv41", "operator"])
+    n.run(["useradd", "visitor"])
+    member = n.run(["runuser", "-u", "operator", "--", "dsv41ctl", "status"], check=False)
+    assert member.returncode == 1 and "STOPPED" in member.stdout.upper(), (member.stdout, member.stderr)
+    visitor = n.run(["runuser", "-u", "visitor", "--", "dsv41ctl", "status"], check=False)
+    assert visitor.returncode == 4 and "dsv41 group" in visitor.stderr, (visitor.stdout, visitor.stderr)
 
     # --- upgrade to a rebuilt higher version ---
     upgraded = n.run([*APT, "install", *_debs_in(V2, f"{version}+1")], env=APT_ENV, timeout=120)
@@ -172,10 +191,12 @@ def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
     assert after == before  # neither the coordinator nor the rank was touched
     assert n.run(["systemctl", "is-enabled", "dsv41-coordinator"], check=False).stdout.strip() == "disabled"
     assert n.run(["cat", "/etc/dsv41/agent.env"]).stdout == AGENT_ENV.format(name=n.name)
+    assert n.run(["ls", "/etc/dsv41"]).stdout.split() == ["agent.env", "cluster.env"]  # no .dpkg-* files
     _wait(lambda: f"pid {before['dsv41-rank']['MainPID']}" in _agent_messages(n), "the rank re-adopted")
 
     # --- purge ---
-    n.run(["systemctl", "stop", "dsv41-coordinator", "dsv41-rank"])
+    n.run(["systemctl", "stop", "dsv41-coordinator", "dsv41-rank"], timeout=60)
+    assert n.show("dsv41-coordinator", "Result")["Result"] == "success"  # exited by itself on SIGTERM
     n.run(["rm", "-r", str(Path(COORDINATOR_DROP_IN).parent)])
     n.run(["systemctl", "daemon-reload"])
     n.run([*APT, "purge", *PACKAGES], env=APT_ENV, timeout=120)
