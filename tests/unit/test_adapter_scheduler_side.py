@@ -139,3 +139,20 @@ def test_cache_root() -> None:
 def test_autotune_setting() -> None:
     assert autotune_keep.build({"DSV41_AUTOTUNE_KEEP": "0"}) is None
     assert autotune_keep.build({}, argv=lambda: ARGV).patches[0].attr == "flashinfer_autotune_cache_path"
+
+
+def test_bench_dry_run_replays_the_pattern_on_the_cpu() -> None:
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "prefill_empty_cache"
+    out = subprocess.run([sys.executable, str(bench), "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout.strip().splitlines()[-1])["results"]
+    assert [r["prompt"] for r in results] == [4096, 16384]
+    for r in results:
+        assert r["with"]["peak_reserved"] < r["without"]["peak_reserved"]
+        assert r["with"]["empty_cache_calls"] == r["with"]["chunks"] and r["without"]["empty_cache_calls"] == 0
+    # Without the hook the pool grows with the prompt; with it, it stays near one chunk's worth.
+    assert results[1]["without"]["peak_reserved"] > 4 * results[0]["without"]["peak_reserved"]
+    assert results[1]["peak_ratio"] > results[0]["peak_ratio"] > 1.5
