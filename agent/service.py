@@ -22,6 +22,7 @@ from .rank import ExitRecord, RankError, RankManager, RankStatus
 from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
 from .rpc_files import FileRpcs
+from .rpc_journal import JournalRpcs
 from .rpc_nodechecks import NodeCheckRpcs
 from .rpc_pack import PackRpcs
 from .settings import AgentSettings
@@ -67,7 +68,7 @@ def sample_pb(s: Sample) -> pb.MemorySample:
         rank_memory_bytes=s.rank_memory, psi_triggered=s.psi_triggered)
 
 
-class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, agent_pb2_grpc.AgentServicer):
+class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grpc.AgentServicer):
     """The RPCs; groups of them live in mixins (rpc_*.py) that use the attributes set here."""
 
     def __init__(self, settings: AgentSettings, systemd: Systemd, rank: RankManager, sampler: MemorySampler,

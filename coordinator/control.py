@@ -6,6 +6,7 @@ import grp
 import os
 import queue
 import threading
+import time
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,7 @@ from dsv41.v1 import control_pb2 as pb
 from dsv41.v1 import control_pb2_grpc
 from dsv41.version import VERSION
 
+from . import plan as plan_mod
 from .agents import AgentClient, AgentUnavailable
 from .config import ClusterConfig
 from .runtime import ClusterRuntime, Incident, Snapshot
@@ -122,6 +124,43 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     yield line
             except grpc.RpcError as exc:
                 yield apb.JournalLine(node=node.name, priority="err", message=f"cannot read the journal: {exc.details()}")
+
+
+    def Pack(self, request, context):
+        plans = {p.node: p for p in plan_mod.render_cluster(self._cfg)}
+        clients = self._runtime.clients
+        done: set[str] = set()
+        try:
+            if request.start:
+                for node, node_plan in plans.items():
+                    state = clients[node].pack_state(node_plan)
+                    if not all(layer.state == "complete" for layer in state.layers):
+                        clients[node].start_pack(node_plan)
+            while context.is_active() and len(done) < len(plans):
+                for node, node_plan in plans.items():
+                    if node in done:
+                        continue
+                    state = clients[node].pack_state(node_plan)
+                    finished = all(layer.state == "complete" for layer in state.layers) or not state.running
+                    if finished:
+                        done.add(node)
+                    yield pb.PackProgress(node=node, state=state, done=finished)
+                if len(done) < len(plans):
+                    time.sleep(1.0)
+        except AgentUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    def AutotuneReset(self, request, context):
+        removed, problems = 0, []
+        for node, client in self._runtime.clients.items():
+            try:
+                removed += client.clear_caches("autotune").removed_files
+            except AgentUnavailable as exc:
+                problems.append(f"{node}: {exc.details}")
+        if problems:
+            return pb.ActionReply(ok=False, message="; ".join(problems))
+        return pb.ActionReply(ok=True, message=f"removed {removed} autotune cache file(s) on {len(self._runtime.clients)} "
+                                               "nodes: the next boot retunes")
 
 
 def _event(incident: Incident) -> apb.Event:

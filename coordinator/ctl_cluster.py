@@ -55,6 +55,15 @@ def add_commands(sub, default_config: str) -> None:
     events.add_argument("--follow", "-f", action="store_true")
     events.add_argument("--last", type=int, default=50)
     events.set_defaults(handler=_events)
+    pack = sub.add_parser("pack", help="packed Engram shards on every node; --start runs the pack job where needed")
+    common(pack)
+    pack.add_argument("--start", action="store_true", help="start the pack job on nodes whose packs are not complete")
+    pack.set_defaults(handler=_pack)
+    autotune = sub.add_parser("autotune", help="FlashInfer autotune caches")
+    autotune_sub = autotune.add_subparsers(dest="autotune_command")
+    reset = autotune_sub.add_parser("reset", help="clear the caches on every node (the ranks must be stopped)")
+    common(reset)
+    reset.set_defaults(handler=_autotune_reset)
     logs = sub.add_parser("logs", help="journal lines of the dsv41 units, fetched from the agents")
     common(logs)
     logs.add_argument("--node")
@@ -219,3 +228,54 @@ def _logs(args, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+
+
+def progress_line(node: str, state: apb.PackState, width: int = 24) -> str:
+    total = sum(layer.total_bytes for layer in state.layers)
+    done = sum(layer.done_bytes if layer.state != "complete" else layer.total_bytes for layer in state.layers)
+    fraction = done / total if total else (1.0 if all(l.state == "complete" for l in state.layers) else 0.0)
+    bar = "#" * int(fraction * width) + "." * (width - int(fraction * width))
+    states = ",".join(sorted({layer.state for layer in state.layers})) or "-"
+    text = state.status_text if state.running else states
+    return f"{node:<8} [{bar}] {fraction * 100:5.1f}% {text}"[:79]
+
+
+def _pack(args, out: TextIO, err: TextIO) -> int:
+    try:
+        stream = _stub(args.socket).Pack(pb.PackRequest(start=args.start))
+        last: dict[str, apb.PackState] = {}
+        tty = hasattr(out, "isatty") and out.isatty()
+        for progress in stream:
+            last[progress.node] = progress.state
+            if tty:
+                out.write("\x1b[%dA" % (len(last) - 1) if len(last) > 1 else "")
+                out.write("\r" + "\n".join(progress_line(n, s) for n, s in last.items()) + "\x1b[K")
+                out.flush()
+            elif progress.done:
+                print(progress_line(progress.node, progress.state), file=out, flush=True)
+        if tty:
+            out.write("\n")
+    except PermissionError as exc:
+        print(str(exc), file=err)
+        return 4
+    except (ControlUnavailable, grpc.RpcError) as exc:
+        print(f"cannot reach the coordinator: {exc}", file=err)
+        return 3
+    incomplete = [n for n, s in last.items() if not all(l.state == "complete" for l in s.layers)]
+    if incomplete:
+        print(f"not complete on: {', '.join(incomplete)}", file=err)
+        return 1
+    return 0
+
+
+def _autotune_reset(args, out: TextIO, err: TextIO) -> int:
+    try:
+        reply = _stub(args.socket).AutotuneReset(pb.AutotuneResetRequest(), timeout=120)
+    except PermissionError as exc:
+        print(str(exc), file=err)
+        return 4
+    except (ControlUnavailable, grpc.RpcError) as exc:
+        print(f"cannot reach the coordinator: {exc}", file=err)
+        return 3
+    print(reply.message, file=out if reply.ok else err)
+    return 0 if reply.ok else 1

@@ -224,6 +224,8 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
     env["PYTHONPATH"] = CONTAINER_ADAPTER_DIR if container else ADAPTER_DIR
     if cfg["NCCL_HOST_DIR"]:
         env["LD_LIBRARY_PATH"] = CONTAINER_NCCL_DIR if container else str(cfg["NCCL_HOST_DIR"])
+    # One cache location for both runtimes, so `dsv41ctl autotune reset` knows where to clear.
+    env["SGLANG_CACHE_DIR"] = "/root/.cache/sglang" if container else f"{RANK_CACHE_DIR}/sglang"
     if not container:
         env["XDG_CACHE_HOME"] = RANK_CACHE_DIR
     return dict(sorted(env.items()))

@@ -20,7 +20,7 @@ from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 
 from . import plan as plan_mod
-from . import serving
+from . import serving, weights
 from .agents import AgentClient, AgentUnavailable
 from .config import ClusterConfig
 
@@ -63,12 +63,13 @@ def generation_of(plans) -> str:
 
 class ClusterRuntime:
     def __init__(self, cfg: ClusterConfig, clients: dict[str, AgentClient], log: EventLog,
-                 table_source_dir: str = plan_mod.STATE_DIR, clock: Callable[[], float] = time.time,
+                 table_source_dir: str = plan_mod.STATE_DIR, state_dir: str = "/var/lib/dsv41/coordinator", clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep, monotonic: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.clients = clients
         self._log = log
         self._table_dir = table_source_dir
+        self._state_dir = state_dir
         self._clock, self._sleep, self._monotonic = clock, sleep, monotonic
         self._lock = threading.Lock()
         self._snapshot = Snapshot(since=clock())
@@ -301,6 +302,13 @@ class ClusterRuntime:
             raise StepFailed("preflight", None, "adapter files differ between nodes: " +
                              ", ".join(f"{n} {d[:12] or 'none'}" for n, d in digests.items()) +
                              "; install the same dsv41-adapter everywhere")
+        if not self.cfg["SKIP_VERIFY"]:
+            self._set(detail=f"verifying the checkpoint in {self.cfg['MODEL_DIR']}")
+            result = weights.verify(str(self.cfg["MODEL_DIR"]), int(self.cfg["EXPECTED_SHARDS"]),
+                                    os.path.join(self._state_dir, "weights-receipts.json"))
+            if not result.ok:
+                raise StepFailed("preflight", self.cfg.head.name, f"weights: {result.detail}")
+            self._log.info("weights_verified", f"weights: {result.detail}", hashed_bytes=result.hashed_bytes)
         self._plans = self._render_plans(sync_tables=True)
         plans = {p.node: p for p in self._plans}
         need = float(self.cfg["RANK_MEMORY_GIB"]) * GIB
