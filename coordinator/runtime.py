@@ -193,6 +193,7 @@ class ClusterRuntime:
                     node, why, invocation = arg
                     # Exits of ranks from before the last (re)start are old news.
                     if self.snapshot().phase == "serving" and invocation == self._launched.get(node):
+                        self._set(phase="stopping", detail=f"rank on {node} exited: {why}")
                         first, message = self._first_failure()
                         self._incident(first, "rank_exit", message)
                         self._recover(f"rank on {first} exited: {self._exited[first]}")
@@ -470,7 +471,7 @@ class ClusterRuntime:
 
     def _step_health(self, deadline: float) -> None:
         result = serving.wait_healthy(self.base_url, deadline, self._first_exit, sleep=self._sleep,
-                                      monotonic=self._monotonic)
+                                      monotonic=self._monotonic, interval_s=0.2)
         if not result.ok:
             raise StepFailed("health", self.cfg.head.name, result.detail)
 
