@@ -1,15 +1,15 @@
 #!/usr/bin/python3
 """Builds the Debian packages from a clean copy of the tree (`make debs` runs this).
 
-    packaging/debs.py build [--out DIR] [--version-suffix SUFFIX] [--source HEAD|worktree]
+    packaging/debs.py build [--out DIR] [--version-suffix SUFFIX] [--source REVISION|worktree]
     packaging/debs.py lintian [--out DIR]
     packaging/debs.py version [--version-suffix SUFFIX]
 
-build: copies the tree as committed in HEAD (default; `git archive`), or with --source worktree
-every file of the working tree that git does not ignore (tracked or not, as they are now), into a
-temporary directory, adds packaging/debian as debian/ with a changelog whose version comes from
+build: copies the tree as committed in HEAD (default) or another git revision (`git archive`), or
+with --source worktree every file of the working tree that git does not ignore (tracked or not, as
+they are now), into a temporary directory, adds packaging/debian as debian/ with a changelog whose version comes from
 dsv41/version.py, runs `dpkg-buildpackage -A` in a fixed environment (system PATH, C.UTF-8, UTC,
-SOURCE_DATE_EPOCH of the last commit, umask 022) and leaves the .deb, .buildinfo and .changes
+SOURCE_DATE_EPOCH of the commit, umask 022) and leaves the .deb, .buildinfo and .changes
 files in DIR (default packaging/out). The same files and commit give byte-identical .deb files.
 
 lintian: runs lintian on the .changes file in DIR; exits 1 when lintian reports an error.
@@ -51,8 +51,8 @@ class BuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class SourceState:
-    commit: str          # full hash of HEAD
-    epoch: int           # committer time of HEAD: SOURCE_DATE_EPOCH
+    commit: str          # full hash of the revision built (of HEAD for the working tree)
+    epoch: int           # its committer time: SOURCE_DATE_EPOCH
     modified: tuple[str, ...]   # tracked files that differ from HEAD
     untracked: tuple[str, ...]  # untracked, not ignored files under PACKAGED_DIRS
 
@@ -130,9 +130,9 @@ def _git(repo: Path, *args: str) -> str:
         raise BuildError(f"git {' '.join(args)} failed in {repo}: {detail.strip()}") from None
 
 
-def source_state(repo: Path) -> SourceState:
-    commit = _git(repo, "rev-parse", "HEAD").strip()
-    epoch = int(_git(repo, "log", "-1", "--format=%ct", "HEAD").strip())
+def source_state(repo: Path, revision: str = "HEAD") -> SourceState:
+    commit = _git(repo, "rev-parse", "--verify", f"{revision}^{{commit}}").strip()
+    epoch = int(_git(repo, "log", "-1", "--format=%ct", commit).strip())
     modified = tuple(sorted(filter(None, _git(repo, "diff", "--name-only", "-z", "HEAD").split("\0"))))
     untracked = tuple(sorted(filter(None, _git(repo, "ls-files", "--others", "--exclude-standard", "-z", "--",
                                                  *PACKAGED_DIRS).split("\0"))))
@@ -156,14 +156,14 @@ def export_worktree(repo: Path, dest: Path) -> None:
         # else: deleted in the working tree, or a submodule directory: not part of the packages
 
 
-def export_head(repo: Path, dest: Path) -> None:
+def export_commit(repo: Path, dest: Path, commit: str) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.Popen(["git", "-C", str(repo), "archive", "--format=tar", "HEAD"],
+    archive = subprocess.Popen(["git", "-C", str(repo), "archive", "--format=tar", commit],
                                stdout=subprocess.PIPE)
     untar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True, text=True)
     archive.stdout.close()  # type: ignore[union-attr]
     if archive.wait() != 0 or untar.returncode != 0:
-        raise BuildError(f"git archive HEAD | tar -x failed: {untar.stderr.strip()}")
+        raise BuildError(f"git archive {commit} | tar -x failed: {untar.stderr.strip()}")
 
 
 def _listing(paths: Sequence[str], limit: int = 6) -> str:
@@ -172,19 +172,22 @@ def _listing(paths: Sequence[str], limit: int = 6) -> str:
 
 def build(repo: Path, out: Path, suffix: str = "", source: str = "HEAD",
           log: object = sys.stderr) -> list[Path]:
-    if source not in ("HEAD", "worktree"):
-        raise BuildError(f"--source {source!r}: must be HEAD or worktree")
-    state = source_state(repo)
+    """source: "worktree", or a git revision (pin a commit hash to build the same tree twice while
+    others commit)."""
+    state = source_state(repo, "HEAD" if source == "worktree" else source)
     changes = [*state.modified, *state.untracked]
     if changes and source == "worktree":
         print(f"debs: building uncommitted files: {_listing(changes)}", file=log)
-    elif changes:
+    elif changes and source == "HEAD":
         print(f"debs: building HEAD {state.commit[:12]}; not included (uncommitted): {_listing(changes)}", file=log)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dsv41-debs.") as tmp:
         top = Path(tmp)
         src = top / SOURCE_NAME
-        (export_worktree if source == "worktree" else export_head)(repo, src)
+        if source == "worktree":
+            export_worktree(repo, src)
+        else:
+            export_commit(repo, src, state.commit)
         version = debian_version(read_version((src / "dsv41" / "version.py").read_text()), suffix)
         if (src / "debian").exists():
             raise BuildError("the tree has a top-level debian/ directory; the packaging lives in packaging/debian")
@@ -240,8 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     b = sub.add_parser("build", help="build every package into --out")
     b.add_argument("--out", type=Path, default=DEFAULT_OUT)
     b.add_argument("--version-suffix", default="", help="appended to the version, e.g. +1 for an upgrade test")
-    b.add_argument("--source", default="HEAD", choices=("HEAD", "worktree"),
-                   help="the tree as committed in HEAD (default), or every file of the working tree "
+    b.add_argument("--source", default="HEAD",
+                   help="a git revision (default HEAD), or `worktree`: every file of the working tree "
                         "that git does not ignore")
     lint = sub.add_parser("lintian", help="run lintian on what `build` left in --out")
     lint.add_argument("--out", type=Path, default=DEFAULT_OUT)

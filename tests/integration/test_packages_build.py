@@ -32,25 +32,32 @@ def _debs_module():
     return sys.modules["dsv41_debs"]
 
 
-def _build(out: Path, suffix: str = "") -> dict[str, str]:
+@pytest.fixture(scope="module")
+def commit() -> str:
+    """Pinned: others may commit between two builds of this test."""
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _build(out: Path, commit: str, suffix: str = "") -> dict[str, str]:
     debs = _debs_module()
     try:
-        made = debs.build(REPO, out, suffix, log=sys.stderr)
+        made = debs.build(REPO, out, suffix, source=commit, log=sys.stderr)
     except debs.BuildError as e:
         pytest.fail(str(e), pytrace=False)
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in made}
 
 
-def test_two_builds_of_one_commit_are_identical(tmp_path: Path) -> None:
-    first = _build(tmp_path / "a")
-    second = _build(tmp_path / "b")
+def test_two_builds_of_one_commit_are_identical(tmp_path: Path, commit: str) -> None:
+    first = _build(tmp_path / "a", commit)
+    second = _build(tmp_path / "b", commit)
     version = _debs_module().read_version((REPO / "dsv41" / "version.py").read_text())
     assert set(first) == {f"{p}_{version}_all.deb" for p in PACKAGES}
     assert first == second
 
 
-def test_version_suffix_makes_a_higher_version(tmp_path: Path) -> None:
-    made = _build(tmp_path, "+1")
+def test_version_suffix_makes_a_higher_version(tmp_path: Path, commit: str) -> None:
+    made = _build(tmp_path, commit, "+1")
     version = _debs_module().read_version((REPO / "dsv41" / "version.py").read_text())
     assert set(made) == {f"{p}_{version}+1_all.deb" for p in PACKAGES}
     deb = tmp_path / f"dsv41-agent_{version}+1_all.deb"
@@ -60,8 +67,8 @@ def test_version_suffix_makes_a_higher_version(tmp_path: Path) -> None:
     assert f"dsv41-adapter (= {version}+1)" in control
 
 
-def test_lintian_reports_no_errors_and_only_explained_warnings(tmp_path: Path) -> None:
-    _build(tmp_path)
+def test_lintian_reports_no_errors_and_only_explained_warnings(tmp_path: Path, commit: str) -> None:
+    _build(tmp_path, commit)
     code, text = _debs_module().run_lintian(tmp_path)
     errors = [line for line in text.splitlines() if line.startswith("E:")]
     assert code == 0 and not errors, text

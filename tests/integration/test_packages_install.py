@@ -57,11 +57,14 @@ def _debs_module():
 @pytest.fixture(scope="module")
 def debs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     debs = _debs_module()
+    # One commit for both versions: others may commit in between.
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                            check=True).stdout.strip()
     out = {}
     for name, suffix in (("v1", ""), ("v2", "+1")):
         out[name] = tmp_path_factory.mktemp(f"debs-{name}")
         try:
-            debs.build(REPO, out[name], suffix, log=sys.stderr)
+            debs.build(REPO, out[name], suffix, source=commit, log=sys.stderr)
         except debs.BuildError as e:
             pytest.fail(str(e), pytrace=False)
     yield out
@@ -164,20 +167,21 @@ def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
     cluster = n.run(["cat", "/etc/dsv41/cluster.env"]).stdout
     for key, value in CLUSTER_EDITS.items():
         cluster = re.sub(rf"^{key}=.*$", f"{key}={value}", cluster, count=1, flags=re.MULTILINE)
-    n.write_file("/etc/dsv41/cluster.env", "HOME=/root\n" + cluster + CLUSTER_ADDED)
+    n.write_file("/etc/dsv41/cluster.env", "HOME=/root\n" + cluster.rstrip("\n") + "\n" + CLUSTER_ADDED)
     n.write_file(COORDINATOR_DROP_IN, COORDINATOR_NO_AUTOSTART)
     n.run(["systemctl", "daemon-reload"])
-    n.run(["systemctl", "start", "dsv41-coordinator"])  # returns once it has sent READY=1
+    started = n.run(["systemctl", "start", "dsv41-coordinator"], check=False)  # returns after READY=1
+    assert started.returncode == 0, "\n".join(e.get("MESSAGE", "") for e in n.journal("dsv41-coordinator.service"))
     before = {u: n.show(u, "ActiveState", "MainPID") for u in ("dsv41-coordinator", "dsv41-rank")}
     assert all(s["ActiveState"] == "active" for s in before.values()), before
     socket = _sh(n, "stat -c '%F %a %U:%G' /run/dsv41/control.sock").stdout.strip()
     assert socket == "socket 660 root:dsv41", socket
     # Members of the dsv41 group reach the coordinator (exit 1: not serving); others may not (4).
-    n.run(["useradd", "--groups", "dsv41", "operator"])
-    n.run(["useradd", "visitor"])
-    member = n.run(["runuser", "-u", "operator", "--", "dsv41ctl", "status"], check=False)
+    n.run(["useradd", "--groups", "dsv41", "clusterop"])
+    n.run(["useradd", "passerby"])
+    member = n.run(["runuser", "-u", "clusterop", "--", "dsv41ctl", "status"], check=False)
     assert member.returncode == 1 and "STOPPED" in member.stdout.upper(), (member.stdout, member.stderr)
-    visitor = n.run(["runuser", "-u", "visitor", "--", "dsv41ctl", "status"], check=False)
+    visitor = n.run(["runuser", "-u", "passerby", "--", "dsv41ctl", "status"], check=False)
     assert visitor.returncode == 4 and "dsv41 group" in visitor.stderr, (visitor.stdout, visitor.stderr)
 
     # --- upgrade to a rebuilt higher version ---
