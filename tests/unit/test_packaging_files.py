@@ -55,13 +55,18 @@ def _run(path: Path, *args: str) -> subprocess.CompletedProcess:
 
 # ----- launchers -----
 
-def test_launchers_run_on_the_system_python_in_isolated_mode() -> None:
+def test_launcher_interpreter_and_flags() -> None:
     for path in BIN.iterdir():
-        first = path.read_text().splitlines()[0]
-        assert first.startswith("#!/usr/bin/python3"), path.name
+        text = path.read_text()
+        interpreter, *options = text.splitlines()[0].removeprefix("#!").split()
+        flags = "".join(options).lstrip("-")
+        assert interpreter == "/usr/bin/python3", path.name
         assert path.stat().st_mode & 0o111, f"{path.name}: not executable"
-        daemon_or_admin = path.name != "dsv41-sim-rank"  # the stand-in honours PYTHONPATH like a rank
-        assert ("I" in first.split()[1:][0] if len(first.split()) > 1 else False) == daemon_or_admin, first
+        # -I: nothing from PYTHONPATH or the user's site; but the stand-in honours PYTHONPATH like a rank.
+        assert ("I" in flags) == (path.name != "dsv41-sim-rank"), path.name
+        # -B: no __pycache__ in the adapter's directory, for everything that imports from it.
+        loads_adapter = "/usr/share/dsv41/rank" in text or path.name == "dsv41-sim-rank"
+        assert ("B" in flags) == loads_adapter, path.name
 
 
 def test_launcher_runs_the_module_as_python_m_does(tmp_path: Path) -> None:
