@@ -118,13 +118,39 @@ class ControlService(control_pb2_grpc.ControlServicer):
         nodes = [n for n in self._cfg.nodes if not request.node or n.name == request.node]
         if not nodes:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no node {request.node!r}")
-        for node in nodes:
-            try:
-                for line in self._runtime.clients[node.name].read_journal(request.lines or 50, False):
-                    yield line
-            except grpc.RpcError as exc:
-                yield apb.JournalLine(node=node.name, priority="err", message=f"cannot read the journal: {exc.details()}")
+        lines: queue.Queue = queue.Queue(maxsize=10_000)
+        streams = []
+        finished = threading.Semaphore(0)
 
+        def pump(node: str) -> None:
+            try:
+                stream = self._runtime.clients[node].read_journal(request.lines or 50, request.follow)
+                streams.append(stream)
+                for line in stream:
+                    lines.put(line)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    lines.put(apb.JournalLine(node=node, priority="err",
+                                              message=f"cannot read the journal: {exc.details()}"))
+            finally:
+                finished.release()
+
+        threads = [threading.Thread(target=pump, args=(n.name,), daemon=True) for n in nodes]
+        for thread in threads:
+            thread.start()
+        done = 0
+        try:
+            while context.is_active() and done < len(threads):
+                try:
+                    yield lines.get(timeout=0.2)
+                except queue.Empty:
+                    while finished.acquire(blocking=False):
+                        done += 1
+            while not lines.empty():
+                yield lines.get_nowait()
+        finally:
+            for stream in streams:
+                stream.cancel()
 
     def Pack(self, request, context):
         plans = {p.node: p for p in plan_mod.render_cluster(self._cfg)}

@@ -68,6 +68,7 @@ def add_commands(sub, default_config: str) -> None:
     common(logs)
     logs.add_argument("--node")
     logs.add_argument("--lines", "-n", type=int, default=50)
+    logs.add_argument("--follow", "-f", action="store_true")
     logs.set_defaults(handler=_logs)
 
 
@@ -215,7 +216,7 @@ def _events(args, out: TextIO, err: TextIO) -> int:
 
 def _logs(args, out: TextIO, err: TextIO) -> int:
     try:
-        stream = _stub(args.socket).Logs(pb.LogsRequest(node=args.node or "", lines=args.lines))
+        stream = _stub(args.socket).Logs(pb.LogsRequest(node=args.node or "", lines=args.lines, follow=args.follow))
         for line in stream:
             when = time.strftime("%H:%M:%S", time.localtime(line.at_unix_s))
             print(f"{when} {line.node} {line.unit}: {line.message}", file=out, flush=True)
