@@ -1,0 +1,70 @@
+import io
+
+import pytest
+
+from coordinator import ctl_cluster, serving
+from dsv41.v1 import agent_pb2 as apb
+from dsv41.v1 import control_pb2 as pb
+
+pytestmark = pytest.mark.unit
+NOW = 1_800_000_000.0
+
+
+def status(phase="serving", reachable=(True, True, False)):
+    views = []
+    for rank, ok in enumerate(reachable):
+        view = pb.NodeView(name=f"spark{rank + 1}", rank=rank, address=f"10.0.0.{rank + 1}", agent_reachable=ok)
+        if ok:
+            view.status.rank.CopyFrom(apb.RankState(active_state="active", main_pid=1000 + rank,
+                                                    active_since_unix_s=NOW - 7380,
+                                                    memory_current_bytes=104 << 30))
+            view.status.memory.CopyFrom(apb.MemorySample(available_bytes=3 << 30,
+                                                          some=apb.Pressure(avg10=12.5)))
+            view.fabric.CopyFrom(apb.FabricReport(ok=False, checks=[apb.Check(
+                name="rocep1s0f1 port 1", ok=False, detail="state 1: DOWN " + "x" * 100)]))
+        else:
+            view.agent_error = "UNAVAILABLE: failed to connect to all addresses; last error: " + "y" * 80
+        views.append(view)
+    return pb.ClusterStatus(phase=phase, endpoint="http://10.0.0.1:8888", ranks_running=2, ranks_total=3,
+                            serving_since_unix_s=NOW - 7980, nodes=views, coordinator_running=True,
+                            last_incident=pb.Incident(at_unix_s=NOW - 60, node="spark3", kind="rank_exit",
+                                                      message="rank on spark3 died first: " + "z" * 100))
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_status_fits_80_columns_and_says_what_matters():
+    out = io.StringIO()
+    ctl_cluster.render_status(status(), out, now=NOW)
+    text = out.getvalue()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "cluster: SERVING  2/3 ranks  up 2h13m  http://10.0.0.1:8888" in text
+    assert "spark3   2    down" in text
+    assert "last incident 1m00s ago: spark3: rank on spark3 died first" in text
+    assert "fabric: rocep1s0f1 port 1: state 1: DOWN" in text
+    assert "\033[" not in text  # no colour when not a terminal
+
+
+def test_colour_only_on_a_terminal():
+    out = Tty()
+    ctl_cluster.render_status(status(phase="failed"), out, now=NOW)
+    assert "\033[31mFAILED\033[0m" in out.getvalue()
+
+
+def test_progress_line():
+    state = apb.PackState(running=True, status_text="layer 14: 41.2/63.0 GiB, 812 MB/s, ETA 27 s", layers=[
+        apb.PackLayerState(layer=1, state="complete", total_bytes=100),
+        apb.PackLayerState(layer=14, state="packing", done_bytes=50, total_bytes=100)])
+    line = ctl_cluster.progress_line("spark2", state)
+    assert line.startswith("spark2   [##################......]  75.0% layer 14: 41.2/63.0 GiB")
+    assert len(line) < 80
+
+
+@pytest.mark.parametrize("text, bad", [
+    ("", True), ("\ufffd\ufffd", True), ("the the the the the the the the", True), ("!!!! ???? .... ,,,,", True),
+    ("The number 7 is prime.", False), ("42", False)])
+def test_garbage_detector(text, bad):
+    assert (serving.looks_like_garbage(text) is not None) == bad
