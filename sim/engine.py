@@ -163,10 +163,12 @@ class Engine:
             return self._accepting
 
     def wait_idle(self, timeout_s: float) -> bool:
-        deadline = self._clock() + timeout_s
+        """True once no request is in flight; False after timeout_s (real time, not the clock
+        that stamps request ages)."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._requests:
-                left = deadline - self._clock()
+                left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(min(left, 0.1))

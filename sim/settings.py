@@ -46,7 +46,9 @@ def from_env(env: Mapping[str, str], dist_timeout_s: int | None = None) -> Setti
             value = kind(raw)
         except ValueError:
             raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        if not math.isfinite(value):
+            raise ValueError(f"{name}={raw!r} is not a finite number")
+        if value < 0 or (value == 0 and not zero_ok):
             raise ValueError(f"{name}={raw!r} must be {'zero or more' if zero_ok else 'more than zero'}")
         values[attr] = value
     settings = Settings(**values)  # type: ignore[arg-type]
