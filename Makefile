@@ -32,3 +32,11 @@ debs:
 
 debs-lintian:
 	$(PYTHON) packaging/debs.py lintian --out $(DEBS_OUT)
+
+# The local demo: three systemd nodes with the packages and the stand-in engine (root).
+.PHONY: demo demo-down
+demo:
+	$(PYTHON) tools/demo.py up
+
+demo-down:
+	$(PYTHON) tools/demo.py down

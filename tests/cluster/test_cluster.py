@@ -1,0 +1,116 @@
+"""Three real systemd nodes with the .deb packages, driven as an operator would (the scenarios run in
+order: each test starts from the serving cluster the previous one left)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.cluster.sparks import build_debs, ctl, install, rank_pids, setup, status, unit_pid, wait_serving
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def debs(tmp_path_factory):
+    v1 = build_debs(tmp_path_factory.mktemp("debs-v1"))
+    v2 = build_debs(tmp_path_factory.mktemp("debs-v2"), suffix="+1")
+    return v1, v2
+
+
+@pytest.fixture(scope="module")
+def sparks(rootfs, debs):
+    cluster = setup(rootfs, debs[0])
+    try:
+        yield cluster.nodes
+    finally:
+        cluster.stop()
+
+
+def head_of(sparks):
+    return sparks["spark1"]
+
+
+def test_1_start_brings_the_cluster_to_serving(sparks):
+    head = head_of(sparks)
+    head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
+    body = wait_serving(head)
+    assert body["ranks_running"] == 3 and body["ranks_total"] == 3
+    human = ctl(head, "status")
+    assert human.returncode == 0 and "SERVING" in human.stdout and "3/3 ranks" in human.stdout
+    question = json.dumps({"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "19+23?"}]})
+    reply = head.run(["python3", "-c", "import sys, urllib.request; r = urllib.request.urlopen(urllib.request.Request("
+                      f"'http://{head.address}:8888/v1/chat/completions', data=sys.argv[1].encode(), "
+                      "headers={'Content-Type': 'application/json'}), timeout=20); print(r.read().decode())",
+                      question])
+    answer = json.loads(reply.stdout)
+    assert "42" in answer["choices"][0]["message"]["content"]
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+def test_2_a_killed_rank_is_detected_and_the_cluster_restarted(sparks):
+    head, spark3 = head_of(sparks), sparks["spark3"]
+    before = rank_pids(status(head))
+    spark3.run(["kill", "-9", str(unit_pid(spark3, "dsv41-rank.service"))])
+    after = wait_serving(head, changed_from=before)
+    assert all(after_pid != before[name] for name, after_pid in rank_pids(after).items())
+    events = ctl(head, "events").stdout
+    assert "spark3 rank_exit" in events and "killed status 9" in events
+    logged = head.journal(unit="dsv41-coordinator.service", fields=None, matches=["DSV41_EVENT=incident"])
+    assert logged and logged[-1]["DSV41_NODE_NAME"] == "spark3" and logged[-1]["PRIORITY"] == "3"
+    assert "died first" in logged[-1]["MESSAGE"]
+
+
+def test_3_restarting_an_agent_keeps_its_rank(sparks):
+    head, spark2 = head_of(sparks), sparks["spark2"]
+    rank = unit_pid(spark2, "dsv41-rank.service")
+    agent = unit_pid(spark2, "dsv41-agent.service")
+    spark2.run(["systemctl", "restart", "dsv41-agent.service"], timeout=60)
+    assert unit_pid(spark2, "dsv41-agent.service") != agent
+    assert unit_pid(spark2, "dsv41-rank.service") == rank
+    time.sleep(1.0)
+    body = status(head)
+    assert body["phase"] == "serving" and rank_pids(body)["spark2"] == rank
+
+
+def test_4_a_killed_coordinator_is_restarted_and_readopts_the_ranks(sparks):
+    head = head_of(sparks)
+    pids = rank_pids(status(head))
+    coordinator = unit_pid(head, "dsv41-coordinator.service")
+    head.run(["kill", "-9", str(coordinator)])
+    deadline = time.monotonic() + 30
+    while unit_pid(head, "dsv41-coordinator.service") in (0, coordinator) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert unit_pid(head, "dsv41-coordinator.service") not in (0, coordinator), "systemd restarted it"
+    body = wait_serving(head)
+    assert rank_pids(body) == pids
+    assert head.journal(unit="dsv41-coordinator.service", matches=["DSV41_EVENT=adopted"])
+    for name, node in sparks.items():
+        assert unit_pid(node, "dsv41-rank.service") == pids[name]
+
+
+def test_5_upgrading_the_agents_while_serving_keeps_every_rank(sparks, debs):
+    head = head_of(sparks)
+    pids = rank_pids(status(head))
+    for node in sparks.values():
+        agent = unit_pid(node, "dsv41-agent.service")
+        install(node, debs[1], ["dsv41-adapter", "dsv41-agent"], remote="/var/tmp/debs-v2")
+        assert node.run(["dpkg-query", "-W", "-f", "${Version}", "dsv41-agent"]).stdout.endswith("+1")
+        assert unit_pid(node, "dsv41-agent.service") != agent  # restarted by the upgrade
+        assert unit_pid(node, "dsv41-rank.service") == pids[node.name]
+    time.sleep(1.0)
+    body = wait_serving(head)
+    assert rank_pids(body) == pids
+
+
+def test_6_stop_leaves_no_rank_on_any_node(sparks):
+    head = head_of(sparks)
+    head.run(["systemctl", "stop", "dsv41-coordinator.service"], timeout=120)
+    for node in sparks.values():
+        assert node.show("dsv41-rank.service", "ActiveState")["ActiveState"] == "inactive"
+        assert node.run(["pgrep", "-f", "dsv41-sim-rank"], check=False).stdout.strip() == ""
+    confirmed = head.journal(unit="dsv41-coordinator.service", fields=None,
+                             matches=["DSV41_EVENT=rank_stop_confirmed"])
+    assert {e["DSV41_NODE_NAME"] for e in confirmed} >= {"spark1", "spark2", "spark3"}

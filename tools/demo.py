@@ -1,0 +1,156 @@
+#!/usr/bin/python3
+"""The local demo: three systemd nodes (spark1-3) on a private bridge, the project's packages
+installed with apt, the stand-in engine instead of SGLang, the coordinator started on spark1.
+
+    sudo tools/demo.py up        # build, boot, install, start; prints status and what to try
+    sudo tools/demo.py sh spark2 [COMMAND...]   # a shell (or one command) inside a node
+    sudo tools/demo.py down      # tear everything down
+
+`up` leaves a small supervisor process holding the nodes; `down` asks it to stop them and remove
+their overlays, cgroups and the bridge. Needs root, systemd-nspawn and mmdebstrap
+(tools/install-test-deps.sh installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+STATE = Path("/run/dsv41-demo.json")
+
+
+def _supervise(ready_fd: int) -> None:
+    from tests.cluster.sparks import build_debs, ctl, setup, wait_serving
+    from tests.harness.nspawn import build_rootfs
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    with os.fdopen(ready_fd, "w") as ready:
+        try:
+            debs = build_debs(Path(tempfile.mkdtemp(prefix="dsv41-demo-debs-")),
+                              commit=os.environ.get("DEMO_COMMIT") or None)
+            cluster = setup(build_rootfs(), debs, SMOKE_QUICK="0")
+        except Exception as exc:  # report to the waiting `up`, then exit
+            ready.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+            return
+        try:
+            head = cluster.nodes["spark1"]
+            head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
+            wait_serving(head)
+            STATE.write_text(json.dumps({"pid": os.getpid(), "nodes": {
+                n.name: {"leader": n.leader, "address": n.address} for n in cluster.nodes.values()}}))
+            ready.write(json.dumps({"status": ctl(head, "status").stdout}))
+        except Exception as exc:
+            ready.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+            cluster.stop()
+            return
+    while not stop:
+        time.sleep(0.5)
+    try:
+        cluster.nodes["spark1"].run(["systemctl", "stop", "dsv41-coordinator.service"], check=False, timeout=120)
+    finally:
+        cluster.stop()
+        STATE.unlink(missing_ok=True)
+
+
+def up() -> int:
+    if STATE.exists():
+        print(f"a demo is already up ({STATE}); `sudo tools/demo.py down` first", file=sys.stderr)
+        return 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.setsid()
+        log = os.open("/var/tmp/dsv41-demo.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        try:
+            _supervise(write)
+        finally:
+            os._exit(0)
+    os.close(write)
+    print("building the packages, booting spark1-3, installing, starting the coordinator "
+          "(log: /var/tmp/dsv41-demo.log) ...", flush=True)
+    with os.fdopen(read) as ready:
+        answer = ready.read()
+    result = json.loads(answer) if answer else {"error": "the demo supervisor died; see /var/tmp/dsv41-demo.log"}
+    if "error" in result:
+        print(f"demo failed: {result['error']}", file=sys.stderr)
+        return 1
+    print(result["status"])
+    nodes = json.loads(STATE.read_text())["nodes"]
+    head = nodes["spark1"]["address"]
+    print(f"""The cluster is serving with the stand-in engine. Look around:
+  sudo tools/demo.py sh spark1 dsv41ctl status
+  sudo tools/demo.py sh spark1 dsv41ctl events
+  sudo tools/demo.py sh spark3 journalctl -u dsv41-rank -n 20
+  sudo tools/demo.py sh spark1 journalctl -u dsv41-coordinator DSV41_EVENT=serving
+  curl -s http://{head}:8888/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "deepseek-v4.1-flash", "messages": [{{"role": "user", "content": "19+23?"}}]}}'
+  sudo tools/demo.py sh spark3 sh -c 'kill -9 $(systemctl show -p MainPID --value dsv41-rank)'
+Tear it down:
+  sudo tools/demo.py down""")
+    return 0
+
+
+def sh(name: str, command: list[str]) -> int:
+    if not STATE.exists():
+        print("no demo is up: `sudo tools/demo.py up`", file=sys.stderr)
+        return 1
+    nodes = json.loads(STATE.read_text())["nodes"]
+    if name not in nodes:
+        print(f"no node {name}; nodes: {', '.join(nodes)}", file=sys.stderr)
+        return 1
+    argv = ["nsenter", "-t", str(nodes[name]["leader"]), "-a", "--", *(command or ["/bin/bash", "-l"])]
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "TERM": os.environ.get("TERM", "xterm"),
+           "HOME": "/root", "LANG": "C.UTF-8"}
+    return subprocess.call(argv, env=env)
+
+
+def down() -> int:
+    if not STATE.exists():
+        print("no demo is up", file=sys.stderr)
+        return 0
+    pid = json.loads(STATE.read_text())["pid"]
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        STATE.unlink(missing_ok=True)
+        return 0
+    deadline = time.monotonic() + 180
+    while STATE.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print("demo torn down" if not STATE.exists() else "teardown still running; see /var/tmp/dsv41-demo.log")
+    return 0 if not STATE.exists() else 1
+
+
+def main(argv: list[str]) -> int:
+    if os.geteuid() != 0:
+        print("the demo boots systemd containers: run it as root (sudo)", file=sys.stderr)
+        return 1
+    if not argv or argv[0] not in ("up", "sh", "down"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    if argv[0] == "up":
+        return up()
+    if argv[0] == "down":
+        return down()
+    if len(argv) < 2:
+        print("usage: tools/demo.py sh NODE [COMMAND...]", file=sys.stderr)
+        return 2
+    return sh(argv[1], argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
