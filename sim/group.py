@@ -57,6 +57,9 @@ class Link:
                 data = self.sock.recv(65536)
             except socket.timeout:
                 raise PeerLost(f"no heartbeat for {timeout_s:g} s") from None
+            except ConnectionResetError:
+                # A process killed with unread data in its socket resets instead of closing.
+                raise PeerLost("connection closed (reset)") from None
             except OSError as exc:
                 raise PeerLost(f"connection error: {exc.strerror or exc}") from None
             if not data:
@@ -286,8 +289,9 @@ class Worker:
                     announced = True
                 time.sleep(0.2)
 
-    def join(self, timeout_s: float) -> None:
-        """Connects, sends this rank's settings, waits for "ready"; GroupError on any failure."""
+    def join(self, timeout_s: float) -> bool:
+        """Connects, sends this rank's settings and waits for "ready" (True); False when rank 0
+        shuts down before the group formed; GroupError on any failure."""
         deadline = time.monotonic() + timeout_s
         link = self._connect(deadline, timeout_s)
         link.send({"op": "join", "rank": self.args.rank, "settings": settings_of(self.args)})
@@ -302,7 +306,9 @@ class Worker:
             op = message.get("op")
             if op == "ready":
                 self._log(f"group of {self.args.nnodes} ranks formed")
-                return
+                return True
+            if op == "shutdown":
+                return False
             if op == "reject":
                 raise GroupError(f"rank 0 refused this rank: {message.get('reason')}")
             if op == "abort":

@@ -57,11 +57,11 @@ def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
     from .api import ApiState, serve
 
     stop = threading.Event()
+    received: list[str] = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        if not stop.is_set():
-            log(f"{signal.Signals(signum).name} received: draining in-flight requests "
-                f"(up to {settings.drain_timeout_s:g} s), then shutting down all ranks")
+        # Only record it: the main thread drains (and logs) once it wakes up.
+        received.append(signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -108,6 +108,9 @@ def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
 
     state.set_state("draining")
     engine.stop_accepting()
+    log(f"{received[0] if received else 'stop'} received: /health answers 503, new requests are refused; "
+        f"draining {len(engine.inflight())} in-flight requests (up to {settings.drain_timeout_s:g} s), "
+        "then shutting down all ranks")
     if not engine.wait_idle(settings.drain_timeout_s):
         left = engine.abort("", abort_all=True)
         log(f"drain budget of {settings.drain_timeout_s:g} s spent; aborted {len(left)} requests")
@@ -133,10 +136,13 @@ def run_worker(args: SimArgs, settings: Settings, log: Log) -> int:
     signal.signal(signal.SIGINT, lambda *_: _die(log, "SIGINT: exiting", 130))
     worker = Worker(args, settings.peer_timeout_s, settings.heartbeat_s, log)
     try:
-        worker.join(settings.rendezvous_timeout_s)
+        formed = worker.join(settings.rendezvous_timeout_s)
     except GroupError as exc:
         log(f"error: {exc}")
         return 1
+    if not formed:
+        log("rank 0 shut down before the group formed; exit 0")
+        return 0
     ok, why = worker.follow()
     if ok:
         log(f"{why}; exit 0")

@@ -1,0 +1,228 @@
+"""dsv41-sim-rank as three real processes on loopback: rendezvous, serving, abort with real memory,
+rank loss, SIGTERM drain."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(__file__).resolve().parents[2] / "bin" / "dsv41-sim-rank"
+MiB = 1 << 20
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Rank:
+    """One stand-in process; its output lines are collected as they come."""
+
+    def __init__(self, argv, env):
+        self.proc = subprocess.Popen(["/usr/bin/python3", str(BIN), *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def wait_line(self, fragment, timeout=10):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not any(fragment in line for line in self.lines):
+                left = deadline - time.monotonic()
+                assert left > 0, f"no line with {fragment!r} in {self.lines}"
+                self._cond.wait(left)
+        return next(line for line in self.lines if fragment in line)
+
+    def rss(self):
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+class Group:
+    def __init__(self, **env):
+        self.dist_port, self.http_port = free_port(), free_port()
+        self.env = {**os.environ, "DSV41_SIM_PEER_TIMEOUT_S": "30", **env}
+        self.ranks = {}
+
+    def argv(self, rank, **changes):
+        flags = {"--model-path": "/models/dsv", "--served-model-name": "dsv", "--tp-size": "3", "--nnodes": "3",
+                 "--node-rank": str(rank), "--dist-init-addr": f"127.0.0.1:{self.dist_port}",
+                 "--host": "127.0.0.1", "--port": str(self.http_port), "--chunked-prefill-size": "256",
+                 "--mem-fraction-static": "0.93" if rank == 0 else "0.95", **changes}
+        return [item for pair in flags.items() for item in pair] + ["--trust-remote-code", "--sleep-on-idle"]
+
+    def start(self, rank, **changes):
+        self.ranks[rank] = Rank(self.argv(rank, **changes), self.env)
+        return self.ranks[rank]
+
+    def start_all(self):
+        for rank in (1, 0, 2):
+            self.start(rank)
+        self.ranks[0].wait_line("serving dsv on http://127.0.0.1")
+        return self.ranks
+
+    def call(self, method, path, body=None, timeout=30):
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
+        conn.request(method, path, body=None if body is None else json.dumps(body).encode())
+        resp = conn.getresponse()
+        raw = resp.read()
+        conn.close()
+        return resp.status, (json.loads(raw) if raw and resp.getheader("Content-Type") == "application/json" else raw)
+
+    def inflight(self):
+        return self.call("GET", "/dsv41/inflight")[1]["requests"]
+
+    def kill_all(self):
+        for rank in self.ranks.values():
+            if rank.proc.poll() is None:
+                rank.proc.kill()
+            rank.proc.wait()
+
+
+@pytest.fixture
+def group_factory():
+    groups = []
+
+    def make(**env):
+        groups.append(Group(**env))
+        return groups[-1]
+
+    yield make
+    for group in groups:
+        group.kill_all()
+
+
+def wait_until(predicate, timeout=10, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_the_group_serves_aborts_with_real_memory_freed_and_drains_on_sigterm(group_factory):
+    g = group_factory(DSV41_SIM_PREFILL_TOKENS_PER_S="4000", DSV41_SIM_BYTES_PER_TOKEN="65536",
+                      DSV41_SIM_DECODE_TOKENS_PER_S="20")
+    first = g.start(1)
+    assert f"waiting for rank 0 at 127.0.0.1:{g.dist_port}" in first.wait_line("waiting for rank 0")
+    head = g.start(0)
+    assert f"to join at 127.0.0.1:{g.dist_port}" in head.wait_line("waiting for ranks")
+    head.wait_line("rank 1 joined")
+    g.start(2)
+    head.wait_line("serving dsv")
+    for rank in g.ranks.values():
+        assert "stand-in for SGLang" in rank.wait_line("dsv41-sim-rank (")
+    assert g.call("GET", "/health")[0] == 200
+
+    status, body = g.call("POST", "/v1/chat/completions",
+                          {"model": "dsv", "rid": "smoke", "messages": [{"role": "user", "content": "What is 19+23?"}]})
+    assert status == 200 and body["id"] == "smoke"
+    assert "42" in body["choices"][0]["message"]["content"] and body["choices"][0]["finish_reason"] == "stop"
+
+    status, raw = g.call("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "19+23?"}],
+                                                         "stream": True})
+    events = [e[len("data: "):] for e in raw.decode().split("\n\n") if e]
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "42" in "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+    # A 40k-token prompt: 10 s of prefill, 64 KiB per token (2.5 GiB if it ran to the end).
+    baseline = head.rss()
+    result = {}
+    long_body = {"rid": "runaway-1", "messages": [{"role": "user", "content": "word " * 32_000}]}
+    client = threading.Thread(target=lambda: result.update(
+        zip(("status", "body"), g.call("POST", "/v1/chat/completions", long_body))))
+    client.start()
+    wait_until(lambda: any(r["prefilled_tokens"] >= 2048 for r in g.inflight()), what="2048 tokens prefilled")
+    grown = head.rss()
+    assert grown - baseline >= 120 * MiB, (baseline, grown)
+    assert g.call("POST", "/abort_request", {"rid": "runaway-1", "abort_all": False})[0] == 200
+    client.join(10)
+    assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] == "abort"
+    assert g.inflight() == []
+    assert head.rss() - baseline < 32 * MiB, (baseline, head.rss())
+    head.wait_line("aborting runaway-1")
+
+    # SIGTERM on a worker is only logged.
+    g.ranks[1].proc.send_signal(signal.SIGTERM)
+    g.ranks[1].wait_line("SIGTERM received and ignored")
+    assert g.ranks[1].proc.poll() is None and g.call("GET", "/health")[0] == 200
+
+    # SIGTERM on rank 0 with a request in flight: it completes, then every rank exits 0.
+    result.clear()
+    client = threading.Thread(target=lambda: result.update(zip(("status", "body"), g.call(
+        "POST", "/v1/chat/completions", {"rid": "last", "messages": [{"role": "user", "content": "What is 19+23?"}]}))))
+    client.start()
+    wait_until(lambda: [r["rid"] for r in g.inflight()] == ["last"], what="the request in flight")
+    head.proc.send_signal(signal.SIGTERM)
+    assert "draining 1 in-flight requests" in head.wait_line("SIGTERM received: /health answers 503")
+    assert g.call("GET", "/health")[0] == 503
+    client.join(10)
+    assert result["status"] == 200 and "42" in result["body"]["choices"][0]["message"]["content"]
+    assert result["body"]["choices"][0]["finish_reason"] == "stop"
+    assert [g.ranks[r].proc.wait(10) for r in (0, 1, 2)] == [0, 0, 0]
+    assert "rank 0 asked all ranks to shut down" in g.ranks[2].wait_line("exit 0")
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_killed_worker_takes_the_whole_group_down(group_factory, victim):
+    g = group_factory()  # peer timeout 30 s: an exit within seconds means the closed connection was noticed
+    ranks = g.start_all()
+    ranks[victim].proc.kill()
+    others = [r for r in (0, 1, 2) if r != victim]
+    assert [ranks[r].proc.wait(5) for r in others] == [1, 1]
+    assert f"lost rank {victim} (connection closed" in ranks[0].wait_line("lost rank")
+    assert f"lost rank {victim}" in ranks[others[1]].wait_line("lost rank")
+
+
+def test_a_killed_head_takes_the_workers_down(group_factory):
+    g = group_factory()
+    ranks = g.start_all()
+    ranks[0].proc.kill()
+    assert [ranks[r].proc.wait(5) for r in (1, 2)] == [1, 1]
+    assert f"lost rank 0 at 127.0.0.1:{g.dist_port} (connection closed" in ranks[1].wait_line("lost rank 0")
+
+
+def test_ranks_that_disagree_do_not_form_a_group(group_factory):
+    g = group_factory()
+    head = g.start(0)
+    worker = g.start(1, **{"--chunked-prefill-size": "512"})
+    assert head.proc.wait(10) == 1 and worker.proc.wait(10) == 1
+    line = head.wait_line("error:")
+    assert "rank 1 disagrees with rank 0: --chunked-prefill-size 512 there, 256 here" in line
+    assert "rank 0 refused this rank" in worker.wait_line("error:")
+
+
+def test_a_worker_without_a_head_gives_up_at_the_rendezvous_deadline(group_factory):
+    g = group_factory(DSV41_SIM_RENDEZVOUS_TIMEOUT_S="1")
+    worker = g.start(2)
+    assert worker.proc.wait(10) == 1
+    assert f"rank 0 at 127.0.0.1:{g.dist_port} did not answer within 1 s" in worker.wait_line("error:")
+    assert len([line for line in worker.lines if "waiting for rank 0" in line]) == 1
+
+
+def test_sigterm_before_the_group_forms_stops_the_head_and_the_joined_workers(group_factory):
+    g = group_factory()
+    head = g.start(0)
+    worker = g.start(1)
+    head.wait_line("rank 1 joined")
+    head.proc.send_signal(signal.SIGTERM)
+    assert head.proc.wait(5) == 0 and worker.proc.wait(5) == 0
+    worker.wait_line("rank 0 shut down before the group formed")
