@@ -219,3 +219,23 @@ def test_chunk_memory_is_resident_and_goes_back_to_the_os():
     memory.release()  # idempotent
     assert memory.nbytes == 0
     assert rss_anon_kib() - before < 8 * 1024
+
+
+def test_the_time_spent_touching_memory_counts_toward_the_next_chunk():
+    engine, steps, clock, _ = make()
+
+    class SlowTouch(Clock):
+        # every reading on the scheduler thread is 0.1 s after the previous one
+        def __call__(self):
+            if threading.current_thread().name == "scheduler":
+                self.now += 0.1
+            return self.now
+
+    engine._clock = SlowTouch()
+    engine.submit("r", 1000)
+    assert steps.next_chunk() == pytest.approx(0.256)
+    steps.finish()
+    assert steps.next_chunk() == pytest.approx(0.156)
+    engine.abort("r")
+    steps.finish()
+    engine.close()
