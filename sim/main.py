@@ -26,7 +26,8 @@ class Log:
         self._prefix = f"sim-rank{rank}"
         self._stream = stream
         self._clock = clock
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler may log while the main thread is writing a line.
+        self._lock = threading.RLock()
 
     def __call__(self, message: str) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._clock()))
@@ -93,9 +94,8 @@ def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
     try:
         server = serve(state, args.host, int(args.port))
     except OSError as exc:
+        # Exiting closes the group's connections: the workers fail too, as with a crashed rank 0.
         log(f"error: cannot serve HTTP on {args.host}:{args.port}: {exc.strerror or exc}")
-        if head:
-            head.shutdown_workers()
         return 1
     if settings.load_s > 0:
         log(f"HTTP up on {args.host}:{args.port}; /health answers 503 while 'loading' for {settings.load_s:g} s")

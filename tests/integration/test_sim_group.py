@@ -181,6 +181,22 @@ def test_the_group_serves_aborts_with_real_memory_freed_and_drains_on_sigterm(gr
     assert "rank 0 asked all ranks to shut down" in g.ranks[2].wait_line("exit 0")
 
 
+def test_past_the_drain_budget_in_flight_requests_are_aborted_and_all_ranks_exit_0(group_factory):
+    g = group_factory(DSV41_SIM_DRAIN_TIMEOUT_S="0.3", DSV41_SIM_PREFILL_TOKENS_PER_S="1000",
+                      DSV41_SIM_BYTES_PER_TOKEN="0")
+    ranks = g.start_all()
+    result = {}
+    client = threading.Thread(target=lambda: result.update(zip(("status", "body"), g.call(
+        "POST", "/v1/chat/completions", {"rid": "slow", "messages": [{"role": "user", "content": "word " * 8000}]}))))
+    client.start()
+    wait_until(lambda: g.inflight() != [], what="the request in flight")
+    ranks[0].proc.send_signal(signal.SIGTERM)
+    client.join(10)
+    assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] == "abort"
+    assert [ranks[r].proc.wait(10) for r in (0, 1, 2)] == [0, 0, 0]
+    assert "aborted 1 requests" in ranks[0].wait_line("drain budget of 0.3 s spent")
+
+
 @pytest.mark.parametrize("victim", [1, 2])
 def test_a_killed_worker_takes_the_whole_group_down(group_factory, victim):
     g = group_factory()  # peer timeout 30 s: an exit within seconds means the closed connection was noticed
