@@ -79,7 +79,7 @@ class PackRpcs:
         if running:
             return self._state(spec)
         self._systemd.reset_failed(PACK_UNIT)
-        argv = [sys.executable, "-m", "agent.pack", "--model", spec.source_dir, "--out", spec.out_dir,
+        argv = [sys.executable, "-B", "-m", "agent.pack", "--model", spec.source_dir, "--out", spec.out_dir,
                 "--rank", str(spec.ranks[0]), "--tp", str(spec.tp), "--layers", ",".join(map(str, spec.layers))]
         props = [("Description", "s", f"dsv41 Engram pack, rank {spec.ranks[0]} of {spec.tp}"),
                  ("Type", "s", "notify"), ("NotifyAccess", "s", "main"),

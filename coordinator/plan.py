@@ -228,6 +228,8 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
     env["SGLANG_CACHE_DIR"] = "/root/.cache/sglang" if container else f"{RANK_CACHE_DIR}/sglang"
     if not container:
         env["XDG_CACHE_HOME"] = RANK_CACHE_DIR
+        # byte code goes to the cache, not into package directories such as the adapter's
+        env["PYTHONPYCACHEPREFIX"] = f"{RANK_CACHE_DIR}/pycache"
     return dict(sorted(env.items()))
 
 

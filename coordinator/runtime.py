@@ -187,7 +187,7 @@ class ClusterRuntime:
                 elif action == "stop":
                     self._stop_cluster("requested by dsv41ctl stop")
                 elif action == "restart":
-                    self._stop_cluster("restart requested")
+                    self._stop_cluster("restart requested", wait_memory=True)
                     self._bring_up_with_retries(reset_attempts=True)
                 elif action == "rank_exited":
                     node, why, invocation = arg
@@ -214,7 +214,7 @@ class ClusterRuntime:
 
     def _recover(self, cause: str) -> None:
         """A rank of a serving cluster is gone: the TP group is broken. Stop it all, then restart."""
-        self._stop_cluster(f"recovering: {cause}")
+        self._stop_cluster(f"recovering: {cause}", wait_memory=True)
         self._bring_up_with_retries(first_cause=cause)
 
     def _bring_up_with_retries(self, reset_attempts: bool = False, first_cause: str | None = None) -> None:
@@ -244,7 +244,8 @@ class ClusterRuntime:
                 return
             except StepFailed as exc:
                 self._incident(exc.node or "cluster", f"{exc.step}_failed", exc.reason)
-                self._stop_cluster(f"bring-up failed at {exc.step}", final_phase=None)
+                self._stop_cluster(f"bring-up failed at {exc.step}", final_phase=None,
+                                   wait_memory=exc.step not in ("preflight", "share", "fabric", "pack"))
                 self._set(phase="failed", detail=str(exc))
                 if exc.step in ("preflight", "share", "fabric", "pack"):
                     return  # a restart cannot fix configuration or a node that is not ready
@@ -522,7 +523,7 @@ class ClusterRuntime:
                        f"{generation_of(plans)}) without restarting it")
         return True
 
-    def _stop_cluster(self, why: str, final_phase: str | None = "stopped") -> None:
+    def _stop_cluster(self, why: str, final_phase: str | None = "stopped", wait_memory: bool = False) -> None:
         """Rank 0 first (it drains), then the workers; then confirm on every node that nothing is left."""
         self._set(phase="stopping", detail=why)
         deadline = int(self.cfg["RANK_STOP_TIMEOUT_S"])
@@ -553,7 +554,8 @@ class ClusterRuntime:
                             f"{node}: stop {results[node]}; {detail}", priority, node_name=node)
         if final_phase:
             self._set(phase=final_phase, detail=why, serving_since=0.0)
-        self._wait_memory_back()
+        if wait_memory:  # only a restart stacks new ranks on the memory the old ones held
+            self._wait_memory_back()
 
     def _wait_memory_back(self) -> None:
         """A restart must not stack a new rank on memory the old one has not returned yet."""
