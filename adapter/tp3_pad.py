@@ -181,6 +181,9 @@ class Tp3Pad:
     def before_vocab_init(self, layer: Any, *args: Any, **kwargs: Any) -> Args | None:
         if not self.plans:
             return None
+        rows = _arg(args, kwargs, 0, "num_embeddings")
+        if rows not in {plan.vocab for plan in self.plans.values()}:
+            return None  # only the token vocabulary (embedding, LM head), never other tables
         pad_to = int(kwargs.get("padding_size", 64))
         wanted = math.lcm(pad_to, self._tp())
         if wanted == pad_to:
@@ -230,6 +233,6 @@ def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
                 params=("self", "param", "loaded_weight"),
             ),
             Patch(WEIGHT_UTILS, "default_weight_loader", BEFORE, pad.before_default_loader, params=("param", "loaded_weight")),
-            Patch(VOCAB, "VocabParallelEmbedding.__init__", BEFORE, pad.before_vocab_init, params=("self", "padding_size")),
+            Patch(VOCAB, "VocabParallelEmbedding.__init__", BEFORE, pad.before_vocab_init, params=("self", "num_embeddings", "padding_size")),
         ),
     )

@@ -63,3 +63,51 @@ def test_impossible_layouts_are_refused_with_the_reason() -> None:
         pad_groups(heads=3 * 128 * 2, groups=2, tp=1)
     with pytest.raises(PaddingError, match="tp must be"):
         plan_padding(FLASH, 0)
+
+
+def flash_config(tp: int, draft: bool = False):
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(
+        architectures=["DeepseekV4ForCausalLM"], num_attention_heads=64, o_groups=8, vocab_size=129_280, dspark_n_routed_experts=128
+    )
+    return SimpleNamespace(hf_config=hf, hf_text_config=hf, num_attention_heads=64, is_draft_model=draft), SimpleNamespace(tp_size=tp)
+
+
+def test_config_hook_pads_deepseek_v4_once_and_only_when_needed() -> None:
+    import io
+
+    from adapter.log import AdapterLog
+    from adapter.tp3_pad import Tp3Pad
+
+    buf = io.StringIO()
+    pad = Tp3Pad(AdapterLog(buf))
+    config, args = flash_config(4)
+    pad.after_from_server_args(config, args)
+    assert config.num_attention_heads == 64 and not pad.plans  # TP4 divides everything
+    config, args = flash_config(3)
+    pad.after_from_server_args(config, args)
+    pad.after_from_server_args(config, args)  # the same object again: not padded twice
+    hf = config.hf_config
+    assert (config.num_attention_heads, hf.num_attention_heads, hf.o_groups, hf.dspark_n_routed_experts) == (96, 96, 12, 129)
+    assert hf.dsv41_tp_pad["padded_vocab"] == 129_408 and len(pad.plans) == 1
+    assert buf.getvalue().count("tp3_pad: model padded") == 1
+    other = flash_config(3)[0]
+    other.hf_config.architectures = ["LlamaForCausalLM"]
+    pad.after_from_server_args(other, args)
+    assert other.hf_config.num_attention_heads == 64
+
+
+def test_vocab_hook_only_touches_the_token_vocabulary() -> None:
+    import io
+
+    from adapter.log import AdapterLog
+    from adapter.tp3_pad import Tp3Pad
+
+    pad = Tp3Pad(AdapterLog(io.StringIO()))
+    layer = object()
+    assert pad.before_vocab_init(layer, 129_280, 5120) is None  # no plan yet
+    config, args = flash_config(3)
+    pad.after_from_server_args(config, args)
+    assert pad.before_vocab_init(layer, 129_280, 5120, padding_size=64) == ((layer, 129_280, 5120), {"padding_size": 192})
+    assert pad.before_vocab_init(layer, 384_006_168, 256) is None  # an Engram table keeps its layout

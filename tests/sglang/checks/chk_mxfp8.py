@@ -5,7 +5,7 @@ import sys
 from types import SimpleNamespace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import emit, installer, marked  # noqa: E402
+from common import emit, marked  # noqa: E402
 
 import torch  # noqa: E402
 
