@@ -79,8 +79,10 @@ def _status_from(props: dict, last_exit: ExitRecord | None) -> RankStatus:
 
 
 def _exit_from(props: dict, clock: Callable[[], float]) -> ExitRecord:
+    # systemd's own timestamp of the exit (µs), so exits on different nodes can be ordered
+    exited_us = int(props.get("ExecMainExitTimestamp", 0))
     return ExitRecord(result=str(props.get("Result", "")), code=_CODES.get(int(props.get("ExecMainCode", 0)), ""),
-                      status=int(props.get("ExecMainStatus", 0)), at_unix_s=clock(),
+                      status=int(props.get("ExecMainStatus", 0)), at_unix_s=exited_us / 1e6 if exited_us else clock(),
                       invocation_id=bytes(props.get("InvocationID", b"")).hex())
 
 

@@ -146,20 +146,24 @@ class ClusterRuntime:
         rank = event.rank
         with self._lock:
             ranks = dict(self._snapshot.ranks)
-            previous = ranks.get(node)
             ranks[node] = rank
             self._snapshot = replace(self._snapshot, ranks=ranks)
             phase = self._snapshot.phase
-        was_running = previous is not None and previous.active_state in ("active", "activating")
-        if was_running and rank.active_state not in ("active", "activating", "reloading"):
-            exit_info = rank.last_exit
-            why = (f"rank unit {rank.active_state}: result {exit_info.result or 'unknown'}, "
-                   f"{exit_info.code or 'exit'} status {exit_info.status}")
-            if exit_info.invocation_id and exit_info.invocation_id == self._launched.get(node):
-                self._exited[node] = why  # only exits of the ranks this bring-up started count
-                self._exit_times[node] = exit_info.at_unix_s or self._clock()
-            if phase in ("serving", "health", "smoke"):
-                self._actions.put(("rank_exited", (node, why, exit_info.invocation_id)))
+        # An exit is known by the invocation it ended, not by state transitions: streams can
+        # deliver an earlier rank's last state after a new launch, and one exit can be reported
+        # several times (failed, then reset to inactive).
+        exit_info = rank.last_exit
+        launched = self._launched.get(node)
+        if not launched or exit_info.invocation_id != launched or node in self._exited:
+            return
+        why = (f"rank unit {rank.active_state}: result {exit_info.result or 'unknown'}, "
+               f"{exit_info.code or 'exit'} status {exit_info.status}")
+        self._exited[node] = why
+        self._exit_times[node] = exit_info.at_unix_s or self._clock()
+        self._log.info("rank_gone", f"{node}: {why}", node_name=node, invocation=exit_info.invocation_id,
+                       exited_at_unix_s=f"{self._exit_times[node]:.6f}")
+        if phase in ("serving", "health", "smoke"):
+            self._actions.put(("rank_exited", (node, why, exit_info.invocation_id)))
 
     def _on_watch_lost(self, node: str, why: str) -> None:
         self._log.warning("agent_stream_lost", f"{node}: lost the rank watch ({why}); re-subscribing",
@@ -205,7 +209,14 @@ class ClusterRuntime:
         """When one rank dies the others follow within moments: wait for them, then blame the first."""
         self._sleep(settle_s)
         exits = sorted(self._exit_times.items(), key=lambda item: item[1])
-        first = exits[0][0]
+        # Exit timestamps of different nodes are only comparable to a few milliseconds (each is
+        # when that node's systemd reaped the process, and a peer notices a dead socket at once):
+        # among exits that close together, a rank ended from outside (signal, OOM kill) is the cause.
+        close = [node for node, at in exits if at - exits[0][1] <= 0.05]
+        external = [node for node in close if any(k in self._exited[node] for k in ("result signal", "oom-kill",
+                                                                                      "result core-dump"))]
+        first = external[0] if external else exits[0][0]
+        exits = [(first, self._exit_times[first])] + [e for e in exits if e[0] != first]
         message = f"rank on {first} died first: {self._exited[first]}"
         followers = [f"{node} ({self._exited[node].split(': ', 1)[-1]})" for node, _ in exits[1:]]
         if followers:
@@ -229,7 +240,7 @@ class ClusterRuntime:
                 max_attempts = int(self.cfg["RESTART_MAX_ATTEMPTS"])
                 if attempt > max_attempts:
                     self._set(phase="failed", restart_attempt=attempt - 1,
-                              detail=f"gave up after {max_attempts} restart attempt(s); last cause: {cause}")
+                              detail=f"{cause} (gave up after {max_attempts} restart attempt(s))")
                     self._log.error("restart_exhausted", f"not restarting again: {cause}", attempts=max_attempts)
                     return
                 delay = float(self.cfg["RESTART_BACKOFF_S"]) * 2 ** (attempt - 1)
@@ -463,7 +474,8 @@ class ClusterRuntime:
                 self._launched[node_plan.node] = reply.rank.invocation_id
             self._log.info("rank_launched", f"{node_plan.node}: rank {node_plan.rank} "
                            f"{pb.StartRankResponse.Outcome.Name(reply.outcome).lower()} (pid {reply.rank.main_pid})",
-                           node_name=node_plan.node, rank=node_plan.rank, pid=reply.rank.main_pid)
+                           node_name=node_plan.node, rank=node_plan.rank, pid=reply.rank.main_pid,
+                           invocation=reply.rank.invocation_id)
 
     def _first_exit(self) -> str | None:
         for node, why in list(self._exited.items()):

@@ -73,6 +73,8 @@ class Coordinator:
         self.proc: subprocess.Popen | None = None
 
     def start(self, *extra: str) -> "Coordinator":
+        if os.path.exists(self.socket):  # left by a killed coordinator
+            os.unlink(self.socket)
         log = open(self.log, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--config", str(self.config),
                                       "--control-socket", self.socket, *extra], cwd=REPO, stdout=log,
