@@ -1,5 +1,173 @@
-"""RPCs for the node checks: NFS export and mounts, RoCE fabric (filled in by the node-checks work)."""
+"""RPCs for the node checks: the head's NFS export, a worker's mount, the RoCE fabric.
+
+Every field is validated (INVALID_ARGUMENT says which and why); a request the node's state does
+not allow now is FAILED_PRECONDITION. The work lives in agent.nfs and agent.fabric; blocking
+file-system checks and netlink run in short-lived child processes, so no RPC can wedge the
+agent and the agent never imports pyroute2.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from dsv41.v1 import agent_pb2 as pb
+
+from .fabric.checker import FabricChecker
+from .fabric.checks import FabricResult
+from .fabric.spec import Invalid as FabricInvalid
+from .fabric.spec import check_fabric
+from .nfs.errors import Invalid, Refused
+from .nfs.exports import ExportManager, ExportStatus
+from .nfs.ganesha import GaneshaExporter
+from .nfs.health import ProbeRunner
+from .nfs.kernel import KernelExporter
+from .nfs.mount import MountManager, MountStatus
+from .nfs.spec import DEFAULT_MOUNT_TYPES, check_export, check_mount, check_mounted_by
+from .nfs.units import Units
+from .systemd import SystemdError
+
+# What PID 1 (and so the rank and the NFS server) sees. The agent's own view differs: its unit
+# has PrivateTmp=, which hides a mount under /var/tmp (the recipe's COMMON_MODEL) from it.
+HOST_VIEW = "/proc/1/root"
+
+
+@dataclass(frozen=True)
+class NodeChecks:
+    exports: ExportManager
+    mounts: MountManager
+    fabric: FabricChecker
+
+
+def host_view() -> str:
+    try:
+        os.listdir(HOST_VIEW)
+        return HOST_VIEW
+    except OSError:  # not root, or /proc hidden: our own view is the best we have
+        return "/"
+
+
+def build_node_checks(settings, systemd, events, view_root: str | None = None) -> NodeChecks:
+    units = Units(systemd)
+    view = host_view() if view_root is None else view_root
+    exports = ExportManager(KernelExporter(units), GaneshaExporter(units), events, view_root=view)
+    mounts = MountManager(units, ProbeRunner(), events, os.path.join(settings.state_dir, "mount.json"),
+                          view_root=view)
+    return NodeChecks(exports, mounts, FabricChecker(settings.sysfs_root))
+
+
+_MOUNT_STATES = {"absent": pb.MountState.ABSENT, "mounting": pb.MountState.MOUNTING,
+                 "healthy": pb.MountState.HEALTHY, "wrong_content": pb.MountState.WRONG_CONTENT,
+                 "stale": pb.MountState.STALE, "failed": pb.MountState.FAILED}
+
+
+def mount_pb(status: MountStatus) -> pb.MountState:
+    return pb.MountState(state=_MOUNT_STATES[status.state], where=status.where, what=status.what, unit=status.unit,
+                         detail=status.detail, stale_for_s=status.stale_for_s, shards_seen=status.shards_seen)
+
+
+def export_pb(status: ExportStatus) -> pb.ExportState:
+    return pb.ExportState(exported=status.exported, path=status.path, clients=list(status.clients),
+                          detail=status.detail)
+
+
+def fabric_pb(result: FabricResult) -> pb.FabricReport:
+    return pb.FabricReport(ok=result.ok, roce_gid_index=result.gid_index,
+                           checks=[pb.Check(name=c.name, ok=c.ok, detail=c.detail, warning=c.warning)
+                                   for c in result.checks])
 
 
 class NodeCheckRpcs:
     """Mixin of AgentService: uses self._settings, self._systemd, self._events, self._rank."""
+
+    def _node_checks(self) -> NodeChecks:
+        # AgentService.__init__ does not know this mixin: build on first use, once.
+        lock = self.__dict__.setdefault("_node_checks_lock", threading.Lock())
+        with lock:
+            checks = self.__dict__.get("_node_checks_built")
+            if checks is None:
+                checks = self.__dict__["_node_checks_built"] = build_node_checks(
+                    self._settings, self._systemd, self._events)
+            return checks
+
+    def _allowed_mount_types(self) -> tuple[str, ...]:
+        return tuple(getattr(self._settings, "allowed_mount_types", DEFAULT_MOUNT_TYPES))
+
+    def _rank_running(self) -> bool:
+        return self._rank.status().running
+
+    # For GetStatus: the last known states, without any I/O that could block.
+    def mount_snapshot_pb(self) -> pb.MountState:
+        return mount_pb(self._node_checks().mounts.snapshot())
+
+    def export_snapshot_pb(self) -> pb.ExportState:
+        return export_pb(self._node_checks().exports.snapshot())
+
+    def _call(self, context, fn, *args):
+        try:
+            return fn(*args)
+        except (Invalid, FabricInvalid) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Refused as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except SystemdError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"systemd over D-Bus: {exc}")
+
+    # -- NFS export (head)
+
+    def EnsureExport(self, request, context):
+        def run() -> ExportStatus:
+            export = check_export(path=request.path, clients=list(request.clients), options=request.options,
+                                  backend=request.backend, name=request.name)
+            return self._node_checks().exports.ensure(export)
+        return export_pb(self._call(context, run))
+
+    def RemoveExport(self, request, context):
+        def run() -> ExportStatus:
+            mounted_by = check_mounted_by(list(request.mounted_by))
+            try:
+                return self._node_checks().exports.remove(bool(request.force), mounted_by)
+            except Refused as exc:
+                self._events.warning("export_remove_refused", str(exc), mounted_by=",".join(mounted_by))
+                raise
+        return export_pb(self._call(context, run))
+
+    # -- NFS mount (workers)
+
+    def EnsureMount(self, request, context):
+        def run() -> MountStatus:
+            spec = check_mount(what=request.what, where=request.where, type=request.type, options=request.options,
+                               server=request.server, expected_shards=request.expected_shards,
+                               allowed_types=self._allowed_mount_types())
+            return self._node_checks().mounts.ensure(spec, self._rank_running())
+        return mount_pb(self._call(context, run))
+
+    def GetMount(self, request, context):
+        return mount_pb(self._call(context, self._node_checks().mounts.get))
+
+    def Remount(self, request, context):
+        return mount_pb(self._call(context, lambda: self._node_checks().mounts.remount(self._rank_running())))
+
+    def RemoveMount(self, request, context):
+        return mount_pb(self._call(context, lambda: self._node_checks().mounts.remove(self._rank_running())))
+
+    # -- fabric
+
+    def CheckFabric(self, request, context):
+        def run() -> FabricResult:
+            req = check_fabric(hcas=list(request.hcas), iface=request.iface, address=request.address,
+                               mtu=request.mtu, socket_ifaces=list(request.socket_ifaces),
+                               peers=[(p.name, p.address, p.port) for p in request.peers])
+            result = self._node_checks().fabric.check(req)
+            failed = [c.name for c in result.checks if not c.ok]
+            if failed:
+                self._events.warning("fabric_check", f"fabric check failed: {', '.join(failed)}",
+                                     failed=",".join(failed), gid_index=result.gid_index)
+            else:
+                self._events.info("fabric_check", f"fabric check passed ({len(result.checks)} checks, GID index "
+                                  f"{result.gid_index})", gid_index=result.gid_index)
+            return result
+        return fabric_pb(self._call(context, run))

@@ -1,0 +1,116 @@
+"""The node-check RPCs' answers to bad and refused requests (agent.rpc_nodechecks), without systemd."""
+
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from agent.rpc_nodechecks import NodeCheckRpcs
+from dsv41.v1 import agent_pb2 as pb
+from tests.unit.test_nfs_exports import Events
+
+pytestmark = pytest.mark.unit
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+@dataclass
+class RankStatus:
+    running: bool
+
+
+class Rank:
+    def __init__(self, running=False):
+        self.running = running
+
+    def status(self):
+        return RankStatus(self.running)
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_dir: str
+    sysfs_root: str = "/sys"
+
+
+class Service(NodeCheckRpcs):
+    def __init__(self, tmp_path, running=False, **settings):
+        self._settings = Settings(str(tmp_path), **settings)
+        self._systemd = None  # the requests below are refused before any D-Bus call
+        self._events = Events()
+        self._rank = Rank(running)
+
+
+def abort_of(call, request):
+    ctx = Context()
+    with pytest.raises(Aborted):
+        call(request, ctx)
+    return ctx.code, ctx.details
+
+
+GOOD_EXPORT = dict(path="/srv/models/m", clients=["10.0.0.2"], options="ro,sync", backend="kernel", name="n")
+GOOD_MOUNT = dict(what="10.0.22.1:/", where="/var/tmp/DeepSeek-V4.1-Flash", type="nfs4", options="ro,hard",
+                  server="10.0.22.1", expected_shards=48)
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("path", "/", "refused"), ("path", "/etc", "refused"), ("path", "model", "absolute"),
+    ("clients", ["0.0.0.0/0"], "wider"), ("options", "rw", "not allowed"), ("backend", "", "kernel, ganesha"),
+    ("name", "", "pseudo path")])
+def test_ensure_export_rejects_bad_fields(tmp_path, field, value, why):
+    code, details = abort_of(Service(tmp_path).EnsureExport, pb.ExportSpec(**{**GOOD_EXPORT, field: value}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("where", "/", "refused"), ("where", "/usr/lib/x", "refused"), ("type", "none", "ALLOWED_MOUNT_TYPES"),
+    ("type", "ext4", "not allowed"), ("options", "ro,hard,suid", "not allowed"), ("what", "spark1:/", "IP address"),
+    ("expected_shards", 0, "expected_shards"), ("server", "10.0.0.9", "must be the address in what")])
+def test_ensure_mount_rejects_bad_fields(tmp_path, field, value, why):
+    code, details = abort_of(Service(tmp_path).EnsureMount, pb.MountSpec(**{**GOOD_MOUNT, field: value}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details
+
+
+def test_bind_mounts_only_where_the_settings_allow_them(tmp_path):
+    @dataclass(frozen=True)
+    class TestSettings(Settings):
+        allowed_mount_types: tuple = ("nfs4", "none")
+
+    service = Service(tmp_path)
+    service._settings = TestSettings(str(tmp_path))
+    bind = pb.MountSpec(what="/srv/src", where="/srv/dst", type="none", options="bind,rw", expected_shards=1)
+    code, details = abort_of(service.EnsureMount, bind)  # the type passes; rw still does not
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "'rw' is not allowed" in details
+
+
+def test_remove_export_validates_and_refuses(tmp_path):
+    service = Service(tmp_path)
+    code, details = abort_of(service.RemoveExport, pb.RemoveExportRequest(mounted_by=["spark2 && reboot"]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "node name" in details
+
+
+def test_mount_changes_while_the_rank_runs_are_failed_precondition(tmp_path):
+    service = Service(tmp_path, running=True)
+    code, details = abort_of(service.Remount, pb.RemountRequest())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "EnsureMount first" in details
+    state = service.GetMount(pb.GetMountRequest(), Context())
+    assert state.state == pb.MountState.ABSENT and state.detail == "no mount requested"
+    assert service.RemoveMount(pb.RemoveMountRequest(), Context()).state == pb.MountState.ABSENT
+    assert service.mount_snapshot_pb().state == pb.MountState.ABSENT
+    assert not service.export_snapshot_pb().exported
+
+
+@pytest.mark.parametrize("field,value,why", [("hcas", ["x/y"], "RDMA device"), ("iface", "a b", "interface name"),
+                                             ("address", "::1", "IPv4"), ("mtu", 70000, "68..65536")])
+def test_check_fabric_rejects_bad_fields(tmp_path, field, value, why):
+    good = dict(hcas=["rocep1s0f0"], iface="enp1s0f0np0", address="10.0.0.2", mtu=9000)
+    code, details = abort_of(Service(tmp_path).CheckFabric, pb.FabricSpec(**{**good, field: value}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details
