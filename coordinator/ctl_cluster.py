@@ -35,6 +35,23 @@ def _stub(socket_path: str) -> control_pb2_grpc.ControlStub:
     return control_pb2_grpc.ControlStub(grpc.insecure_channel(f"unix:{socket_path}"))
 
 
+def control_command(handler):
+    """The answers every command gives when the control socket cannot be used: 4 no permission, 3 no coordinator."""
+    def run(args, out: TextIO, err: TextIO) -> int:
+        try:
+            return handler(args, out, err)
+        except PermissionError as exc:
+            print(str(exc), file=err)
+            return 4
+        except (ControlUnavailable, grpc.RpcError) as exc:
+            print(f"cannot reach the coordinator ({exc}): is dsv41-coordinator running? "
+                  "(systemctl status dsv41-coordinator)", file=err)
+            return 3
+        except KeyboardInterrupt:
+            return 0
+    return run
+
+
 def add_commands(sub, default_config: str) -> None:
     def common(p, socket=True):
         p.add_argument("--config", default=default_config, help="cluster.env (for asking agents directly)")
@@ -169,19 +186,12 @@ def _status(args, out: TextIO, err: TextIO) -> int:
     return 0 if st.phase == "serving" else 1
 
 
+@control_command
 def _action(args, out: TextIO, err: TextIO) -> int:
-    try:
-        stub = _stub(args.socket)
-        method = {"start": stub.Start, "stop": stub.Stop, "restart": stub.Restart}[args.action]
-        request = {"start": pb.StartRequest, "stop": pb.StopRequest, "restart": pb.RestartRequest}[args.action]()
-        reply = method(request, timeout=30)
-    except PermissionError as exc:
-        print(str(exc), file=err)
-        return 4
-    except (ControlUnavailable, grpc.RpcError) as exc:
-        print(f"cannot reach the coordinator ({exc}): is dsv41-coordinator running? (systemctl status "
-              "dsv41-coordinator)", file=err)
-        return 3
+    stub = _stub(args.socket)
+    method = {"start": stub.Start, "stop": stub.Stop, "restart": stub.Restart}[args.action]
+    request = {"start": pb.StartRequest, "stop": pb.StopRequest, "restart": pb.RestartRequest}[args.action]()
+    reply = method(request, timeout=30)
     print(reply.message, file=out)
     want = "stopped" if args.action == "stop" else "serving"
     end = time.monotonic() + args.wait
@@ -197,38 +207,21 @@ def _action(args, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+@control_command
 def _events(args, out: TextIO, err: TextIO) -> int:
-    try:
-        stream = _stub(args.socket).Events(pb.EventsRequest(follow=args.follow, last=args.last))
-        for event in stream:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at_unix_s))
-            print(f"{when} {event.node} {event.kind}: {event.message}", file=out, flush=True)
-    except PermissionError as exc:
-        print(str(exc), file=err)
-        return 4
-    except (ControlUnavailable, grpc.RpcError) as exc:
-        print(f"cannot reach the coordinator: {exc}", file=err)
-        return 3
-    except KeyboardInterrupt:
-        pass
+    for event in _stub(args.socket).Events(pb.EventsRequest(follow=args.follow, last=args.last)):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at_unix_s))
+        print(f"{when} {event.node} {event.kind}: {event.message}", file=out, flush=True)
     return 0
 
 
+@control_command
 def _logs(args, out: TextIO, err: TextIO) -> int:
-    try:
-        stream = _stub(args.socket).Logs(pb.LogsRequest(node=args.node or "", lines=args.lines, follow=args.follow))
-        for line in stream:
-            when = time.strftime("%H:%M:%S", time.localtime(line.at_unix_s))
-            print(f"{when} {line.node} {line.unit}: {line.message}", file=out, flush=True)
-    except PermissionError as exc:
-        print(str(exc), file=err)
-        return 4
-    except (ControlUnavailable, grpc.RpcError) as exc:
-        print(f"cannot reach the coordinator: {exc}", file=err)
-        return 3
+    request = pb.LogsRequest(node=args.node or "", lines=args.lines, follow=args.follow)
+    for line in _stub(args.socket).Logs(request):
+        when = time.strftime("%H:%M:%S", time.localtime(line.at_unix_s))
+        print(f"{when} {line.node} {line.unit}: {line.message}", file=out, flush=True)
     return 0
-
-
 
 
 def progress_line(node: str, state: apb.PackState, width: int = 24) -> str:
@@ -241,27 +234,20 @@ def progress_line(node: str, state: apb.PackState, width: int = 24) -> str:
     return f"{node:<8} [{bar}] {fraction * 100:5.1f}% {text}"[:79]
 
 
+@control_command
 def _pack(args, out: TextIO, err: TextIO) -> int:
-    try:
-        stream = _stub(args.socket).Pack(pb.PackRequest(start=args.start))
-        last: dict[str, apb.PackState] = {}
-        tty = hasattr(out, "isatty") and out.isatty()
-        for progress in stream:
-            last[progress.node] = progress.state
-            if tty:
-                out.write("\x1b[%dA" % (len(last) - 1) if len(last) > 1 else "")
-                out.write("\r" + "\n".join(progress_line(n, s) for n, s in last.items()) + "\x1b[K")
-                out.flush()
-            elif progress.done:
-                print(progress_line(progress.node, progress.state), file=out, flush=True)
+    last: dict[str, apb.PackState] = {}
+    tty = hasattr(out, "isatty") and out.isatty()
+    for progress in _stub(args.socket).Pack(pb.PackRequest(start=args.start)):
+        last[progress.node] = progress.state
         if tty:
-            out.write("\n")
-    except PermissionError as exc:
-        print(str(exc), file=err)
-        return 4
-    except (ControlUnavailable, grpc.RpcError) as exc:
-        print(f"cannot reach the coordinator: {exc}", file=err)
-        return 3
+            out.write("\x1b[%dA" % (len(last) - 1) if len(last) > 1 else "")
+            out.write("\r" + "\n".join(progress_line(n, s) for n, s in last.items()) + "\x1b[K")
+            out.flush()
+        elif progress.done:
+            print(progress_line(progress.node, progress.state), file=out, flush=True)
+    if tty:
+        out.write("\n")
     incomplete = [n for n, s in last.items() if not all(l.state == "complete" for l in s.layers)]
     if incomplete:
         print(f"not complete on: {', '.join(incomplete)}", file=err)
@@ -269,14 +255,8 @@ def _pack(args, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+@control_command
 def _autotune_reset(args, out: TextIO, err: TextIO) -> int:
-    try:
-        reply = _stub(args.socket).AutotuneReset(pb.AutotuneResetRequest(), timeout=120)
-    except PermissionError as exc:
-        print(str(exc), file=err)
-        return 4
-    except (ControlUnavailable, grpc.RpcError) as exc:
-        print(f"cannot reach the coordinator: {exc}", file=err)
-        return 3
+    reply = _stub(args.socket).AutotuneReset(pb.AutotuneResetRequest(), timeout=120)
     print(reply.message, file=out if reply.ok else err)
     return 0 if reply.ok else 1
