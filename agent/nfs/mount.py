@@ -54,9 +54,10 @@ def mount_properties(spec: Mount, timeout_s: float) -> list[tuple[str, str, obje
         ("Type", "s", spec.type),
         ("Options", "s", ",".join(spec.options)),
         ("TimeoutUSec", "t", int(timeout_s * 1_000_000)),
-        # A stale NFS mount must never wedge the unmount: detach it at once (umount -l -f).
+        # A stale mount must never wedge the unmount: detach it at once (umount -l) and, for NFS, abort
+        # the server's outstanding requests (-f; on other file systems -f can abort the whole superblock).
         ("LazyUnmount", "b", True),
-        ("ForceUnmount", "b", True),
+        ("ForceUnmount", "b", spec.type.startswith("nfs")),
         ("DirectoryMode", "u", 0o755),
     ]
 

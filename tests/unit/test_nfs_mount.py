@@ -100,6 +100,9 @@ def test_mount_unit_properties():
     assert props["What"] == ("s", "10.0.22.1:/") and props["Where"] == ("s", "/var/tmp/DeepSeek-V4.1-Flash")
     assert props["Type"] == ("s", "nfs4") and props["Options"] == ("s", "nfsvers=4.2,ro,hard")
     assert props["TimeoutUSec"] == ("t", 90_000_000) and props["LazyUnmount"] == ("b", True)
+    assert props["ForceUnmount"] == ("b", True)
+    bind = dict((k, v) for k, _, v in mount_properties(spec("/srv/a", "/srv/b"), 90))
+    assert bind["ForceUnmount"] is False  # umount -f of a bind onto FUSE would abort the FUSE connection
 
 
 def test_ensure_creates_the_unit_and_reports_health(setup, tmp_path):
