@@ -22,6 +22,7 @@ from dsv41.version import VERSION
 from . import config as config_mod
 from .agents import AgentClient, Tls
 from .control import CONTROL_SOCKET, serve
+from .guard.runner import MemoryGuard
 from .runtime import ClusterRuntime
 
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     server = serve(cfg, runtime, args.control_socket)
     notify = SdNotify.from_env()
     runtime.run(autostart=not args.no_autostart)
+    guard = MemoryGuard.for_runtime(runtime, log)  # watches memory whenever the cluster serves
+    if guard is not None:
+        guard.start()
     log.info("coordinator_started", f"dsv41-coordinator {VERSION}: {len(cfg.nodes)} nodes, control socket "
              f"{args.control_socket}", version=VERSION)
     notify.ready(status_line(runtime))
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     notify.stopping()
     notify.status("stopping the cluster: rank 0 first, then the workers")
     log.info("coordinator_stopping", "stopping the cluster")
+    if guard is not None:
+        guard.stop()  # before the stop, so that it cannot act on a cluster going down
     runtime.shutdown(stop_cluster=True)
     server.stop(grace=1.0).wait(3.0)
     log.info("coordinator_stopped", "cluster stopped; coordinator exiting")

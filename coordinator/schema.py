@@ -175,6 +175,28 @@ KEYS: tuple[Key, ...] = (
        "PyTorch allocator options; expandable_segments:True is refused (NaN logits)", env=True),
     _k("DSV41_PREFILL_EMPTY_CACHE_TOKENS", v.integer(0, MAX_CONTEXT), "8192",
        "return cached allocator blocks after each prefill chunk of sequences this long (0: off)", env=True),
+    # memory guard
+    _k("MEMORY_GUARD", v.choice("act", "observe", "off"), "act",
+       "memory guard: act (abort the runaway prefill, abort_all, stop the ranks), observe (journal what it "
+       "would do, do nothing) or off"),
+    _k("MEMORY_GUARD_GB", v.real(0.0, 1024.0), "1.5",
+       "available memory (GB = 10^9 bytes) the guard keeps on every node: it acts before a node is predicted "
+       "to go below this (the recipe aborted below 1.5 GB)"),
+    _k("MEMORY_GUARD_INTERVAL_MS", v.integer(20, 1000), "25", "how often every agent samples memory for the guard"),
+    _k("MEMORY_GUARD_LEAD_S", v.real(0.05, 60.0), "1",
+       "time an abort needs to take effect (the HTTP call plus up to one prefill chunk): the guard acts when the "
+       "crossing is predicted within this"),
+    _k("MEMORY_GUARD_ENVELOPE_S", v.real(0.05, 60.0), "1",
+       "span over which the guard takes a low (at least one prefill chunk): it projects the lows of a chunked "
+       "prefill's sawtooth this much further than the lead"),
+    _k("MEMORY_GUARD_WINDOW_SAMPLES", v.integer(4, 1000), "10", "samples in the line whose slope the guard projects"),
+    _k("MEMORY_GUARD_CONFIRM_SAMPLES", v.integer(1, 100), "2",
+       "consecutive samples that must predict a crossing before the guard acts"),
+    _k("MEMORY_GUARD_HYSTERESIS_GB", v.real(0.0, 1024.0), "0.25",
+       "re-arm only once every node is this far above the guard again; escalate only after memory fell this much "
+       "more since the last action"),
+    _k("MEMORY_GUARD_STOP_AFTER_S", v.real(0.05, 600.0), "1",
+       "after abort_all, memory still falling this long (or running out within the lead): stop the ranks cleanly"),
 )
 
 BY_NAME = {key.name: key for key in KEYS}

@@ -1,0 +1,210 @@
+"""The memory guard at work: one thread per node reads its agent's memory stream, the policy
+decides, the decision is carried out on rank 0 (POST /abort_request) or on the cluster (a clean
+stop), and every action is one journal event.
+
+Streams run only while the cluster serves; a new serving period (a restart, a re-adoption)
+starts with a fresh policy. The guard never restarts anything itself: a stop goes through the
+runtime's own supervisor like an operator's, so it cannot race the restart logic.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import grpc
+
+from dsv41.journal import EventLog
+
+from .engine import EngineApi
+from .events import event_of
+from .policy import ABORT, ABORT_ALL, ACTIONS, REARM, STOP, Decision, Guard, GuardSettings
+
+
+class MemorySource(Protocol):
+    node: str
+
+    def watch_memory(self, interval_ms: int, psi_trigger: bool = True) -> Iterator: ...
+
+
+@dataclass
+class _Session:
+    """One serving period: its policy, its streams, its readers."""
+    key: float
+    guard: Guard
+    stopped: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    streams: dict = field(default_factory=dict)
+    threads: list = field(default_factory=list)
+
+
+@dataclass
+class GuardStats:
+    samples: int = 0
+    actions: int = 0
+    failures: int = 0
+
+
+class MemoryGuard:
+    def __init__(self, settings: GuardSettings, sources: dict[str, MemorySource], engine: EngineApi, log: EventLog,
+                 serving: Callable[[], float | None], stop_cluster: Callable[[str], None],
+                 monotonic: Callable[[], float] = time.monotonic, poll_s: float = 0.2):
+        """`serving()` returns a key of the current serving period (e.g. when it began) or None when
+        the cluster is not serving; `stop_cluster(reason)` asks for a clean stop of the ranks."""
+        if settings.mode == "off":
+            raise ValueError("the memory guard is off (MEMORY_GUARD=off): nothing to run")
+        self.settings = settings
+        self._sources = sources
+        self._engine = engine
+        self._log = log
+        self._serving = serving
+        self._stop_cluster = stop_cluster
+        self._monotonic = monotonic
+        self._poll_s = poll_s
+        self._done = threading.Event()
+        self._session: _Session | None = None
+        self._thread = threading.Thread(target=self._supervise, name="memory-guard", daemon=True)
+        self.stats = GuardStats()
+
+    @classmethod
+    def for_runtime(cls, runtime, log: EventLog, api_key: str | None = None) -> MemoryGuard | None:
+        """The guard of a coordinator.runtime.ClusterRuntime; None when MEMORY_GUARD=off."""
+        from .settings import from_config
+        settings = from_config(runtime.cfg)
+        if settings.mode == "off":
+            log.warning("memory_guard_off", "memory guard off (MEMORY_GUARD=off): a runaway prefill can exhaust "
+                        "a node's memory")
+            return None
+
+        def serving() -> float | None:
+            snap = runtime.snapshot()
+            return snap.serving_since if snap.phase == "serving" else None
+        return cls(settings, dict(runtime.clients), EngineApi(runtime.base_url, api_key), log, serving,
+                   lambda reason: runtime.request("stop"))
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        s = self.settings
+        self._log.info("memory_guard_started", f"memory guard {s.mode}: keeps {s.guard_bytes / 1e9:.3f} GB available "
+                       f"on {len(self._sources)} nodes, sampling every {s.interval_ms} ms, acting {s.lead_s:g} s "
+                       "ahead of the predicted crossing", guard_mode=s.mode, guard_bytes=s.guard_bytes,
+                       interval_ms=s.interval_ms, lead_s=s.lead_s)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+        self._end_session()
+        self._engine.close()
+
+    def threads(self) -> list[threading.Thread]:
+        """The guard's own threads (for measuring what it costs)."""
+        session = self._session
+        return [self._thread] + (list(session.threads) if session else [])
+
+    # -- serving periods
+
+    def _supervise(self) -> None:
+        while not self._done.is_set():
+            try:
+                key = self._serving()
+            except Exception as exc:  # the runtime's snapshot must not kill the guard
+                self._log.warning("memory_guard_error", f"memory guard cannot read the cluster phase: {exc!r}")
+                key = None
+            current = self._session.key if self._session else None
+            if key != current:
+                self._end_session()
+                if key is not None:
+                    self._begin_session(key)
+            self._done.wait(self._poll_s)
+        self._end_session()
+
+    def _begin_session(self, key: float) -> None:
+        session = _Session(key, Guard(self.settings))
+        for node, source in self._sources.items():
+            thread = threading.Thread(target=self._read, args=(session, node, source), name=f"guard-{node}",
+                                      daemon=True)
+            session.threads.append(thread)
+        self._session = session
+        for thread in session.threads:
+            thread.start()
+
+    def _end_session(self) -> None:
+        session, self._session = self._session, None
+        if session is None:
+            return
+        session.stopped.set()
+        for stream in list(session.streams.values()):
+            stream.cancel()
+        for thread in session.threads:
+            if thread is not threading.current_thread():
+                thread.join(2.0)
+
+    # -- reading
+
+    def _read(self, session: _Session, node: str, source: MemorySource) -> None:
+        lost = False
+        while not session.stopped.is_set():
+            try:
+                stream = source.watch_memory(self.settings.interval_ms, psi_trigger=True)
+                session.streams[node] = stream
+                if session.stopped.is_set():
+                    stream.cancel()
+                    break
+                for sample in stream:
+                    if lost:
+                        self._log.info("memory_guard_stream_back", f"memory guard: {node}'s memory stream is back",
+                                       node_name=node)
+                        lost = False
+                    self._on_sample(session, node, sample)
+            except grpc.RpcError as exc:
+                if session.stopped.is_set():
+                    break
+                if not lost:
+                    self._log.warning("memory_guard_stream_lost", f"memory guard: lost {node}'s memory stream "
+                                      f"({exc.code().name}: {exc.details()}); reconnecting", node_name=node)
+                    lost = True
+            except Exception as exc:  # a bug in one sample must not end the guard on that node
+                self._log.error("memory_guard_error", f"memory guard on {node}: {exc!r}", node_name=node)
+            session.stopped.wait(1.0)
+
+    def _on_sample(self, session: _Session, node: str, sample) -> None:
+        with session.lock:
+            if session.stopped.is_set():
+                return
+            self.stats.samples += 1
+            d = session.guard.observe(node, sample.at_monotonic_s, int(sample.available_bytes), self._monotonic(),
+                                      self._engine.inflight)
+            if d.kind in ACTIONS:
+                self._execute(session, d)
+            elif d.kind == REARM:
+                self._emit(d)
+
+    def _execute(self, session: _Session, d: Decision) -> None:
+        self.stats.actions += 1
+        if self.settings.mode == "observe":
+            self._emit(d)
+            return
+        if self._serving() != session.key:
+            self._emit(d, "not carried out: the cluster stopped serving meanwhile")
+            return
+        try:
+            if d.kind == ABORT:
+                self._engine.abort(d.victim.rid)
+            elif d.kind == ABORT_ALL:
+                self._engine.abort(None)
+            elif d.kind == STOP:
+                self._stop_cluster(d.reason)
+        except Exception as exc:  # an engine error, a refused stop: reported, and the guard goes on
+            self.stats.failures += 1
+            self._emit(d, f"failed: {exc}")
+            return
+        self._emit(d)
+
+    def _emit(self, d: Decision, outcome: str = "") -> None:
+        e = event_of(d, self.settings.mode, outcome)
+        self._log.event(e.kind, e.message, e.priority, **e.fields)

@@ -1,0 +1,276 @@
+"""The guard's runner against a real HTTP server standing in for rank 0 and scripted memory
+streams: what it sends to the engine, what it asks of the cluster, what it journals."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from coordinator.guard import policy as p
+from coordinator.guard.engine import EngineApi, EngineError, parse_inflight
+from coordinator.guard.events import event_of
+from coordinator.guard.runner import MemoryGuard
+from dsv41.journal import EventLog
+from dsv41.v1 import agent_pb2 as pb
+
+pytestmark = pytest.mark.unit
+MB = 1_000_000
+SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB)
+
+
+class Rank0:
+    """A tiny rank 0: GET /dsv41/inflight, POST /abort_request; records what it received."""
+
+    def __init__(self, inflight: list[dict] | None, abort_status: int = 200):
+        self.inflight = inflight
+        self.abort_status = abort_status
+        self.aborts: list[dict] = []
+        self.arrived = threading.Event()
+        self.on_inflight = lambda: None
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, body=b""):
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                outer.on_inflight()
+                if self.path == "/dsv41/inflight" and outer.inflight is not None:
+                    self._send(200, json.dumps({"requests": outer.inflight, "source": "test"}).encode())
+                else:
+                    self._send(404, b'{"detail": "Not Found"}')
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.aborts.append(body)
+                outer.arrived.set()
+                self._send(outer.abort_status)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Stream:
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue()
+        self.cancelled = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.q.get()
+        if item is None:
+            raise StopIteration
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+        self.q.put(None)
+
+
+class Source:
+    def __init__(self, node: str):
+        self.node = node
+        self.streams: list[Stream] = []
+        self.opened = threading.Event()
+
+    def watch_memory(self, interval_ms, psi_trigger=True):
+        assert interval_ms == SETTINGS.interval_ms and psi_trigger
+        stream = Stream()
+        self.streams.append(stream)
+        self.opened.set()
+        return stream
+
+    def push_ramp(self, start: int, rate: float, seconds: float, t0: float = 0.0, step: float = 0.025):
+        for i in range(int(seconds / step)):
+            self.streams[-1].q.put(pb.MemorySample(at_monotonic_s=t0 + i * step, available_bytes=max(0, int(start - rate * i * step))))
+
+
+class Journal:
+    def __init__(self):
+        self.entries: list[dict] = []
+        self.log = EventLog("dsv41-coordinator", {"DSV41_NODE": "spark1"}, sender=self.send)
+
+    def send(self, **entry):
+        self.entries.append(entry)
+
+    def kinds(self):
+        return [e["DSV41_EVENT"] for e in self.entries]
+
+    def wait_for(self, kind: str, timeout: float = 5.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.entries:
+                if e["DSV41_EVENT"] == kind:
+                    return e
+            time.sleep(0.01)
+        raise AssertionError(f"no {kind} event; got {self.kinds()}")
+
+
+@pytest.fixture
+def rig():
+    made = []
+
+    def make(inflight, mode="act", abort_status=200, serving_key=1.0):
+        rank0 = Rank0(inflight, abort_status)
+        source = Source("spark1")
+        journal = Journal()
+        stops: list[str] = []
+        state = {"key": serving_key}
+        guard = MemoryGuard(p.GuardSettings(**{**SETTINGS.__dict__, "mode": mode}), {"spark1": source},
+                            EngineApi(rank0.url), journal.log, lambda: state["key"], stops.append, poll_s=0.02)
+        made.append((guard, rank0))
+        guard.start()
+        return guard, rank0, source, journal, stops, state
+    yield make
+    for guard, rank0 in made:
+        guard.stop()
+        rank0.close()
+
+
+RUNAWAY = [{"rid": "small", "prompt_tokens": 200, "prefilled_tokens": 200, "age_s": 3.0},
+           {"rid": "runaway", "prompt_tokens": 60000, "prefilled_tokens": 20000, "age_s": 1.0}]
+
+
+def test_a_runaway_is_aborted_on_rank_0_with_one_journal_event_carrying_the_numbers(rig):
+    guard, rank0, source, journal, stops, _ = rig(RUNAWAY)
+    assert source.opened.wait(2)
+    source.push_ramp(700 * MB, 400 * MB, 1.2)
+    assert rank0.arrived.wait(5)
+    event = journal.wait_for("memory_abort")
+    assert rank0.aborts[0] == {"rid": "runaway", "abort_all": False}
+    assert event["DSV41_VICTIM_RID"] == "runaway" and event["DSV41_VICTIM_PROMPT_TOKENS"] == "60000"
+    assert int(event["DSV41_AVAILABLE_BYTES"]) < 700 * MB and int(event["DSV41_SLOPE_BYTES_PER_S"]) < -300 * MB
+    assert float(event["DSV41_PREDICTED_CROSSING_S"]) <= SETTINGS.lead_s + SETTINGS.envelope_s
+    assert event["DSV41_GUARD_BYTES"] == str(150 * MB) and event["DSV41_NODE_NAME"] == "spark1"
+    assert event["PRIORITY"] == "3" and "runaway" in event["MESSAGE"]
+    assert journal.kinds().count("memory_abort") == 1 and stops == []
+
+
+def test_observe_mode_journals_what_it_would_do_and_sends_nothing(rig):
+    guard, rank0, source, journal, stops, _ = rig(RUNAWAY, mode="observe")
+    assert source.opened.wait(2)
+    source.push_ramp(700 * MB, 400 * MB, 1.2)
+    event = journal.wait_for("memory_abort_observed")
+    assert "would be aborting request runaway" in event["MESSAGE"] and event["DSV41_GUARD_MODE"] == "observe"
+    time.sleep(0.2)
+    assert rank0.aborts == [] and stops == []
+
+
+def test_without_the_in_flight_route_it_aborts_all(rig):
+    guard, rank0, source, journal, stops, _ = rig(None)
+    assert source.opened.wait(2)
+    source.push_ramp(700 * MB, 400 * MB, 1.2)
+    assert rank0.arrived.wait(5)
+    assert rank0.aborts[0] == {"rid": "", "abort_all": True}
+    event = journal.wait_for("memory_abort_all")
+    assert "404" in event["DSV41_INFLIGHT_UNAVAILABLE"]
+
+
+def test_memory_that_keeps_falling_ends_in_one_stop_request(rig):
+    guard, rank0, source, journal, stops, _ = rig(RUNAWAY)
+    assert source.opened.wait(2)
+    source.push_ramp(700 * MB, 400 * MB, 2.0)   # the engine ignores the aborts
+    journal.wait_for("memory_stop")
+    time.sleep(0.1)
+    assert [a["abort_all"] for a in rank0.aborts] == [False, True]
+    assert len(stops) == 1 and "after abort_all" in stops[0]
+    assert journal.kinds().count("memory_stop") == 1
+
+
+def test_a_failed_abort_is_journalled_as_failed(rig):
+    guard, rank0, source, journal, stops, _ = rig(RUNAWAY, abort_status=500)
+    assert source.opened.wait(2)
+    source.push_ramp(700 * MB, 400 * MB, 1.2)
+    event = journal.wait_for("memory_abort")
+    assert event["DSV41_OUTCOME"].startswith("failed: POST /abort_request") and "500" in event["DSV41_OUTCOME"]
+    assert guard.stats.failures >= 1
+
+
+def test_streams_run_only_while_serving_and_a_new_serving_period_starts_fresh(rig):
+    guard, rank0, source, journal, stops, state = rig(RUNAWAY, serving_key=None)
+    time.sleep(0.2)
+    assert source.streams == []
+    state["key"] = 10.0
+    assert source.opened.wait(2)
+    first = source.streams[-1]
+    state["key"] = None
+    deadline = time.monotonic() + 2
+    while not first.cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first.cancelled
+    source.opened.clear()
+    state["key"] = 20.0
+    assert source.opened.wait(2) and len(source.streams) == 2
+
+
+def test_no_action_is_carried_out_once_the_cluster_stopped_serving(rig):
+    guard, rank0, source, journal, stops, state = rig(RUNAWAY)
+    assert source.opened.wait(2)
+    rank0.on_inflight = lambda: state.update(key=None)  # the cluster stops serving while the guard decides
+    source.push_ramp(700 * MB, 400 * MB, 1.2)
+    event = journal.wait_for("memory_abort")
+    assert "not carried out" in event["DSV41_OUTCOME"] and rank0.aborts == []
+
+
+# ---------------------------------------------------------------- the engine client and the events
+
+def test_engine_api_reads_the_in_flight_list_and_reports_why_it_has_none():
+    rank0 = Rank0(RUNAWAY)
+    try:
+        api = EngineApi(rank0.url)
+        listed = api.inflight()
+        assert listed.unavailable == "" and [r.rid for r in listed.requests] == ["small", "runaway"]
+        assert listed.requests[1].prefilling and not listed.requests[0].prefilling
+        rank0.inflight = None
+        assert "404" in api.inflight().unavailable
+        api.abort("r1")
+        api.abort(None)
+        assert rank0.aborts == [{"rid": "r1", "abort_all": False}, {"rid": "", "abort_all": True}]
+    finally:
+        rank0.close()
+    down = EngineApi(rank0.url, timeout_s=0.5)
+    assert "GET" in down.inflight().unavailable
+    with pytest.raises(EngineError, match="POST"):
+        down.abort("x")
+
+
+def test_parse_inflight_rejects_what_is_not_the_schema():
+    with pytest.raises(ValueError):
+        parse_inflight({"requests": [{"prompt_tokens": 3}]})
+    with pytest.raises(ValueError):
+        parse_inflight([])
+    assert parse_inflight({"requests": []}).requests == ()
+
+
+def test_engine_api_refuses_what_is_not_plain_http():
+    with pytest.raises(ValueError, match="plain http"):
+        EngineApi("https://10.0.0.1:8888")
+
+
+def test_an_observed_stop_is_a_warning_and_a_real_stop_critical():
+    d = p.Decision(p.STOP, "spark1", "kept falling", 100 * MB, -2e8, 0.0, "slope", 150 * MB)
+    act, observe = event_of(d, "act"), event_of(d, "observe")
+    assert act.kind == "memory_stop" and act.priority == "crit"
+    assert observe.kind == "memory_stop_observed" and observe.priority == "warning"
+    assert observe.fields["predicted_crossing_s"] == 0.0 and "would be stopping the ranks" in observe.message

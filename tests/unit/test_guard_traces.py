@@ -1,0 +1,273 @@
+"""Memory traces for the guard's policy tests: a small model of a chunked-prefill engine that
+reacts to aborts (closed loop), the recipe's 1 s poll as a baseline, and the example
+configuration's two incidents rebuilt from its notes. The tests here check that the model
+reproduces what the notes say (so the policy tests replay the incidents, not a convenient story).
+
+The model: available = base - external(t) - the KV bytes of the requests in flight (per prefilled
+token) - the current chunk's transient. A chunk of C tokens of a request whose prefix is P takes
+C / rate(P) seconds; its transient (the indexer buffers, [chunk, prefix] per low-ratio layer on
+DeepSeek-V4) is allocated when the chunk starts and returned when it ends (the prefill
+empty-cache hook). An abort takes effect at the next chunk boundary, as in SGLang.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+
+from coordinator.guard import policy as p
+
+pytestmark = pytest.mark.unit
+
+GB = 1_000_000_000
+MB = 1_000_000
+
+
+@dataclass
+class Req:
+    rid: str
+    arrival: float
+    prompt: int
+    prefilled: int = 0
+    done_at: float | None = None     # decode ends (memory returned)
+    abort: bool = False
+    gone: bool = False
+
+
+@dataclass
+class Engine:
+    """A chunked-prefill engine with real-looking memory, stepped in `dt`."""
+    base: int
+    chunk: int
+    rate: Callable[[int], float]                      # prefill tokens/s at a prefix length
+    kv_per_token: int = 0
+    transient: Callable[[int, int], int] = lambda take, prefix: 0
+    decode_s: float = 1.0
+    kv_returns_on_abort: bool = True
+    external: Callable[[float], int] = lambda t: 0    # the rank's other memory (returned by a stop)
+    fair: bool = False                                 # split a chunk between prefilling requests
+    requests: list[Req] = field(default_factory=list)
+    t: float = 0.0
+    chunk_end: float = -1.0
+    batch: list[tuple[Req, int]] = field(default_factory=list)
+    chunk_bytes: int = 0
+    kept: int = 0                                      # KV left behind by aborts (not returned)
+    aborts: list[tuple[float, str]] = field(default_factory=list)   # (arrival time, rid or "*")
+    stopped_at: float | None = None
+
+    def add(self, rid: str, arrival: float, prompt: int) -> Engine:
+        self.requests.append(Req(rid, arrival, prompt))
+        return self
+
+    def _live(self) -> list[Req]:
+        return [r for r in self.requests if not r.gone and r.arrival <= self.t]
+
+    def available(self) -> int:
+        if self.stopped_at is not None:
+            return self.base   # a stopped rank gives everything back
+        kv = sum(r.prefilled for r in self._live()) * self.kv_per_token
+        return self.base - self.external(self.t) - kv - self.chunk_bytes - self.kept
+
+    def advance(self, to: float, dt: float = 0.002) -> int:
+        """Steps to `to`; returns the lowest available on the way."""
+        low = self.available()
+        while self.t < to - 1e-12:
+            self.t = min(to, self.t + dt)
+            self._step()
+            low = min(low, self.available())
+        return low
+
+    def _step(self) -> None:
+        if self.stopped_at is not None:
+            return
+        for r in self._live():
+            if r.done_at is not None and self.t >= r.done_at:
+                r.gone = True
+        if self.t < self.chunk_end:
+            return
+        for r, take in self.batch:   # the chunk boundary
+            if r.abort:
+                self._end(r, aborted=True)
+            else:
+                r.prefilled += take
+                if r.prefilled >= r.prompt:
+                    r.done_at = self.t + self.decode_s
+        self.batch, self.chunk_bytes = [], 0
+        for r in self._live():
+            if r.abort and not r.gone:
+                self._end(r, aborted=True)
+        budget = self.chunk
+        prefilling = [r for r in self._live() if r.prefilled < r.prompt]
+        share = -(-budget // max(1, len(prefilling))) if self.fair else budget
+        for r in prefilling:
+            if budget > 0:
+                take = min(budget, share, r.prompt - r.prefilled)
+                self.batch.append((r, take))
+                budget -= take
+        if self.batch:
+            first = self.batch[0][0]
+            self.chunk_end = self.t + sum(t for _, t in self.batch) / self.rate(first.prefilled)
+            self.chunk_bytes = sum(self.transient(take, r.prefilled) for r, take in self.batch)
+
+    def _end(self, r: Req, aborted: bool) -> None:
+        if aborted and not self.kv_returns_on_abort:
+            self.kept += r.prefilled * self.kv_per_token
+        r.gone = True
+
+    def inflight(self) -> p.InflightList:
+        return p.InflightList(tuple(p.InflightRequest(r.rid, r.prompt, r.prefilled, self.t - r.arrival)
+                                    for r in self._live()))
+
+    def abort(self, rid: str | None, at: float) -> None:
+        self.aborts.append((at, rid or "*"))
+        for r in self.requests:
+            if rid is None or r.rid.startswith(rid):
+                r.abort = True
+                if r.prefilled >= r.prompt:
+                    r.gone = True   # a decoding request ends at once
+
+    def stop(self, at: float) -> None:
+        self.stopped_at = at
+
+
+@dataclass
+class Outcome:
+    decisions: list[tuple[float, p.Decision]]
+    lowest: int                                # lowest true available over the run
+    engine: Engine
+
+    def kinds(self) -> list[str]:
+        return [d.kind for _, d in self.decisions if d.kind in p.ACTIONS]
+
+    def first(self, kind: str) -> tuple[float, p.Decision]:
+        return next((t, d) for t, d in self.decisions if d.kind == kind)
+
+
+def run_guard(engine: Engine, settings: p.GuardSettings, duration: float, latency_s: float = 0.02,
+              noise: int = 0, seed: int = 1, node: str = "spark1") -> Outcome:
+    """The guard in a closed loop with the engine: samples every interval (with jitter and noise),
+    actions reach the engine `latency_s` later."""
+    rng = random.Random(seed)
+    guard = p.Guard(settings)
+    pending: list[tuple[float, p.Decision]] = []
+    decisions = []
+    lowest = engine.available()
+    t = 0.0
+    step = settings.interval_ms / 1000
+    while t < duration:
+        t += step * (1 + rng.uniform(-0.1, 0.1))
+        for at, d in [x for x in pending if x[0] <= t]:
+            lowest = min(lowest, engine.advance(at))
+            _apply(engine, d, at)
+            pending.remove((at, d))
+        lowest = min(lowest, engine.advance(t))
+        sample = engine.available() + (rng.randint(-noise, noise) if noise else 0)
+        d = guard.observe(node, t, sample, t, engine.inflight)
+        if d.kind != p.NONE:
+            decisions.append((t, d))
+        if d.kind in p.ACTIONS:
+            pending.append((t + latency_s, d))
+    return Outcome(decisions, lowest, engine)
+
+
+def _apply(engine: Engine, d: p.Decision, at: float) -> None:
+    if d.kind == p.ABORT:
+        engine.abort(d.victim.rid, at)
+    elif d.kind == p.ABORT_ALL:
+        engine.abort(None, at)
+    elif d.kind == p.STOP:
+        engine.stop(at)
+
+
+def run_poll(engine: Engine, guard_bytes: int, duration: float, phase: float = 0.0, period: float = 1.0,
+             latency_s: float = 0.02) -> Outcome:
+    """The recipe's guard: read available every second, abort_all below the guard."""
+    lowest = engine.available()
+    decisions = []
+    t = phase
+    while t < duration:
+        lowest = min(lowest, engine.advance(t))
+        if engine.available() < guard_bytes and not engine.aborts:
+            d = p.Decision(p.ABORT_ALL, "spark1", "below the guard", engine.available())
+            decisions.append((t, d))
+            lowest = min(lowest, engine.advance(t + latency_s))
+            engine.abort(None, t + latency_s)
+        t += period
+    lowest = min(lowest, engine.advance(duration))
+    return Outcome(decisions, lowest, engine)
+
+
+# ---------------------------------------------------------------- the example configuration's head
+
+# GB10 head with the recipe's settings, rebuilt from the notes in the example configuration:
+# prefill ~1.5k tok/s at 1024-token chunks (slower as the prefix grows); the per-chunk transient
+# proportional to chunk x prefix ("768 cuts that per-chunk peak by a quarter" from 1024); at 1024
+# before the decode stack (2026-09-11) 208k prompts complete and a 256k prompt went 20 MB below
+# the 1.5 GB guard; with the decode stack (2026-09-24) a ~200k prompt at 1024 ran the head out of
+# memory; at 768 with the stack 100k prompts complete. Aborted requests leave their KV pages
+# touched (the pool keeps them), so available memory does not come back after an abort.
+GB10_KV_PER_TOKEN = 12_000                    # KV pages touched per prompt token
+GB10_TRANSIENT_PER_TOKEN2 = 20                # bytes per (chunk token x prefix token)
+HEAD_BASE_BEFORE_DECODE_STACK = 9_783 * MB    # available on the idle head before the decode stack
+DECODE_STACK_BYTES = 3_400 * MB               # what the decode adapters took from it
+
+
+def gb10_rate(chunk: int) -> Callable[[int], float]:
+    base = 1500.0 if chunk <= 1024 else 2100.0
+    base *= 0.92 if chunk <= 768 else 1.0
+    return lambda prefix: base / (1 + prefix / 400_000)
+
+
+def gb10_head(chunk: int, decode_stack: bool = True) -> Engine:
+    base = HEAD_BASE_BEFORE_DECODE_STACK - (DECODE_STACK_BYTES if decode_stack else 0)
+    return Engine(base=base, chunk=chunk, rate=gb10_rate(chunk), kv_per_token=GB10_KV_PER_TOKEN,
+                  transient=lambda take, prefix: GB10_TRANSIENT_PER_TOKEN2 * take * (prefix + take),
+                  decode_s=2.0, kv_returns_on_abort=False)
+
+
+GB10_GUARD = p.GuardSettings()   # the defaults: 1.5 GB guard, 1 s lead, 1 s envelope
+
+
+def prompt_minutes(tokens: int, chunk: int) -> float:
+    rate = gb10_rate(chunk)
+    return sum(chunk / rate(prefix) for prefix in range(0, tokens, chunk)) / 60
+
+
+# ---------------------------------------------------------------- tests of the model itself
+
+def test_the_prompts_the_notes_call_verified_complete_above_the_guard():
+    assert gb10_head(768).add("a", 0, 100_000).advance(200) > GB10_GUARD.guard_bytes
+    assert gb10_head(1024, decode_stack=False).add("a", 0, 208_000).advance(300) > GB10_GUARD.guard_bytes
+
+
+def test_a_200k_prompt_at_chunk_1024_exhausts_the_head_with_the_decode_stack():
+    engine = gb10_head(1024).add("long", 0, 200_000)
+    assert engine.advance(60 * prompt_minutes(200_000, 1024) + 5) <= 0
+
+
+def test_the_recipe_poll_lets_the_256k_prompt_go_20_mb_below_the_guard():
+    for phase in (0.0, 0.25, 0.5, 0.75):
+        out = run_poll(gb10_head(1024, decode_stack=False).add("p256k", 0, 256_000), GB10_GUARD.guard_bytes,
+                       60 * prompt_minutes(256_000, 1024) + 5, phase)
+        miss = GB10_GUARD.guard_bytes - out.lowest
+        assert 10 * MB < miss < 30 * MB, (phase, miss)
+
+
+def test_unguarded_a_256k_prompt_at_chunk_768_would_exhaust_the_head_with_the_decode_stack():
+    assert gb10_head(768).add("p256k", 0, 256_000).advance(60 * prompt_minutes(256_000, 768) + 5) <= 0
+
+
+def test_aborted_kv_is_kept_and_the_transient_returns_at_the_chunk_boundary():
+    engine = gb10_head(768).add("a", 0, 50_000)
+    engine.advance(10.0)
+    before = engine.available()
+    engine.abort("a", 10.0)
+    engine.advance(12.0)
+    after = engine.available()
+    assert engine.inflight().requests == ()
+    assert after > before  # the transient came back
+    assert after == engine.base - engine.kept and engine.kept > 0
