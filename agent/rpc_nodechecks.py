@@ -59,7 +59,7 @@ def build_node_checks(settings, systemd, events, view_root: str | None = None) -
     return NodeChecks(exports, mounts, FabricChecker(settings.sysfs_root))
 
 
-_MOUNT_STATES = {"absent": pb.MountState.ABSENT, "mounting": pb.MountState.MOUNTING,
+_MOUNT_STATES = {"unchecked": pb.MountState.STATE_UNSPECIFIED, "absent": pb.MountState.ABSENT, "mounting": pb.MountState.MOUNTING,
                  "healthy": pb.MountState.HEALTHY, "wrong_content": pb.MountState.WRONG_CONTENT,
                  "stale": pb.MountState.STALE, "failed": pb.MountState.FAILED}
 

@@ -38,11 +38,19 @@ class ExportManager:
         self._events = events
         self._view = view_root
         self._lock = threading.Lock()
-        self._last = NOT_EXPORTED
+        self._last: ExportStatus | None = None
 
     def snapshot(self) -> ExportStatus:
-        """The last known state, without touching anything (for GetStatus)."""
-        return self._last
+        """The last known state, for GetStatus: no D-Bus, no NFS; before the first request since the
+        agent started, what the dsv41 configuration files say."""
+        last = self._last
+        if last is None:
+            current = self.configured()
+            if current is None:
+                return NOT_EXPORTED
+            return ExportStatus(True, current.path, current.clients, f"configured for {current.backend}; not "
+                                "checked since the agent started")
+        return last
 
     def configured(self) -> Export | None:
         for backend in self._backends.values():
@@ -97,15 +105,4 @@ class ExportManager:
                                  f"{', '.join(held + clients)} (forced)", path=current.path, forced=1)
         else:
             self._events.info("export_removed", f"unexported {current.path}", path=current.path, forced=int(force))
-        return self._last
-
-    def status(self) -> ExportStatus:
-        current = self.configured()
-        if current is None:
-            return NOT_EXPORTED
-        if current.backend == "ganesha":
-            serving, detail = self._backends["ganesha"].serving()
-        else:
-            serving, detail = True, f"listed in {self._backends['kernel'].exports_file}"
-        self._last = ExportStatus(serving, current.path, current.clients, f"{current.backend}: {detail}")
         return self._last

@@ -4,7 +4,6 @@ after a crash) sees the old content or the new one, never half of it."""
 from __future__ import annotations
 
 import os
-import tempfile
 
 
 def read_text(path: str) -> str | None:
@@ -21,7 +20,9 @@ def write_atomic(path: str, text: str, mode: int = 0o644) -> bool:
     if read_text(path) == text:
         return False
     directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    # Not tempfile: it imports shutil, bz2, lzma and random into the long-lived agent for one name.
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -30,11 +30,12 @@ from .units import MOUNT_IFACE, UnitState, Units
 
 DESCRIPTION_PREFIX = "dsv41 model weights"
 ABSENT, MOUNTING, FAILED, WRONG_CONTENT = "absent", "mounting", "failed", "wrong_content"
+UNCHECKED = "unchecked"  # a spec is kept, but nothing was looked at since the agent started
 
 
 @dataclass(frozen=True)
 class MountStatus:
-    state: str          # absent, mounting, healthy, wrong_content, stale, failed
+    state: str          # absent, mounting, healthy, wrong_content, stale, failed; unchecked
     where: str = ""
     what: str = ""
     unit: str = ""
@@ -103,7 +104,10 @@ class MountManager:
         self._lifecycle = threading.Lock()  # one ensure/remount/remove at a time
         self._lock = threading.Lock()
         self._spec = self._load()
-        self._last = NO_MOUNT
+        spec = self._spec
+        self._last = NO_MOUNT if spec is None else MountStatus(
+            UNCHECKED, spec.where, spec.what, unit_name_for_path(spec.where),
+            "not checked since the agent started (GetMount checks it)")
         self._stale: tuple[str, float] | None = None  # (mount instance, first seen stale)
 
     # -- persisted spec

@@ -26,7 +26,7 @@ _NODE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 def _uint(lo: int, hi: int):
     def check(value: str) -> bool:
-        return value.isdigit() and lo <= int(value) <= hi
+        return value.isascii() and value.isdigit() and lo <= int(value) <= hi
     return check
 
 
@@ -48,7 +48,7 @@ EXPORT_FLAGS = frozenset({
     "insecure", "secure", "wdelay", "no_wdelay", "hide", "nohide", "crossmnt", "no_acl",
 })
 EXPORT_VALUES = {
-    "fsid": lambda v: v in ("0", "root") or v.isdigit() and int(v) < 2**32
+    "fsid": lambda v: v in ("0", "root") or v.isascii() and v.isdigit() and int(v) < 2**32
     or re.fullmatch(r"[0-9a-fA-F]{8}(-?[0-9a-fA-F]{4}){3}-?[0-9a-fA-F]{12}", v) is not None,
     "sec": lambda v: all(s in ("sys", "krb5", "krb5i", "krb5p") for s in v.split(":")),
     "anonuid": _uint(0, 2**32 - 2),

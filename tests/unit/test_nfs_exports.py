@@ -205,3 +205,17 @@ def test_switching_backend_removes_the_other_one(host):
     assert (root / "etc/ganesha/dsv41.conf").exists() and state.exported
     assert m.configured().backend == "ganesha"
     assert ("start_transient", "dsv41-nfs-ganesha.service") in units.calls
+
+
+def test_status_snapshot_needs_no_systemd_and_survives_an_agent_restart(host):
+    units = Units(nfs_server="active")
+    m = manager(host, units)
+    assert m.snapshot().detail == "nothing exported"
+    m.ensure(spec("/srv/models/m"))
+    assert m.snapshot().exported and "3 client line(s)" in m.snapshot().detail
+    restarted = manager(host, units)
+    calls = len(units.calls)
+    snap = restarted.snapshot()
+    assert snap.exported and snap.path == "/srv/models/m" and len(snap.clients) == 3
+    assert snap.detail == "configured for kernel; not checked since the agent started"
+    assert len(units.calls) == calls

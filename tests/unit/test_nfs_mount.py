@@ -118,7 +118,11 @@ def test_ensure_creates_the_unit_and_reports_health(setup, tmp_path):
     assert again.state == "healthy" and len(units.calls) == 1
     assert ("info", "mount_healthy") in [(p, k) for p, k, _ in events.seen]
     # The agent restarts: the spec comes back from the state directory.
-    assert make().get().state == "healthy"
+    restarted = make()
+    assert restarted.snapshot().state == "unchecked" and restarted.snapshot().where == where
+    calls = len(units.calls)
+    assert restarted.get().state == "healthy" and restarted.snapshot().state == "healthy"
+    assert len(units.calls) == calls
 
 
 def test_changes_under_a_running_rank_are_refused(setup):

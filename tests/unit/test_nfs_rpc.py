@@ -4,8 +4,11 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from agent.rpc_nodechecks import NodeCheckRpcs
+from agent.rpc_nodechecks import NodeCheckRpcs, build_node_checks
+from agent.systemd import SystemdError
 from dsv41.v1 import agent_pb2 as pb
 from tests.unit.test_nfs_exports import Events
 
@@ -41,12 +44,25 @@ class Settings:
     sysfs_root: str = "/sys"
 
 
+class NoSystemd:
+    """Every D-Bus call fails: a request that gets that far is answered UNAVAILABLE."""
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise SystemdError(f"{name}: no systemd in unit tests")
+        return fail
+
+
 class Service(NodeCheckRpcs):
     def __init__(self, tmp_path, running=False, **settings):
         self._settings = Settings(str(tmp_path), **settings)
-        self._systemd = None  # the requests below are refused before any D-Bus call
+        self._systemd = NoSystemd()
         self._events = Events()
         self._rank = Rank(running)
+        # An empty host view: no request can reach this machine's real directories.
+        view = tmp_path / "host"
+        view.mkdir(exist_ok=True)
+        self._node_checks_built = build_node_checks(self._settings, self._systemd, self._events, str(view))
 
 
 def abort_of(call, request):
@@ -78,6 +94,10 @@ def test_ensure_mount_rejects_bad_fields(tmp_path, field, value, why):
     code, details = abort_of(Service(tmp_path).EnsureMount, pb.MountSpec(**{**GOOD_MOUNT, field: value}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details
 
+
+def test_a_valid_request_without_systemd_is_unavailable(tmp_path):
+    code, details = abort_of(Service(tmp_path).EnsureMount, pb.MountSpec(**GOOD_MOUNT))
+    assert code == grpc.StatusCode.UNAVAILABLE and details.startswith("systemd over D-Bus:")
 
 def test_bind_mounts_only_where_the_settings_allow_them(tmp_path):
     @dataclass(frozen=True)
@@ -114,3 +134,32 @@ def test_check_fabric_rejects_bad_fields(tmp_path, field, value, why):
     good = dict(hcas=["rocep1s0f0"], iface="enp1s0f0np0", address="10.0.0.2", mtu=9000)
     code, details = abort_of(Service(tmp_path).CheckFabric, pb.FabricSpec(**{**good, field: value}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details
+
+
+text = st.text(max_size=80) | st.sampled_from(["/", "/etc", "..", "/srv/a/../b", "ro,²=1", "nconnect=٣", "ro,fsid=²",
+                                               "10.0.0.1:/", "none", "nfs4", "bind,ro", "0.0.0.0/0", "rocep1s0f0:9"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_hostile_requests_are_invalid_argument_never_a_crash(tmp_path_factory, data):
+    """Whatever the fields hold, each RPC answers INVALID_ARGUMENT (or, for well-formed requests that
+    reach the node's state, FAILED_PRECONDITION/UNAVAILABLE) and nothing else."""
+    service = Service(tmp_path_factory.mktemp("agent"))
+    rpc, request = data.draw(st.sampled_from([
+        (service.EnsureExport, st.builds(pb.ExportSpec, path=text, clients=st.lists(text, max_size=3), options=text,
+                                         backend=text, name=text)),
+        (service.EnsureMount, st.builds(pb.MountSpec, what=text, where=text, type=text, options=text, server=text,
+                                        expected_shards=st.integers(0, 2**32 - 1))),
+        (service.RemoveExport, st.builds(pb.RemoveExportRequest, force=st.just(False),
+                                         mounted_by=st.lists(text, min_size=1, max_size=3))),
+        (service.CheckFabric, st.builds(pb.FabricSpec, hcas=st.lists(text, max_size=3), iface=text, address=text,
+                                        mtu=st.integers(0, 2**32 - 1), socket_ifaces=st.lists(text, max_size=3))),
+    ]).map(lambda pair: (pair[0], data.draw(pair[1]))))
+    ctx = Context()
+    try:
+        rpc(request, ctx)
+    except Aborted:
+        assert ctx.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.UNAVAILABLE), (ctx.code, ctx.details)
+        assert ctx.details
