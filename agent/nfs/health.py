@@ -110,13 +110,14 @@ class ProbeRunner:
         if not leader:
             flight.done.wait(self.timeout_s + self._kill_wait + 5.0)
             return flight.outcome or ProbeOutcome(False, None, "", error="probe did not report")
+        outcome = None
         try:
             outcome = self._spawn(path, expected, key)
         finally:
             with self._lock:
                 del self._flights[key]
-        flight.outcome = outcome
-        flight.done.set()
+            flight.outcome = outcome
+            flight.done.set()  # also when spawning raised: followers must not wait for nothing
         return outcome
 
     def _spawn(self, path: str, expected: int, key: str) -> ProbeOutcome:
