@@ -99,7 +99,8 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
         return pb.NodeStatus(
             node=self._settings.node, agent_version=VERSION, adapter_digest=self._adapter_digest(),
             agent_up_s=self._monotonic() - self._started, rank=rank_pb(self._rank.refresh()),
-            memory=sample_pb(self._sampler.sample()), allowed_runtimes=list(self._settings.allowed_runtimes))
+            memory=sample_pb(self._sampler.sample()), allowed_runtimes=list(self._settings.allowed_runtimes),
+            mount=self.mount_snapshot_pb(), export=self.export_snapshot_pb())
 
     # -- rank
 

@@ -40,6 +40,7 @@ class AgentSettings:
     adapter_dir: str
     sysfs_root: str
     cache_dir: str
+    allowed_mount_types: tuple[str, ...] = ("nfs4",)
 
     @property
     def tls(self) -> bool:
@@ -61,6 +62,7 @@ _KEYS = {
     "ADAPTER_DIR": "/usr/share/dsv41/rank",
     "SYSFS_ROOT": "/sys",
     "CACHE_DIR": "/var/cache/dsv41",
+    "ALLOWED_MOUNT_TYPES": "nfs4",
 }
 
 
@@ -120,6 +122,9 @@ def parse(text: str, path: str, environ: Mapping[str, str]) -> AgentSettings:
     for exe in executables:
         if not exe.startswith("/") or ".." in exe.split("/"):
             bad("ALLOWED_EXECUTABLES", f"{exe!r} must be an absolute path")
+    mount_types = _list(values["ALLOWED_MOUNT_TYPES"])
+    if not mount_types or any(t not in ("nfs4", "nfs", "none") for t in mount_types):
+        bad("ALLOWED_MOUNT_TYPES", "must list mount types from nfs4, nfs, none (none: bind mounts, for tests)")
     if problems:
         raise SettingsError("\n".join(problems))
     return AgentSettings(
@@ -128,7 +133,7 @@ def parse(text: str, path: str, environ: Mapping[str, str]) -> AgentSettings:
         coordinator_name=values["COORDINATOR_NAME"], insecure_no_tls=insecure,
         allowed_runtimes=runtimes, allowed_images=images, allowed_executables=executables,
         state_dir=values["STATE_DIR"], adapter_dir=values["ADAPTER_DIR"], sysfs_root=values["SYSFS_ROOT"],
-        cache_dir=values["CACHE_DIR"])
+        cache_dir=values["CACHE_DIR"], allowed_mount_types=mount_types)
 
 
 def _list(raw: str) -> tuple[str, ...]:

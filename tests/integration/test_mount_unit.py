@@ -3,8 +3,7 @@ stands in for NFS, which this kernel lacks), and a stale mount (a FUSE file syst
 never return) reported within the deadline while the agent keeps serving.
 
 The agent runs as its real unit (with its PrivateTmp=: the mount is under /var/tmp, as the
-recipe's COMMON_MODEL is). Bind mounts need ALLOWED_MOUNT_TYPES=nfs4,none in agent.env, a key
-agent/settings.py does not know yet: TEST_ENTRY adds it around the real daemon.
+recipe's COMMON_MODEL is). Bind mounts need ALLOWED_MOUNT_TYPES=nfs4,none in agent.env.
 """
 
 from __future__ import annotations
@@ -22,45 +21,12 @@ from tests.integration.agentnode import DROP_IN, REPO, SRC, channel, free_port, 
 
 pytestmark = pytest.mark.integration
 
-TEST_ENTRY = '''"""dsv41-agent with agent.env's ALLOWED_MOUNT_TYPES (tests only; default nfs4)."""
-import dataclasses
-import sys
-
-from agent import daemon, settings
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings(settings.AgentSettings):
-    allowed_mount_types: tuple = ("nfs4",)
-
-
-_parse = settings.parse
-
-
-def parse(text, path, environ):
-    types, kept = ("nfs4",), []
-    for line in text.splitlines():
-        if line.startswith("ALLOWED_MOUNT_TYPES="):
-            types = tuple(t.strip() for t in line.split("=", 1)[1].split(",") if t.strip())
-            line = "#"  # keeps the line numbers of the real parser's messages
-        kept.append(line)
-    base = _parse("\\n".join(kept) + "\\n", path, environ)
-    return Settings(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, allowed_mount_types=types)
-
-
-settings.parse = parse
-sys.exit(daemon.main())
-'''
-
-
 def install(node: Node, listen: str, extra: str = "") -> None:
     """The agent from this tree as its real unit (like agentnode.install_agent), listening on `listen`."""
     for part in ("agent", "dsv41", "adapter", "tests/integration/standin_rank.py"):
         node.copy_in(REPO / part, f"{SRC}/{part}")
-    node.write_file(f"{SRC}/dsv41_test_agent.py", TEST_ENTRY)
     node.write_file("/etc/systemd/system/dsv41-agent.service", (REPO / "units/dsv41-agent.service").read_text())
-    node.write_file("/etc/systemd/system/dsv41-agent.service.d/source.conf",
-                    DROP_IN.replace("-m agent", f"{SRC}/dsv41_test_agent.py"))
+    node.write_file("/etc/systemd/system/dsv41-agent.service.d/source.conf", DROP_IN)
     node.write_file("/etc/dsv41/agent.env",
                     f"NODE_NAME={node.name}\nLISTEN={listen}\nINSECURE_NO_TLS=1\nALLOWED_RUNTIMES=host\n"
                     f"ALLOWED_EXECUTABLES=/usr/bin/python3\nADAPTER_DIR={SRC}/adapter\n{extra}")
