@@ -29,7 +29,7 @@ STATE = Path("/run/dsv41-demo.json")
 
 
 def _supervise(ready_fd: int) -> None:
-    from tests.cluster.sparks import build_debs, ctl, setup, wait_serving
+    from tests.cluster.sparks import boot_sparks, build_debs, ctl, wait_serving
     from tests.harness.nspawn import build_rootfs
 
     stop = []
@@ -39,7 +39,7 @@ def _supervise(ready_fd: int) -> None:
         try:
             debs = build_debs(Path(tempfile.mkdtemp(prefix="dsv41-demo-debs-")),
                               commit=os.environ.get("DEMO_COMMIT") or None)
-            cluster = setup(build_rootfs(), debs, SMOKE_QUICK="0")
+            cluster = boot_sparks(build_rootfs(), debs, SMOKE_QUICK="0")
         except Exception as exc:  # report to the waiting `up`, then exit
             ready.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
             return

@@ -53,7 +53,7 @@ def agent_env(node: Node) -> str:
             f"ALLOWED_EXECUTABLES={SIM}\n")
 
 
-def setup(rootfs, debs: Path, **extra_env: str) -> Cluster:
+def boot_sparks(rootfs, debs: Path, **extra_env: str) -> Cluster:
     cluster = Cluster(rootfs, ["spark1", "spark2", "spark3"], memory_writable=True)
     cluster.boot()
     try:

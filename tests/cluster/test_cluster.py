@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.cluster.sparks import build_debs, ctl, install, rank_pids, setup, status, unit_pid, wait_serving
+from tests.cluster.sparks import boot_sparks, build_debs, ctl, install, rank_pids, status, unit_pid, wait_serving
 
 pytestmark = pytest.mark.cluster
 
@@ -22,7 +22,7 @@ def debs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sparks(rootfs, debs):
-    cluster = setup(rootfs, debs[0])
+    cluster = boot_sparks(rootfs, debs[0])
     try:
         yield cluster.nodes
     finally:
