@@ -21,9 +21,8 @@ from . import plan as plan_mod
 from .agents import AgentClient, AgentUnavailable
 from .config import ClusterConfig
 from .runtime import ClusterRuntime, Incident, Snapshot
+from .sockets import CONTROL_GROUP, CONTROL_SOCKET
 
-CONTROL_SOCKET = "/run/dsv41/control.sock"
-CONTROL_GROUP = "dsv41"
 
 
 def node_views(cfg: ClusterConfig, clients: dict[str, AgentClient], fingerprints: dict, fabric: dict,

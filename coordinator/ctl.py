@@ -9,9 +9,6 @@ import sys
 import textwrap
 from typing import Sequence, TextIO
 
-from . import config as config_mod
-from . import plan as plan_mod
-from . import schema
 from . import ctl_cluster
 
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
@@ -51,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: str, err: TextIO) -> config_mod.ClusterConfig | None:
+def _load(path: str, err: TextIO):
+    from . import config as config_mod
     try:
         return config_mod.load(path)
     except config_mod.ConfigInvalid as exc:
@@ -80,6 +78,7 @@ def _config_show(args, out: TextIO, err: TextIO) -> int:
     cfg = _load(args.file, err)
     if cfg is None:
         return 1
+    from . import plan as plan_mod
     try:
         node_plan = plan_mod.render_node(cfg, args.node, dspark_tables=args.with_dspark_tables)
     except KeyError as exc:
@@ -112,6 +111,7 @@ def _print_plan(body: dict, out: TextIO) -> None:
 
 
 def _config_keys(args, out: TextIO, err: TextIO) -> int:
+    from . import schema
     for key in schema.KEYS:
         default = "(required)" if key.default is None else f"default {key.default!r}"
         print(f"{key.name}  {default}\n    {key.doc}", file=out)

@@ -21,9 +21,10 @@ from dsv41.version import VERSION
 
 from . import config as config_mod
 from .agents import AgentClient, Tls
-from .control import CONTROL_SOCKET, serve
+from .control import serve
 from .guard.runner import MemoryGuard
 from .runtime import ClusterRuntime
+from .sockets import CONTROL_SOCKET
 
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
 

@@ -96,7 +96,13 @@ class Coordinator:
         deadline = time.monotonic() + timeout
         status = None
         while time.monotonic() < deadline:
-            status = self.status()
+            try:
+                status = self.status()
+            except grpc.RpcError as exc:  # the socket exists a moment before the server answers
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                time.sleep(0.05)
+                continue
             if status.phase in phases:
                 return status
             time.sleep(0.1)
