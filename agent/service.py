@@ -17,6 +17,7 @@ from dsv41.v1 import agent_pb2_grpc
 from dsv41.version import VERSION
 
 from .events import EventHub
+from .images import ImageIds
 from .memory import MemorySampler, Sample, TriggerWatcher
 from .rank import ExitRecord, RankError, RankManager, RankStatus
 from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
@@ -82,6 +83,7 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
         self._events = events
         self._started = started_monotonic
         self._monotonic = monotonic
+        self._images = ImageIds(settings.allowed_images if "container" in settings.allowed_runtimes else ())
         self._digest_lock = threading.Lock()
         self._digest: tuple[float, str] = (0.0, "")
 
@@ -100,7 +102,7 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
             node=self._settings.node, agent_version=VERSION, adapter_digest=self._adapter_digest(),
             agent_up_s=self._monotonic() - self._started, rank=rank_pb(self._rank.refresh()),
             memory=sample_pb(self._sampler.sample()), allowed_runtimes=list(self._settings.allowed_runtimes),
-            mount=self.mount_snapshot_pb(), export=self.export_snapshot_pb())
+            mount=self.mount_snapshot_pb(), export=self.export_snapshot_pb(), images=self._images.get())
 
     # -- rank
 

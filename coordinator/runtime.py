@@ -57,6 +57,29 @@ class Snapshot:
     ranks: dict = field(default_factory=dict)  # node -> last RankState seen
 
 
+def image_of(spec: plan_mod.RankSpec) -> str | None:
+    """The image a container-runtime rank runs (the argument before the rank's command), else None."""
+    if spec.runtime != "container":
+        return None
+    argv = list(spec.argv)
+    return argv[argv.index("python3") - 1] if "python3" in argv else None
+
+
+def image_problems(images_by_node: dict[str, dict[str, str]],
+                   specs: dict[str, plan_mod.RankSpec]) -> list[tuple[str, str]]:
+    """(node, reason) for every node whose image is missing or differs from the head's."""
+    wanted = {node: image_of(spec) for node, spec in specs.items()}
+    ids = {node: images_by_node.get(node, {}).get(image, "") for node, image in wanted.items() if image}
+    problems = [(node, f"image {wanted[node]} is not on this node (or not in its ALLOWED_IMAGES): "
+                       f"docker pull it, or load the same build") for node, image_id in ids.items() if not image_id]
+    if not problems and len(set(ids.values())) > 1:
+        reference = next(iter(ids))
+        problems = [(node, f"image {wanted[node]} is {image_id[:19]} here but {ids[reference][:19]} on "
+                           f"{reference}: every rank must run the same build")
+                    for node, image_id in ids.items() if image_id != ids[reference]]
+    return problems
+
+
 def generation_of(plans) -> str:
     return hashlib.sha256(",".join(p.fingerprint for p in plans).encode()).hexdigest()[:12]
 
@@ -337,8 +360,17 @@ class ClusterRuntime:
             if not running and available < need:
                 raise StepFailed("preflight", name, f"{available / GIB:.1f} GiB available, a rank needs "
                                                     f"{need / GIB:.1f} GiB (RANK_MEMORY_GIB)")
+        self._check_images(statuses, plans)
         self._set(generation=generation_of(self._plans),
                   fingerprints={p.node: p.fingerprint for p in self._plans})
+
+    def _check_images(self, statuses: dict, plans: dict) -> None:
+        """Ranks of one TP group must run one image: the same local image ID on every node."""
+        problems = image_problems({name: dict(s.images) for name, s in statuses.items()},
+                                  {name: p.rank_spec for name, p in plans.items()})
+        if problems:
+            node, reason = problems[0]
+            raise StepFailed("preflight", node, reason)
 
     def _render_plans(self, sync_tables: bool) -> tuple[plan_mod.NodePlan, ...]:
         """Renders plans; the DSpark table flags only when every node holds the head's copy."""
