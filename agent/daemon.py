@@ -21,6 +21,7 @@ from dsv41.v1 import agent_pb2_grpc
 from dsv41.version import VERSION
 
 from . import settings as settings_mod
+from .auth import CallerCheck, CredentialFiles
 from .events import EventHub
 from .memory import MemorySampler, PsiTrigger, TriggerWatcher
 from .rank import RankManager
@@ -29,12 +30,13 @@ from .service import AgentService, ensure_dirs, rank_memory_reader
 from .systemd import Systemd, SystemdError
 
 
-def _credentials(s: settings_mod.AgentSettings) -> grpc.ServerCredentials | None:
+def _credentials(s: settings_mod.AgentSettings, log: EventLog) -> grpc.ServerCredentials | None:
+    """Mutual TLS with the cluster CA; a rotated certificate is picked up from the next connection on."""
     if not s.tls:
         return None
-    with open(s.tls_key, "rb") as key, open(s.tls_cert, "rb") as cert, open(s.tls_ca, "rb") as ca:
-        return grpc.ssl_server_credentials([(key.read(), cert.read())], root_certificates=ca.read(),
-                                           require_client_auth=True)
+    files = CredentialFiles(s.tls_ca, s.tls_cert, s.tls_key,
+                            problem=lambda why: log.warning("tls_reload_failed", why))
+    return files.server_credentials()
 
 
 def _status_line(s: settings_mod.AgentSettings, rank: RankManager) -> str:
@@ -72,11 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("psi_trigger_unavailable", f"PSI trigger not armed ({trigger.error}); sampling only")
     triggers = TriggerWatcher(trigger)
 
+    try:
+        creds = _credentials(s, log)
+    except (OSError, ValueError) as exc:
+        log.error("agent_failed", f"unusable TLS files (TLS_CA/TLS_CERT/TLS_KEY in {args.config}): {exc}")
+        return 2
+    # TLS proves the caller holds a cluster certificate; only the coordinator's may drive this node.
+    interceptors = [CallerCheck(s.coordinator_name, lambda method, why: events.warning(
+        "caller_refused", f"refused {method}: {why}", method=method))] if creds else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="rpc"),
-                         options=[("grpc.max_receive_message_length", 8 << 20)])
+                         options=[("grpc.max_receive_message_length", 8 << 20)], interceptors=interceptors)
     agent_pb2_grpc.add_AgentServicer_to_server(
         AgentService(s, systemd, rank, sampler, triggers, events, started), server)
-    creds = _credentials(s)
     try:
         bound = server.add_secure_port(s.listen, creds) if creds else server.add_insecure_port(s.listen)
     except RuntimeError as exc:

@@ -24,9 +24,10 @@ class Tls:
 class AgentUnavailable(Exception):
     """The agent could not be reached or refused; the message names the node and says why."""
 
-    def __init__(self, node: str, what: str, error: grpc.RpcError | Exception):
+    def __init__(self, node: str, what: str, error: grpc.RpcError | Exception, explanation: str | None = None):
         code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
         details = error.details() if isinstance(error, grpc.RpcError) else str(error)
+        details = explanation or details
         super().__init__(f"{node}: {what}: {code}: {details}")
         self.node = node
         self.code = code
@@ -63,13 +64,17 @@ class AgentClient:
         self.node = node
         self.target = target
         self._timeout = call_timeout_s
+        self._tls = tls
+        self._server_name = server_name or node
         options = [("grpc.max_receive_message_length", 8 << 20), ("grpc.keepalive_time_ms", 10_000),
                    ("grpc.keepalive_timeout_ms", 5_000)]
         if tls is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
             creds = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
-            options.append(("grpc.ssl_target_name_override", server_name or node))
+            # The agent's certificate must name this node (its DNS SAN): gRPC checks the name against
+            # this override, so another node's agent at this address is refused in the handshake.
+            options.append(("grpc.ssl_target_name_override", self._server_name))
             self._channel = grpc.secure_channel(target, creds, options=options)
         self._stub = agent_pb2_grpc.AgentStub(self._channel)
 
@@ -80,7 +85,20 @@ class AgentClient:
         try:
             return method(request, timeout=timeout or self._timeout)
         except grpc.RpcError as exc:
-            raise AgentUnavailable(self.node, what, exc) from None
+            raise AgentUnavailable(self.node, what, exc, self._tls_problem(exc)) from None
+
+    def _tls_problem(self, exc: grpc.RpcError) -> str | None:
+        """A clear reason when the TLS handshake failed over the agent's certificate (wrong node, other CA)."""
+        if self._tls is None or exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        details = exc.details() or ""
+        if not any(word in details for word in ("Peer name", "andshake", "certificate", "SSL", "ssl")):
+            return None
+        from . import pki  # the certificate code only when a handshake failed
+        host, _, port = self.target.rpartition(":")
+        problem = pki.peer_certificate_problem(host.strip("[]"), int(port), self._tls.ca, self._tls.cert,
+                                               self._tls.key, self._server_name)
+        return f"{problem} ({details})" if problem else None
 
     def status(self, timeout: float | None = None) -> pb.NodeStatus:
         return self._call("GetStatus", self._stub.GetStatus, pb.GetStatusRequest(), timeout)

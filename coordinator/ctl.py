@@ -10,6 +10,7 @@ import textwrap
 from typing import Sequence, TextIO
 
 from . import ctl_cluster
+from . import ctl_pki
 
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
 
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     keys = cfg_sub.add_parser("keys", help="list every key cluster.env may hold")
     keys.set_defaults(handler=_config_keys)
     ctl_cluster.add_commands(sub, DEFAULT_CONFIG)
+    ctl_pki.add_commands(sub, DEFAULT_CONFIG)
     return parser
 
 

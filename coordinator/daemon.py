@@ -20,6 +20,7 @@ from dsv41.sdnotify import SdNotify
 from dsv41.version import VERSION
 
 from . import config as config_mod
+from . import pki
 from .agents import AgentClient, Tls
 from .control import serve
 from .guard.runner import MemoryGuard
@@ -32,13 +33,21 @@ DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
 def load_tls(cfg: config_mod.ClusterConfig) -> Tls | None:
     if cfg["INSECURE_NO_TLS"]:
         return None
-    pki = str(cfg["PKI_DIR"])
-    paths = [os.path.join(pki, name) for name in ("ca.crt", "coordinator.crt", "coordinator.key")]
+    pki_dir = str(cfg["PKI_DIR"])
+    paths = [os.path.join(pki_dir, name) for name in ("ca.crt", "coordinator.crt", "coordinator.key")]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         raise FileNotFoundError(f"missing {', '.join(missing)}: run `dsv41ctl pki init` (or set INSECURE_NO_TLS=1 "
                                 "on an isolated test network)")
+    mode = os.stat(paths[2]).st_mode & 0o777
+    if mode & 0o077:
+        raise PermissionError(f"{paths[2]}: mode {mode:04o} lets group or other read the coordinator's key; "
+                              f"run `chmod 600 {paths[2]}`")
     ca, cert, key = (open(p, "rb").read() for p in paths)
+    try:
+        pki.check_leaf(ca, cert, key, pki.COORDINATOR_NAME)
+    except (pki.PkiError, ValueError) as exc:
+        raise OSError(f"{pki_dir}: unusable coordinator certificate: {exc}") from None
     return Tls(ca, cert, key)
 
 

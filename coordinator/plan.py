@@ -23,6 +23,10 @@ CONTAINER_NCCL_DIR = "/opt/dsv41/nccl"
 STATE_DIR = "/var/lib/dsv41/state"  # DSpark tables copied from the head live here on every node
 RANK_CACHE_DIR = "/var/cache/dsv41/rank"  # JIT and autotune caches that should survive a restart
 CONTAINER_NAME = "dsv41-rank"
+# The API key (API_KEY_FILE on the head) is put here on the head, 0600; only rank 0 serves HTTP. The rank
+# reads the file named by DSV41_API_KEY_FILE: a key in argv would be visible in ps.
+API_KEY_NODE_PATH = f"{STATE_DIR}/sglang-api-key"
+CONTAINER_API_KEY_PATH = "/opt/dsv41/secrets/sglang-api-key"
 DOCKER = "/usr/bin/docker"
 
 GID_PLACEHOLDER = "@ROCE_GID_INDEX@"
@@ -230,6 +234,8 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
         env["XDG_CACHE_HOME"] = RANK_CACHE_DIR
         # byte code goes to the cache, not into package directories such as the adapter's
         env["PYTHONPYCACHEPREFIX"] = f"{RANK_CACHE_DIR}/pycache"
+    if cfg["API_KEY_FILE"] and node.is_head:
+        env["DSV41_API_KEY_FILE"] = CONTAINER_API_KEY_PATH if container else API_KEY_NODE_PATH
     return dict(sorted(env.items()))
 
 
@@ -248,6 +254,8 @@ def _binds(cfg: ClusterConfig, node: Node, tables: Mapping[str, str], container:
         if cfg["NCCL_HOST_DIR"]:
             binds.append(Bind(str(cfg["NCCL_HOST_DIR"]), CONTAINER_NCCL_DIR))
         binds.append(Bind(RANK_CACHE_DIR, "/root/.cache", read_only=False))
+        if cfg["API_KEY_FILE"] and node.is_head:
+            binds.append(Bind(API_KEY_NODE_PATH, CONTAINER_API_KEY_PATH))
     # A bind onto itself is a no-op for the host runtime; keep the list to what changes the view.
     return [b for b in binds if container or b.source != b.target]
 

@@ -197,6 +197,10 @@ KEYS: tuple[Key, ...] = (
        "more since the last action"),
     _k("MEMORY_GUARD_STOP_AFTER_S", v.real(0.05, 600.0), "1",
        "after abort_all, memory still falling this long (or running out within the lead): stop the ranks cleanly"),
+    # security
+    _k("API_KEY_FILE", v.optional(v.abspath), "",
+       "file on the head holding SGLang's API key (one line, mode 0600, owned by root); empty: no key. The key "
+       "reaches rank 0 as a 0600 file, never in argv or the journal, and the health/smoke checks send it"),
 )
 
 BY_NAME = {key.name: key for key in KEYS}
