@@ -99,7 +99,8 @@ class CredentialFiles:
         out = []
         for path in self.paths:
             st = os.stat(path)
-            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            # ctime too: tar restores mtime, and a bundle made in the same second keeps it equal
+            out.append((st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
         return tuple(out)
 
     def _load(self) -> _Loaded | str:
