@@ -13,12 +13,14 @@ command runs.
 
 from __future__ import annotations
 
+import argparse
 import os
 import stat
 import time
 from typing import TextIO
 
 DEFAULT_DIR = "/etc/dsv41/pki"
+DEFAULT_DAYS = 730  # pki.DEFAULT_LEAF_DAYS, repeated so that building the parser imports no certificate code
 # `dsv41ctl status` warns this long before a certificate expires: time to rotate and copy bundles.
 EXPIRY_WARNING_S = 42 * 86400
 
@@ -41,7 +43,8 @@ def expiry_warning(name: str, not_after_unix_s: float, now_unix_s: float,
 
 def add_commands(sub, default_config: str) -> None:
     pki = sub.add_parser("pki", help="cluster CA and certificates (mutual TLS between coordinator and agents)",
-                         description=__doc__.split("\n\n")[1], formatter_class=_raw())
+                         description=__doc__.split("\n\n")[1],
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     pki_sub = pki.add_subparsers(dest="pki_command")
 
     def common(p, config: bool = True) -> None:
@@ -51,13 +54,15 @@ def add_commands(sub, default_config: str) -> None:
 
     init = pki_sub.add_parser("init", help="create the cluster CA and every certificate")
     common(init)
-    init.add_argument("--days", type=int, default=730, help="validity of the leaf certificates (default %(default)s)")
-    init.add_argument("--force", action="store_true", help="replace an existing CA (every installed bundle stops working)")
+    init.add_argument("--days", type=int, default=DEFAULT_DAYS,
+                      help="validity of the leaf certificates (default %(default)s)")
+    init.add_argument("--force", action="store_true",
+                      help="replace an existing CA (every installed bundle stops working)")
     init.set_defaults(handler=_init)
     rotate = pki_sub.add_parser("rotate", help="re-issue certificates under the existing CA")
     common(rotate)
     rotate.add_argument("--node", help="only this node (or dsv41-coordinator); default: every certificate")
-    rotate.add_argument("--days", type=int, default=730, help="validity (default %(default)s)")
+    rotate.add_argument("--days", type=int, default=DEFAULT_DAYS, help="validity (default %(default)s)")
     rotate.set_defaults(handler=_rotate)
     bundle = pki_sub.add_parser("bundle", help="one node's CA, certificate, key and agent.env lines, as a tar")
     common(bundle, config=False)
@@ -67,11 +72,6 @@ def add_commands(sub, default_config: str) -> None:
     show = pki_sub.add_parser("list", help="every certificate with its names and expiry")
     common(show, config=False)
     show.set_defaults(handler=_list)
-
-
-def _raw():
-    import argparse
-    return argparse.RawDescriptionHelpFormatter
 
 
 def _pki_dir(args, cfg) -> str:

@@ -1,7 +1,7 @@
 """The cluster's credentials: a CA, one certificate per node agent and one for the coordinator.
 
-Pure parts (what to issue, how long it is valid, when to warn) are plain functions over dataclasses;
-the files live behind PkiStore, whose root, clock and group are constructor arguments. The layout:
+Pure parts (what to issue, for how long) are plain functions over dataclasses; the files live behind
+PkiStore, whose root, clock and group are constructor arguments. The layout:
 
     PKI_DIR/               0750 root:dsv41
       ca.crt  ca.key       0640 / 0600
@@ -9,6 +9,8 @@ the files live behind PkiStore, whose root, clock and group are constructor argu
       nodes/NAME.crt/.key  0640 / 0600   CN NAME, SAN DNS:NAME and IP:address, serverAuth only
 
 Each node gets a bundle (bundle_tar) with exactly what its agent needs under /etc/dsv41/tls.
+Also here: naming the node whose certificate an agent presents (for the coordinator's error messages)
+and reading the SGLang API key file, the cluster's other secret.
 """
 
 from __future__ import annotations

@@ -174,3 +174,8 @@ def test_pki_commands_do_not_import_the_certificate_code_for_other_commands():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_the_parsers_default_validity_is_the_stores():
+    from coordinator import pki
+    assert ctl_pki.DEFAULT_DAYS == pki.DEFAULT_LEAF_DAYS
