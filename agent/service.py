@@ -16,6 +16,7 @@ from dsv41.v1 import agent_pb2 as pb
 from dsv41.v1 import agent_pb2_grpc
 from dsv41.version import VERSION
 
+from .auth import cert_not_after
 from .events import EventHub
 from .images import ImageIds
 from .memory import MemorySampler, Sample, TriggerWatcher
@@ -84,6 +85,7 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
         self._started = started_monotonic
         self._monotonic = monotonic
         self._images = ImageIds(settings.allowed_images if "container" in settings.allowed_runtimes else ())
+        self._cert_expiry: tuple[float, int] = (-1.0, 0)  # (certificate mtime, notAfter)
         self._digest_lock = threading.Lock()
         self._digest: tuple[float, str] = (0.0, "")
 
@@ -95,6 +97,17 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
                 self._digest = (self._monotonic(), value)
             return value
 
+    def _cert_not_after(self) -> int:
+        """The agent certificate's notAfter, re-read only when the file changes (rotation needs no restart)."""
+        path = self._settings.tls_cert
+        try:
+            mtime = os.stat(path).st_mtime if path else 0.0
+        except OSError:
+            return 0
+        if mtime != self._cert_expiry[0]:
+            self._cert_expiry = (mtime, cert_not_after(path))
+        return self._cert_expiry[1]
+
     # -- status
 
     def GetStatus(self, request, context):
@@ -102,7 +115,8 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
             node=self._settings.node, agent_version=VERSION, adapter_digest=self._adapter_digest(),
             agent_up_s=self._monotonic() - self._started, rank=rank_pb(self._rank.refresh()),
             memory=sample_pb(self._sampler.sample()), allowed_runtimes=list(self._settings.allowed_runtimes),
-            mount=self.mount_snapshot_pb(), export=self.export_snapshot_pb(), images=self._images.get())
+            mount=self.mount_snapshot_pb(), export=self.export_snapshot_pb(), images=self._images.get(),
+            cert_not_after_unix_s=self._cert_not_after())
 
     # -- rank
 

@@ -14,6 +14,7 @@ from dsv41.v1 import agent_pb2 as apb
 from dsv41.v1 import control_pb2 as pb
 from dsv41.v1 import control_pb2_grpc
 
+from .ctl_pki import expiry_warning
 from .sockets import CONTROL_SOCKET
 
 # The status path imports only what it needs: dsv41ctl's start-up time is most of its latency.
@@ -162,6 +163,9 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -
         mount = apb.MountState.State.Name(s.mount.state).lower() if s.mount.state else "-"
         print(f"{view.name:<9}{view.rank:<5}{'up':<8}{unit:<17}{up:<8}{rss:>7}{avail:>8}"
               f"{s.memory.some.avg10:>6.1f}%  {mount}", file=out)
+        expiry = expiry_warning(view.name, s.cert_not_after_unix_s, now)
+        if expiry:
+            print(paint(f"{'':<13}{expiry}", "33"), file=out)
         if rank.last_exit.result and rank.active_state != "active":
             e = rank.last_exit
             print(f"{'':<13}last exit: {e.result}, {e.code} {e.status}"[:80], file=out)

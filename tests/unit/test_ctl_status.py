@@ -68,3 +68,14 @@ def test_progress_line():
     ("The number 7 is prime.", False), ("42", False)])
 def test_garbage_detector(text, bad):
     assert (serving.looks_like_garbage(text) is not None) == bad
+
+
+def test_a_certificate_near_expiry_is_warned_about_weeks_ahead():
+    st = status()
+    st.nodes[0].status.cert_not_after_unix_s = int(NOW + 10 * 86400)
+    st.nodes[1].status.cert_not_after_unix_s = int(NOW + 300 * 86400)
+    out = io.StringIO()
+    ctl_cluster.render_status(st, out, now=NOW)
+    text = out.getvalue()
+    assert "spark1: certificate" in text and "dsv41ctl pki rotate --node spark1" in text
+    assert "spark2: certificate" not in text
