@@ -56,8 +56,11 @@ class FileRpcs:
             os.unlink(tmp)
             raise
         digest = self._digest(request.path, path)
-        self._events.info("file_written", f"wrote {path} ({digest.size} bytes, sha256 {digest.sha256[:12]})",
-                          path=path, sha256=digest.sha256)
+        if mode & 0o077:
+            self._events.info("file_written", f"wrote {path} ({digest.size} bytes, sha256 {digest.sha256[:12]})",
+                              path=path, sha256=digest.sha256)
+        else:  # a secret (the API key): not even its hash goes to the journal
+            self._events.info("file_written", f"wrote {path} ({digest.size} bytes, mode {mode:04o})", path=path)
         return digest
 
     def RemoveFile(self, request, context):

@@ -134,8 +134,8 @@ class AgentClient:
     def start_pack(self, plan: NodePlan) -> pb.PackState:
         return self._call("StartPack", self._stub.StartPack, pb.StartPackRequest(spec=pack_spec_pb(plan)))
 
-    def put_file(self, name: str, content: bytes) -> pb.FileDigest:
-        return self._call("PutFile", self._stub.PutFile, pb.PutFileRequest(path=name, content=content, mode=0o644))
+    def put_file(self, name: str, content: bytes, mode: int = 0o644) -> pb.FileDigest:
+        return self._call("PutFile", self._stub.PutFile, pb.PutFileRequest(path=name, content=content, mode=mode))
 
     def remove_file(self, name: str) -> pb.FileDigest:
         return self._call("RemoveFile", self._stub.RemoveFile, pb.RemoveFileRequest(path=name))

@@ -83,7 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, FileNotFoundError) as exc:
         log.error("coordinator_failed", str(exc))
         return 2
-    runtime = ClusterRuntime(cfg, make_clients(cfg, tls), log)
+    api_key = None
+    if cfg["API_KEY_FILE"]:
+        try:
+            api_key = pki.read_api_key(str(cfg["API_KEY_FILE"]))
+        except pki.PkiError as exc:
+            log.error("coordinator_failed", f"API_KEY_FILE: {exc}")
+            return 2
+    runtime = ClusterRuntime(cfg, make_clients(cfg, tls), log, api_key=api_key)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -86,13 +86,15 @@ def generation_of(plans) -> str:
 
 class ClusterRuntime:
     def __init__(self, cfg: ClusterConfig, clients: dict[str, AgentClient], log: EventLog,
-                 table_source_dir: str = plan_mod.STATE_DIR, state_dir: str = "/var/lib/dsv41/coordinator", clock: Callable[[], float] = time.time,
+                 table_source_dir: str = plan_mod.STATE_DIR, state_dir: str = "/var/lib/dsv41/coordinator",
+                 api_key: str | None = None, clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], None] = time.sleep, monotonic: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.clients = clients
         self._log = log
         self._table_dir = table_source_dir
         self._state_dir = state_dir
+        self._api_key = api_key  # read from API_KEY_FILE by the daemon; reaches rank 0 as a 0600 file
         self._clock, self._sleep, self._monotonic = clock, sleep, monotonic
         self._lock = threading.Lock()
         self._snapshot = Snapshot(since=clock())
@@ -492,6 +494,13 @@ class ClusterRuntime:
     def _step_launch(self, deadline: float) -> None:
         # Workers first, then the head: rank 0 starts the rendezvous the others are waiting for.
         generation = self.snapshot().generation
+        if self._api_key:
+            head = self.cfg.head.name
+            try:
+                self.clients[head].put_file(os.path.basename(plan_mod.API_KEY_NODE_PATH), self._api_key.encode(),
+                                            mode=0o600)
+            except AgentUnavailable as exc:
+                raise StepFailed("launch", head, f"cannot place the API key file: {exc.code}: {exc.details}") from None
         order = sorted(self._plans, key=lambda p: (p.rank == 0, p.rank))
         for node_plan in order:
             try:
@@ -522,7 +531,7 @@ class ClusterRuntime:
 
     def _step_smoke(self, deadline: float) -> None:
         result = serving.smoke(self.base_url, str(self.cfg["SERVED_MODEL_NAME"]), bool(self.cfg["SMOKE_QUICK"]),
-                               int(self.cfg["MAX_RUNNING_REQUESTS"]), timeout=deadline)
+                               int(self.cfg["MAX_RUNNING_REQUESTS"]), timeout=deadline, api_key=self._api_key)
         if not result.ok:
             raise StepFailed("smoke", self.cfg.head.name, result.detail)
         exited = self._first_exit()
