@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.cluster.sparks import boot_sparks, build_debs, ctl, install, rank_pids, status, unit_pid, wait_serving
+from tests.integration.test_guard_memory import GUARD_BYTES, GUARD_ENV, HEADROOM, RUNAWAY_TOKENS, HeadMemory, run_once
 
 pytestmark = pytest.mark.cluster
 
@@ -22,7 +23,7 @@ def debs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sparks(rootfs, debs):
-    cluster = boot_sparks(rootfs, debs[0])
+    cluster = boot_sparks(rootfs, debs[0], **GUARD_ENV)
     try:
         yield cluster.nodes
     finally:
@@ -103,6 +104,26 @@ def test_5_upgrading_the_agents_while_serving_keeps_every_rank(sparks, debs):
     time.sleep(1.0)
     body = wait_serving(head)
     assert rank_pids(body) == pids
+
+
+def test_7_a_runaway_prompt_is_aborted_by_the_memory_guard(sparks):
+    head = head_of(sparks)
+    pids = rank_pids(status(head))
+    memory = HeadMemory(head)
+    memory.limit_to(HEADROOM)
+    memory.reset_peak()
+    results: dict = {}
+    normal, runaway = run_once(head, 0, results)
+    normal.join(60)
+    runaway.join(60)
+    assert results["runaway-0"]["choices"][0]["finish_reason"] == "abort"
+    assert results["normal-0"]["choices"][0]["finish_reason"] == "stop"
+    assert memory.oom_kills() == 0 and memory.lowest_available() >= GUARD_BYTES
+    aborts = head.journal(unit="dsv41-coordinator.service", fields=None, matches=["DSV41_EVENT=memory_abort"])
+    assert aborts and aborts[-1]["DSV41_VICTIM_RID"] == "runaway-0"
+    assert aborts[-1]["DSV41_VICTIM_PROMPT_TOKENS"] == str(RUNAWAY_TOKENS)
+    body = status(head)
+    assert body["phase"] == "serving" and rank_pids(body) == pids
 
 
 def test_6_stop_leaves_no_rank_on_any_node(sparks):
