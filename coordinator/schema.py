@@ -182,7 +182,7 @@ KEYS: tuple[Key, ...] = (
     _k("MEMORY_GUARD_GB", v.real(0.0, 1024.0), "1.5",
        "available memory (GB = 10^9 bytes) the guard keeps on every node: it acts before a node is predicted "
        "to go below this (the recipe aborted below 1.5 GB)"),
-    _k("MEMORY_GUARD_INTERVAL_MS", v.integer(20, 1000), "25", "how often every agent samples memory for the guard"),
+    _k("MEMORY_GUARD_INTERVAL_MS", v.integer(20, 1000), "20", "how often every agent samples memory for the guard"),
     _k("MEMORY_GUARD_LEAD_S", v.real(0.05, 60.0), "1",
        "time an abort needs to take effect (the HTTP call plus up to one prefill chunk): the guard acts when the "
        "crossing is predicted within this"),

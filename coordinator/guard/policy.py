@@ -5,21 +5,25 @@ when a decision needs a victim.
 
 Two projections, both from the node's "available" bytes (the tighter of MemAvailable and the
 node cgroup's headroom):
-- the slope: a least-squares line over the last MEMORY_GUARD_WINDOW_S of samples. A fall that
-  has lasted tau seconds is projected min(tau, lead) ahead, never more: a burst (one prefill
-  chunk's transient) is not extrapolated a whole lead into the future, a sustained fall is.
+- the slope: a least-squares line through the last MEMORY_GUARD_WINDOW_SAMPLES samples, counted
+  only for a sustained fall (each half of the window falls too: one allocation, a prefill chunk's
+  transient, is a step in one half). A fall that has lasted tau seconds is projected
+  min(tau, lead) ahead: a burst is not extrapolated a whole lead into the future.
 - the lows: the minimum over each MEMORY_GUARD_ENVELOPE_S (at least one prefill chunk) and a line
   through the recent minima, projected lead + envelope ahead. A chunked prefill makes a sawtooth
   whose lows fall chunk by chunk; an abort only takes effect at the next chunk boundary, so the
-  crossing must be seen coming from the lows, one chunk early.
-A slope counts only when it is significantly below zero (slope + k * standard error < 0), so
-noise around a level does not read as a fall.
+  crossing must be seen coming from the lows, a chunk early.
+A slope counts only when it is significantly below zero (slope + 3 standard errors < 0), so noise
+around a level does not read as a fall; memory that sits below the guard without falling is not
+acted on (nothing is running out).
 
 The state machine: armed -> (danger on `confirm_samples` consecutive samples) abort the largest
 prefill in flight, or abort_all when it cannot tell -> memory still falling (fallen by the
 hysteresis band since the action, and the abort had `lead_s` to work) -> abort_all -> still
-falling `stop_after_s` after that -> stop the ranks. Re-armed when every node is back above the
-guard plus the hysteresis band, or after `rearm_quiet_s` without danger.
+falling `stop_after_s` later -> stop the ranks. Either wait is cut short when memory would run
+out within the lead. Re-armed when every node is back above the guard plus the hysteresis band,
+or after `rearm_quiet_s` without danger (then the next action needs a further fall by the band,
+so noise at the guard cannot flap).
 """
 
 from __future__ import annotations
@@ -51,13 +55,13 @@ MODES = ("act", "observe", "off")
 class GuardSettings:
     mode: str = "act"                     # act | observe (log what it would do) | off
     guard_bytes: int = 1_500_000_000      # keep at least this much available on every node
-    interval_ms: int = 25                 # agent sampling period
+    interval_ms: int = 20                 # agent sampling period
     lead_s: float = 1.0                   # time an abort needs to take effect (HTTP + one prefill chunk)
     envelope_s: float = 1.0               # span over which a low is taken: at least one prefill chunk
     stop_after_s: float = 1.0             # after abort_all, memory still falling this long: stop the ranks
     hysteresis_bytes: int = 250_000_000   # re-arm above guard + this; escalate after falling this much more
     confirm_samples: int = 2              # consecutive samples in danger before acting
-    window_s: float = 0.25                # slope window
+    window_s: float = 0.2                 # slope window (10 samples)
     envelope_points: int = 8              # lows (one per envelope span) in the lows' line
     significance: float = 3.0             # standard errors a slope must be below zero
     rearm_quiet_s: float = 10.0           # re-arm after this long without danger
@@ -112,16 +116,17 @@ def _half_slope(points: list[tuple[float, int]]) -> float:
     return sum((t - mt) * (y - my) for t, y in points) / sxx if sxx > 0 else 0.0
 
 
-def _both_halves_fall(points: Iterable[tuple[float, int]]) -> bool:
-    """A sustained fall, not one step: the line through each half of the window falls. One
-    allocation (a prefill chunk's transient) is a step in one half and flat in the other."""
+def _both_halves_fall(points: Iterable[tuple[float, int]], whole: float) -> bool:
+    """A sustained fall, not one step: each half of the window falls at a quarter of the whole
+    window's rate or more. One allocation (a prefill chunk's transient) is a step in one half and
+    noise in the other."""
     pts = list(points)
     mid = (pts[0][0] + pts[-1][0]) / 2
     first = [x for x in pts if x[0] <= mid]
     second = [x for x in pts if x[0] > mid]
-    if len(first) < 2 or len(second) < 2:
+    if whole >= 0 or len(first) < 2 or len(second) < 2:
         return False
-    return _half_slope(first) < 0 and _half_slope(second) < 0
+    return _half_slope(first) <= whole / 4 and _half_slope(second) <= whole / 4
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,7 @@ class Trend:
         while self._recent[0][0] < at - s.window_s:
             self._recent.popleft()
         slope = fit_line(self._recent)
-        sustained = slope is not None and _both_halves_fall(self._recent)
+        sustained = slope is not None and _both_halves_fall(self._recent, slope.slope)
         if slope is not None and slope.slope < 0:
             if self._fall_start is None:
                 self._fall_start = self._recent[0][0]  # the fall began no later than the window's start

@@ -101,9 +101,10 @@ class Source:
         self.opened.set()
         return stream
 
-    def push_ramp(self, start: int, rate: float, seconds: float, t0: float = 0.0, step: float = 0.025):
+    def push_ramp(self, start: int, rate: float, seconds: float, t0: float = 0.0, step: float = 0.02):
         for i in range(int(seconds / step)):
-            self.streams[-1].q.put(pb.MemorySample(at_monotonic_s=t0 + i * step, available_bytes=max(0, int(start - rate * i * step))))
+            level = max(0, int(start - rate * i * step))
+            self.streams[-1].q.put(pb.MemorySample(at_monotonic_s=t0 + i * step, available_bytes=level))
 
 
 class Journal:
