@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     server = serve(cfg, runtime, args.control_socket)
     notify = SdNotify.from_env()
     runtime.run(autostart=not args.no_autostart)
-    guard = MemoryGuard.for_runtime(runtime, log)  # watches memory whenever the cluster serves
+    guard = MemoryGuard.for_runtime(runtime, log, api_key)  # watches memory whenever the cluster serves
     if guard is not None:
         guard.start()
     log.info("coordinator_started", f"dsv41-coordinator {VERSION}: {len(cfg.nodes)} nodes, control socket "

@@ -26,7 +26,7 @@ SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hy
 class Rank0:
     """A tiny rank 0: GET /dsv41/inflight, POST /abort_request; records what it received."""
 
-    def __init__(self, inflight: list[dict] | None, abort_status: int = 200):
+    def __init__(self, inflight: list[dict] | None, abort_status: int = 200, api_key: str | None = None):
         self.inflight = inflight
         self.abort_status = abort_status
         self.aborts: list[dict] = []
@@ -46,7 +46,15 @@ class Rank0:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _authorised(self):
+                if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+                    self._send(401, b'{"error": "Unauthorized"}')
+                    return False
+                return True
+
             def do_GET(self):
+                if not self._authorised():
+                    return
                 outer.on_inflight()
                 if self.path == "/dsv41/inflight" and outer.inflight is not None:
                     self._send(200, json.dumps({"requests": outer.inflight, "source": "test"}).encode())
@@ -54,6 +62,8 @@ class Rank0:
                     self._send(404, b'{"detail": "Not Found"}')
 
             def do_POST(self):
+                if not self._authorised():
+                    return
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.aborts.append(body)
                 outer.arrived.set()
@@ -254,6 +264,20 @@ def test_engine_api_reads_the_in_flight_list_and_reports_why_it_has_none():
     assert "GET" in down.inflight().unavailable
     with pytest.raises(EngineError, match="POST"):
         down.abort("x")
+
+
+def test_engine_api_sends_the_api_key_rank_0_requires():
+    rank0 = Rank0(RUNAWAY, api_key="s3cret-key")
+    try:
+        assert "HTTP 401" in EngineApi(rank0.url).inflight().unavailable
+        with pytest.raises(EngineError, match="401"):
+            EngineApi(rank0.url).abort("r1")
+        api = EngineApi(rank0.url, api_key="s3cret-key")
+        assert [r.rid for r in api.inflight().requests] == ["small", "runaway"]
+        api.abort("runaway")
+        assert rank0.aborts == [{"rid": "runaway", "abort_all": False}]
+    finally:
+        rank0.close()
 
 
 def test_parse_inflight_rejects_what_is_not_the_schema():
