@@ -134,9 +134,10 @@ class ClusterRuntime:
         self._worker.start()
         self._actions.put(("adopt_or_start", autostart))
 
-    def request(self, action: str) -> None:
+    def request(self, action: str, reason: str | None = None) -> None:
+        """An operator's (or the memory guard's) start, stop or restart; `reason` is shown as the phase detail."""
         self._operator.set()
-        self._actions.put((action, None))
+        self._actions.put((action, reason))
 
     def shutdown(self, stop_cluster: bool) -> None:
         """Stops the supervisor; with stop_cluster, brings the ranks down and confirms it on every node."""
@@ -214,7 +215,9 @@ class ClusterRuntime:
                     if self.snapshot().phase != "serving":
                         self._bring_up_with_retries(reset_attempts=True)
                 elif action == "stop":
-                    self._stop_cluster("requested by dsv41ctl stop")
+                    if arg:
+                        self._incident(self.cfg.head.name, "stopped", arg)
+                    self._stop_cluster(arg or "requested by dsv41ctl stop")
                 elif action == "restart":
                     self._stop_cluster("restart requested", wait_memory=True)
                     self._bring_up_with_retries(reset_attempts=True)

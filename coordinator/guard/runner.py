@@ -82,7 +82,7 @@ class MemoryGuard:
             snap = runtime.snapshot()
             return snap.serving_since if snap.phase == "serving" else None
         return cls(settings, dict(runtime.clients), EngineApi(runtime.base_url, api_key), log, serving,
-                   lambda reason: runtime.request("stop"))
+                   lambda reason: runtime.request("stop", reason=f"memory guard: {reason}"))
 
     # -- lifecycle
 
