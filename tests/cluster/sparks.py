@@ -4,13 +4,13 @@ driven only through systemctl, dsv41ctl and journalctl inside the nodes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.debs import debs_module
 from tests.harness.nspawn import Cluster, Node
 from tests.integration.simcluster import cluster_env
 
@@ -19,15 +19,6 @@ APT = ["apt-get", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Options::=
        "-o", "Dpkg::Options::=--force-confold"]
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
 SIM = "/usr/bin/dsv41-sim-rank"
-
-
-def debs_module():
-    if "dsv41_debs" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("dsv41_debs", REPO / "packaging" / "debs.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["dsv41_debs"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["dsv41_debs"]
 
 
 def build_debs(out: Path, suffix: str = "", commit: str | None = None) -> Path:

@@ -8,7 +8,6 @@ needs no root and no booted node.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import re
 import subprocess
 import sys
@@ -16,20 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.debs import debs_module
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"dsv41-adapter", "dsv41-agent", "dsv41-coordinator", "dsv41-sim"}
-
-
-def _debs_module():
-    """packaging/debs.py (packaging/ is no Python package: the name would shadow python3-packaging)."""
-    if "dsv41_debs" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("dsv41_debs", REPO / "packaging" / "debs.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["dsv41_debs"] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules["dsv41_debs"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +31,7 @@ def commit() -> str:
 
 
 def _build(out: Path, commit: str, suffix: str = "") -> dict[str, str]:
-    debs = _debs_module()
+    debs = debs_module()
     try:
         made = debs.build(REPO, out, suffix, source=commit, log=sys.stderr)
     except debs.BuildError as e:
@@ -51,14 +42,14 @@ def _build(out: Path, commit: str, suffix: str = "") -> dict[str, str]:
 def test_two_builds_of_one_commit_are_identical(tmp_path: Path, commit: str) -> None:
     first = _build(tmp_path / "a", commit)
     second = _build(tmp_path / "b", commit)
-    version = _debs_module().read_version((REPO / "dsv41" / "version.py").read_text())
+    version = debs_module().read_version((REPO / "dsv41" / "version.py").read_text())
     assert set(first) == {f"{p}_{version}_all.deb" for p in PACKAGES}
     assert first == second
 
 
 def test_version_suffix_makes_a_higher_version(tmp_path: Path, commit: str) -> None:
     made = _build(tmp_path, commit, "+1")
-    version = _debs_module().read_version((REPO / "dsv41" / "version.py").read_text())
+    version = debs_module().read_version((REPO / "dsv41" / "version.py").read_text())
     assert set(made) == {f"{p}_{version}+1_all.deb" for p in PACKAGES}
     deb = tmp_path / f"dsv41-agent_{version}+1_all.deb"
     control = subprocess.run(["dpkg-deb", "-f", str(deb), "Version", "Depends"], capture_output=True,
@@ -69,7 +60,7 @@ def test_version_suffix_makes_a_higher_version(tmp_path: Path, commit: str) -> N
 
 def test_lintian_reports_no_errors_and_only_explained_warnings(tmp_path: Path, commit: str) -> None:
     _build(tmp_path, commit)
-    code, text = _debs_module().run_lintian(tmp_path)
+    code, text = debs_module().run_lintian(tmp_path)
     errors = [line for line in text.splitlines() if line.startswith("E:")]
     assert code == 0 and not errors, text
     explained = (REPO / "packaging" / "LINTIAN.md").read_text()

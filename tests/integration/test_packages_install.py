@@ -7,7 +7,6 @@ The base root file system already holds the python3-* dependencies, so apt needs
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from typing import Iterator
 
 import pytest
 
+from tests.debs import debs_module
 from tests.harness.nspawn import Node
 
 pytestmark = pytest.mark.integration
@@ -44,19 +44,9 @@ CLUSTER_EDITS = {"HEAD_IP": "127.0.0.1", "WORKER1_IP": "127.0.0.2", "WORKER2_IP"
 CLUSTER_ADDED = "INSECURE_NO_TLS=1\nAGENT_PORT=7449\nRANK_STOP_TIMEOUT_S=5\nMEMORY_RECOVERY_TIMEOUT_S=1\n"
 
 
-def _debs_module():
-    """packaging/debs.py (packaging/ is no Python package: the name would shadow python3-packaging)."""
-    if "dsv41_debs" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("dsv41_debs", REPO / "packaging" / "debs.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["dsv41_debs"] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules["dsv41_debs"]
-
-
 @pytest.fixture(scope="module")
 def debs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    debs = _debs_module()
+    debs = debs_module()
     # One commit for both versions: others may commit in between.
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                             check=True).stdout.strip()
@@ -71,7 +61,7 @@ def debs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
 
 
 def _version() -> str:
-    return _debs_module().read_version((REPO / "dsv41" / "version.py").read_text())
+    return debs_module().read_version((REPO / "dsv41" / "version.py").read_text())
 
 
 def _sh(n: Node, script: str, check: bool = True) -> subprocess.CompletedProcess:
