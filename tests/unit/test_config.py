@@ -58,8 +58,8 @@ def test_unused_keys_are_reported_with_a_reason():
 
 
 def test_home_defined_in_the_file_wins_over_the_environment():
-    cfg = load("HOME=/home/mia\n" + SEED_TEXT, {})
-    assert cfg["NCCL_HOST_DIR"] == "/home/mia/nccl-2.30.7"
+    cfg = load("HOME=/home/operator\n" + SEED_TEXT, {})
+    assert cfg["NCCL_HOST_DIR"] == "/home/operator/nccl-2.30.7"
 
 
 def test_undefined_home_is_a_clear_error():
