@@ -154,26 +154,30 @@ class RankManager:
             self._props = props if replace_all else {**self._props, **props}
             after = self._props.get("ActiveState", "inactive")
             exited = before in ("active", "activating", "deactivating", "reloading") and after in ("inactive", "failed")
+            exiting = dict(self._props)
             status = self.status()
             watchers = list(self._watchers)
             self._state_lock.notify_all()
         if exited:
             # Read the exit from systemd before anything resets the unit; off the signal thread.
-            threading.Thread(target=self._finalize_exit, args=(self._expected_stop,), name="rank-exit",
+            threading.Thread(target=self._finalize_exit, args=(self._expected_stop, exiting), name="rank-exit",
                              daemon=True).start()
             return
         for callback in watchers:
             callback(status)
 
-    def _finalize_exit(self, expected: bool) -> None:
+    def _finalize_exit(self, expected: bool, exiting: dict) -> None:
         try:
             props = self._systemd.properties(RANK_UNIT, (UNIT_IFACE, SERVICE_IFACE))
         except SystemdError:
             props = None
         with self._state_lock:
-            if props:
+            # By the time systemd answers, a new run may already have started under the same name:
+            # its properties describe that run, not the exit being recorded.
+            same_run = bool(props) and props.get("InvocationID") == exiting.get("InvocationID")
+            if same_run:
                 self._props = props
-            record = self._last_exit = _exit_from(self._props, self._clock)
+            record = self._last_exit = _exit_from(props if same_run else exiting, self._clock)
             self._exits += 1
             status = self.status()
             watchers = list(self._watchers)

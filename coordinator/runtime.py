@@ -182,6 +182,8 @@ class ClusterRuntime:
         launched = self._launched.get(node)
         if not launched or exit_info.invocation_id != launched or node in self._exited:
             return
+        if rank.active_state in ("active", "activating") and rank.invocation_id == exit_info.invocation_id:
+            return  # a run cannot have ended and still be running: not an exit
         why = (f"rank unit {rank.active_state}: result {exit_info.result or 'unknown'}, "
                f"{exit_info.code or 'exit'} status {exit_info.status}")
         self._exited[node] = why
