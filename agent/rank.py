@@ -7,7 +7,6 @@ within a second, and the last exit is recorded before a failed unit is reset.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
