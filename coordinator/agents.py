@@ -128,6 +128,13 @@ class AgentClient:
     def get_mount(self, timeout: float | None = None) -> pb.MountState:
         return self._call("GetMount", self._stub.GetMount, pb.GetMountRequest(), timeout)
 
+    def remove_mount(self, timeout: float | None = None) -> pb.MountState:
+        return self._call("RemoveMount", self._stub.RemoveMount, pb.RemoveMountRequest(), timeout or 60)
+
+    def remove_export(self, force: bool, mounted_by: list[str], timeout: float | None = None) -> pb.ExportState:
+        request = pb.RemoveExportRequest(force=force, mounted_by=list(mounted_by))
+        return self._call("RemoveExport", self._stub.RemoveExport, request, timeout or 60)
+
     def pack_state(self, plan: NodePlan, timeout: float | None = None) -> pb.PackState:
         return self._call("GetPackState", self._stub.GetPackState, pack_spec_pb(plan), timeout)
 

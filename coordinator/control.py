@@ -187,6 +187,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
         return pb.ActionReply(ok=True, message=f"removed {removed} autotune cache file(s) on {len(self._runtime.clients)} "
                                                "nodes: the next boot retunes")
 
+    def UnexportShare(self, request, context):
+        ok, message = self._runtime.unexport(bool(request.force), bool(request.unmount))
+        return pb.ActionReply(ok=ok, message=message, status=self._status())
+
 
 def _event(incident: Incident) -> apb.Event:
     return apb.Event(at_unix_s=incident.at_unix_s, node=incident.node, kind=incident.kind, priority="err",

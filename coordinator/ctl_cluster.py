@@ -1,4 +1,5 @@
-"""dsv41ctl commands that talk to the running cluster: status, start, stop, restart, events, logs."""
+"""dsv41ctl commands that talk to the running cluster: status, start, stop, restart, events, logs, pack,
+autotune, share."""
 
 from __future__ import annotations
 
@@ -80,6 +81,17 @@ def add_commands(sub, default_config: str) -> None:
     reset = autotune_sub.add_parser("reset", help="clear the caches on every node (the ranks must be stopped)")
     common(reset)
     reset.set_defaults(handler=_autotune_reset)
+    share = sub.add_parser("share", help="the head's NFS export of the weights")
+    share.set_defaults(handler=_share_usage, share_parser=share)
+    share_sub = share.add_subparsers(dest="share_command", metavar="ACTION")
+    unexport = share_sub.add_parser("unexport", help="stop exporting the weights; refused while a worker has them "
+                                    "mounted or ranks run")
+    common(unexport)
+    unexport.add_argument("--unmount", action="store_true",
+                          help="first unmount the export on the workers (their ranks must be stopped)")
+    unexport.add_argument("--force", action="store_true",
+                          help="unexport even under mounted workers or running ranks: their mounts go stale")
+    unexport.set_defaults(handler=_share_unexport)
     logs = sub.add_parser("logs", help="journal lines of the dsv41 units, fetched from the agents")
     common(logs)
     logs.add_argument("--node")
@@ -265,5 +277,19 @@ def _pack(args, out: TextIO, err: TextIO) -> int:
 @control_command
 def _autotune_reset(args, out: TextIO, err: TextIO) -> int:
     reply = _stub(args.socket).AutotuneReset(pb.AutotuneResetRequest(), timeout=120)
+    print(reply.message, file=out if reply.ok else err)
+    return 0 if reply.ok else 1
+
+
+def _share_usage(args, out: TextIO, err: TextIO) -> int:
+    args.share_parser.print_usage(err)
+    print("dsv41ctl share: error: name an action: unexport", file=err)
+    return 2
+
+
+@control_command
+def _share_unexport(args, out: TextIO, err: TextIO) -> int:
+    request = pb.UnexportRequest(force=args.force, unmount=args.unmount)
+    reply = _stub(args.socket).UnexportShare(request, timeout=200)
     print(reply.message, file=out if reply.ok else err)
     return 0 if reply.ok else 1

@@ -12,7 +12,8 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -20,7 +21,7 @@ from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 
 from . import plan as plan_mod
-from . import serving, weights
+from . import serving, share, weights
 from .agents import AgentClient, AgentUnavailable
 from .config import ClusterConfig
 
@@ -139,6 +140,26 @@ class ClusterRuntime:
         self._operator.set()
         self._actions.put((action, reason))
 
+    def unexport(self, force: bool, unmount: bool, wait_s: float = 150.0) -> tuple[bool, str]:
+        """An operator's `dsv41ctl share unexport`: (done, what happened or why it was refused).
+
+        Runs on the supervisor between other actions, so it never races a bring-up's share step.
+        Refused unless forced while a worker has the export mounted (the head's agent decides, from
+        the `mounted_by` the workers' agents report) or ranks run or start; `unmount` first removes
+        the workers' mounts, which their agents allow only while their ranks are stopped."""
+        phase = self.snapshot().phase
+        if not force and phase in share.BUSY_PHASES:
+            return False, share.refusal("", [], [], phase)
+        job: Future = Future()
+        self._actions.put(("unexport", (force, unmount, job)))
+        try:
+            return job.result(timeout=wait_s)
+        except FutureTimeout:
+            if job.cancel():
+                return False, (f"the coordinator is busy (phase {self.snapshot().phase}) and did not get to it within "
+                               f"{wait_s:g} s; nothing was changed: try again")
+            return job.result()
+
     def shutdown(self, stop_cluster: bool) -> None:
         """Stops the supervisor; with stop_cluster, brings the ranks down and confirms it on every node."""
         self._operator.set()
@@ -223,6 +244,14 @@ class ClusterRuntime:
                 elif action == "restart":
                     self._stop_cluster("restart requested", wait_memory=True)
                     self._bring_up_with_retries(reset_attempts=True)
+                elif action == "unexport":
+                    force, unmount, job = arg
+                    if job.set_running_or_notify_cancel():
+                        try:
+                            job.set_result(self._unexport(force, unmount))
+                        except Exception as exc:  # the operator gets the error; the cluster's phase is untouched
+                            self._log.error("unexport_error", f"share unexport failed unexpectedly: {exc!r}")
+                            job.set_exception(exc)
                 elif action == "rank_exited":
                     node, why, invocation = arg
                     # Exits of ranks from before the last (re)start are old news.
@@ -614,6 +643,69 @@ class ClusterRuntime:
             self._set(phase=final_phase, detail=why, serving_since=0.0)
         if wait_memory:  # only a restart stacks new ranks on the memory the old ones held
             self._wait_memory_back()
+
+    # -- the share, on an operator's request
+
+    def _ask(self, fn: Callable[[AgentClient], object], nodes: list[str]) -> dict[str, share.Asked]:
+        """fn on each node at once; an agent that cannot answer is an Asked with its error."""
+        with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+            futures = {name: pool.submit(fn, self.clients[name]) for name in nodes}
+        out = {}
+        for name, future in futures.items():
+            try:
+                out[name] = share.Asked(future.result())
+            except AgentUnavailable as exc:
+                out[name] = share.Asked(None, f"{exc.code}: {exc.details}")
+        return out
+
+    def _unexport(self, force: bool, unmount: bool) -> tuple[bool, str]:
+        head = self.cfg.head.name
+        workers = [name for name in self.clients if name != head]
+        statuses = self._ask(lambda c: c.status(timeout=10.0), list(self.clients))
+        if statuses[head].answer is None:
+            return False, f"cannot reach {head}'s agent ({statuses[head].error}): nothing was changed"
+        path = statuses[head].answer.export.path
+        running = share.running_ranks(statuses)
+        mounted = share.holders(self._ask(lambda c: c.get_mount(), workers))
+        notes = []
+        if unmount and mounted and (force or not running):
+            for node, _ in mounted:
+                try:
+                    self.clients[node].remove_mount()
+                    notes.append(f"unmounted on {node}")
+                except AgentUnavailable as exc:
+                    notes.append(f"not unmounted on {node}: {exc.details}")
+            mounted = share.holders(self._ask(lambda c: c.get_mount(), [node for node, _ in mounted]))
+        reason = share.refusal(path, mounted, running, self.snapshot().phase)
+        held_by = [node for node, _ in mounted]
+        if reason and not force and not mounted:
+            self._log.warning("unexport_refused", reason, ranks_running=",".join(n for n, _ in running))
+            return False, reason
+        try:
+            state = self.clients[head].remove_export(force, held_by)
+        except AgentUnavailable as exc:
+            if exc.code == "FAILED_PRECONDITION" and not force:
+                message = reason or f"refused by {head}'s agent: {exc.details}"
+                if notes:
+                    message += f" ({'; '.join(notes)})"
+                self._log.warning("unexport_refused", message, mounted_by=",".join(held_by),
+                                  ranks_running=",".join(n for n, _ in running))
+                return False, message
+            return False, f"{head}: RemoveExport: {exc.code}: {exc.details}"
+        path = state.path or path
+        if state.detail == "was not exported":
+            message = f"nothing was exported on {head}"
+        else:
+            message = f"unexported {path} on {head}"
+        if notes:
+            message += f" ({'; '.join(notes)})"
+        forced = share.forced_note(mounted, running) if force and state.detail != "was not exported" else ""
+        if forced:
+            message += f" (forced): {forced}"
+            self._incident(head, "export_forced", message)
+        else:
+            self._log.info("share_unexported", message, path=path)
+        return True, message
 
     def _wait_memory_back(self) -> None:
         """A restart must not stack a new rank on memory the old one has not returned yet."""

@@ -55,6 +55,11 @@ class ControlStub(object):
                 request_serializer=dsv41_dot_v1_dot_control__pb2.AutotuneResetRequest.SerializeToString,
                 response_deserializer=dsv41_dot_v1_dot_control__pb2.ActionReply.FromString,
                 )
+        self.UnexportShare = channel.unary_unary(
+                '/dsv41.v1.Control/UnexportShare',
+                request_serializer=dsv41_dot_v1_dot_control__pb2.UnexportRequest.SerializeToString,
+                response_deserializer=dsv41_dot_v1_dot_control__pb2.ActionReply.FromString,
+                )
 
 
 class ControlServicer(object):
@@ -108,6 +113,12 @@ class ControlServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnexportShare(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +160,11 @@ def add_ControlServicer_to_server(servicer, server):
             'AutotuneReset': grpc.unary_unary_rpc_method_handler(
                     servicer.AutotuneReset,
                     request_deserializer=dsv41_dot_v1_dot_control__pb2.AutotuneResetRequest.FromString,
+                    response_serializer=dsv41_dot_v1_dot_control__pb2.ActionReply.SerializeToString,
+            ),
+            'UnexportShare': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnexportShare,
+                    request_deserializer=dsv41_dot_v1_dot_control__pb2.UnexportRequest.FromString,
                     response_serializer=dsv41_dot_v1_dot_control__pb2.ActionReply.SerializeToString,
             ),
     }
@@ -293,6 +309,23 @@ class Control(object):
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Control/AutotuneReset',
             dsv41_dot_v1_dot_control__pb2.AutotuneResetRequest.SerializeToString,
+            dsv41_dot_v1_dot_control__pb2.ActionReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def UnexportShare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Control/UnexportShare',
+            dsv41_dot_v1_dot_control__pb2.UnexportRequest.SerializeToString,
             dsv41_dot_v1_dot_control__pb2.ActionReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
