@@ -75,16 +75,13 @@ def refusal(path: str, mounted: list[tuple[str, str]], running: list[tuple[str, 
     text = "refused: " + "; ".join(reasons) + ". "
     if mounted:
         text += "Unexporting under a mounted worker can wedge it until it is power-cycled. "
-    steps = []
+    unmount = "run `dsv41ctl share unexport --unmount`: it unmounts the export on the workers, then unexports"
     if running or phase in BUSY_PHASES:
-        steps.append("stop the cluster first (dsv41ctl stop --wait 120)")
-    if mounted:
-        steps.append("then run `dsv41ctl share unexport --unmount`, which unmounts it on the workers and "
-                     "then unexports" if steps else "run `dsv41ctl share unexport --unmount`, which unmounts it "
-                     "on the workers and then unexports")
-    text += "; ".join(steps) + (". " if steps else "")
-    text += ("Or --force: unexport anyway" + (", leaving " + ", ".join(n for n, _ in mounted) +
-                                              " with stale mounts" if mounted else "") + ".")
+        text += "Stop the cluster first (dsv41ctl stop --wait 120)" + (f", then {unmount}. " if mounted else ". ")
+    elif mounted:
+        text += unmount[0].upper() + unmount[1:] + ". "
+    text += "Or add --force to unexport anyway" + (", leaving " + ", ".join(n for n, _ in mounted) +
+                                                   " with stale mounts" if mounted else "") + "."
     return text
 
 

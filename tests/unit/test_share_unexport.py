@@ -54,9 +54,9 @@ def test_refusal_names_the_workers_and_what_to_do():
     assert text.startswith("refused: the export of /srv/m is mounted by spark2 (healthy), spark3 (stale); "
                            "ranks run on spark1 (rank active).")
     assert "dsv41ctl stop" in text and "--unmount" in text
-    assert "--force: unexport anyway, leaving spark2, spark3 with stale mounts" in text
+    assert "Or add --force to unexport anyway, leaving spark2, spark3 with stale mounts." in text
     stopped = share.refusal("/srv/m", [("spark2", "healthy")], [])
-    assert "dsv41ctl stop" not in stopped and "run `dsv41ctl share unexport --unmount`" in stopped
+    assert "dsv41ctl stop" not in stopped and "Run `dsv41ctl share unexport --unmount`" in stopped
     starting = share.refusal("", [], [], phase="launch")
     assert "the cluster is starting (phase launch)" in starting and "dsv41ctl stop" in starting
     assert share.refusal("/srv/m", [], [], phase="stopped") == ""
