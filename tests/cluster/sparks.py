@@ -19,6 +19,8 @@ APT = ["apt-get", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Options::=
        "-o", "Dpkg::Options::=--force-confold"]
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
 SIM = "/usr/bin/dsv41-sim-rank"
+# The test-only stand-in for a worker's NFS client (the kernel here has none); see the script.
+NFS_CLIENT_STANDIN = Path(__file__).with_name("standin_mount_nfs4.sh")
 
 
 def build_debs(out: Path, suffix: str = "", commit: str | None = None) -> Path:
@@ -44,8 +46,9 @@ def agent_env(node: Node) -> str:
             f"ALLOWED_EXECUTABLES={SIM}\n")
 
 
-def boot_sparks(rootfs, debs: Path, **extra_env: str) -> Cluster:
-    cluster = Cluster(rootfs, ["spark1", "spark2", "spark3"], memory_writable=True)
+def boot_sparks(rootfs, debs: Path, node_options: dict | None = None, **extra_env: str) -> Cluster:
+    """node_options: more Node options for every node (binds_ro, syscalls, ...)."""
+    cluster = Cluster(rootfs, ["spark1", "spark2", "spark3"], memory_writable=True, **(node_options or {}))
     cluster.boot()
     try:
         for node in cluster.nodes.values():
@@ -62,6 +65,13 @@ def boot_sparks(rootfs, debs: Path, **extra_env: str) -> Cluster:
         cluster.stop()
         raise
     return cluster
+
+
+def install_nfs_client_standin(node: Node) -> None:
+    """Replaces the node's mount.nfs4 (nfs-common's, which needs the kernel's NFS client) with the
+    test-only stand-in: mount(8) runs it for the agent's nfs4 mount unit."""
+    node.run(["rm", "-f", "/usr/sbin/mount.nfs4"])  # a symbolic link to mount.nfs: not written through
+    node.write_file("/usr/sbin/mount.nfs4", NFS_CLIENT_STANDIN.read_text(), mode=0o755)
 
 
 def ctl(head: Node, *args: str, check: bool = False) -> subprocess.CompletedProcess:

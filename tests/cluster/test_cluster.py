@@ -1,5 +1,6 @@
 """Three real systemd nodes with the .deb packages, driven as an operator would (the scenarios run in
-order: each test starts from the serving cluster the previous one left)."""
+file order: each test starts from the cluster the previous one left; scenario 8 starts the stopped
+cluster again with the weights shared over NFS)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import time
 
 import pytest
 
-from tests.cluster.sparks import boot_sparks, build_debs, ctl, install, rank_pids, status, unit_pid, wait_serving
+from tests.cluster.sparks import (SIM, boot_sparks, build_debs, ctl, install, install_nfs_client_standin,
+                                  rank_pids, status, unit_pid, wait_serving)
+from tests.integration.simcluster import cluster_env
 from tests.integration.test_guard_memory import GUARD_BYTES, GUARD_ENV, HEADROOM, RUNAWAY_TOKENS, HeadMemory, run_once
+from tests.integration.test_mount_unit import model_dir
 
 pytestmark = pytest.mark.cluster
 
@@ -21,9 +25,17 @@ def debs(tmp_path_factory):
     return v1, v2
 
 
+# Scenario 8: the head exports a host directory (nfs-ganesha needs file handles, which the nodes'
+# overlay root cannot give, and open_by_handle_at); every node sees it read-only at MODEL_DIR, and
+# the workers' NFS client stand-in bind-mounts that copy once the export is really served.
+MODEL_DIR, COMMON_MODEL, SHARDS = "/srv/dsv41-model", "/var/tmp/dsv41-model", 3
+
+
 @pytest.fixture(scope="module")
-def sparks(rootfs, debs):
-    cluster = boot_sparks(rootfs, debs[0], **GUARD_ENV)
+def sparks(rootfs, debs, tmp_path_factory):
+    model = model_dir(tmp_path_factory.mktemp("model"), shards=SHARDS)
+    cluster = boot_sparks(rootfs, debs[0], node_options={"binds_ro": [f"{model}:{MODEL_DIR}"],
+                                                        "syscalls": ["open_by_handle_at"]}, **GUARD_ENV)
     try:
         yield cluster.nodes
     finally:
@@ -135,3 +147,60 @@ def test_6_stop_leaves_no_rank_on_any_node(sparks):
     confirmed = head.journal(unit="dsv41-coordinator.service", fields=None,
                              matches=["DSV41_EVENT=rank_stop_confirmed"])
     assert {e["DSV41_NODE_NAME"] for e in confirmed} >= {"spark1", "spark2", "spark3"}
+
+
+def test_8_unexporting_the_weights_while_workers_have_them_mounted_is_refused(sparks):
+    head, workers = head_of(sparks), [sparks["spark2"], sparks["spark3"]]
+    (HeadMemory(head).dir / "memory.limit_in_bytes").write_text("-1")  # scenario 7's limit
+    for worker in workers:
+        install_nfs_client_standin(worker)
+    env = cluster_env(sparks, SIM_RANK_COMMAND=SIM, NFS_SHARE="1", NFS_BACKEND="ganesha",
+                      NFS_CLIENTS=",".join(w.address for w in workers), NFS_SERVER_IP_1=head.address,
+                      NFS_SERVER_IP_2=head.address, MODEL_DIR=MODEL_DIR, COMMON_MODEL=COMMON_MODEL,
+                      EXPECTED_SHARDS=str(SHARDS), **GUARD_ENV)
+    head.write_file("/etc/dsv41/cluster.env", env, mode=0o640)
+    assert ctl(head, "config", "check").returncode == 0
+    head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
+    body = wait_serving(head)
+    pids = rank_pids(body)
+    mounts = {n["name"]: n["status"]["mount"] for n in body["nodes"]}
+    for worker in workers:  # the agent's own health check of the nfs4 mount unit
+        assert mounts[worker.name]["state"] == "HEALTHY", mounts[worker.name]
+        assert f"config.json and {SHARDS} of {SHARDS} shards readable" in mounts[worker.name]["detail"]
+        assert worker.show(mounts[worker.name]["unit"], "ActiveState")["ActiveState"] == "active"
+        mounted = worker.run(["journalctl", "--no-pager", "-o", "cat", "-u", mounts[worker.name]["unit"]]).stdout
+        assert f"{head.address}:/dsv41-native is served over NFSv4 (nfs-ls)" in mounted, mounted
+
+    def served(worker) -> bool:
+        return worker.run(["nfs-ls", f"nfs://{head.address}/dsv41-native?version=4"], check=False).returncode == 0
+
+    refused = ctl(head, "share", "unexport")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert "mounted by spark2 (healthy), spark3 (healthy)" in refused.stderr, refused.stderr
+    assert "ranks run on spark1 (rank active)" in refused.stderr
+    assert "dsv41ctl stop" in refused.stderr and "--force" in refused.stderr
+    assert all(served(w) for w in workers)
+    assert head.show("dsv41-nfs-ganesha.service", "ActiveState")["ActiveState"] == "active"
+    deadline = time.monotonic() + 5  # the head's agent refused it (journald writes asynchronously)
+    while not head.journal(unit="dsv41-agent.service", matches=["DSV41_EVENT=export_remove_refused"]):
+        assert time.monotonic() < deadline, "no export_remove_refused event from the head's agent"
+        time.sleep(0.2)
+    body = status(head)
+    assert body["phase"] == "serving" and rank_pids(body) == pids
+
+    # Stopping the ranks leaves the workers' mounts: still refused, until --unmount removes them.
+    assert ctl(head, "stop", "--wait", "45").returncode == 0
+    again = ctl(head, "share", "unexport")
+    assert again.returncode == 1 and "mounted by spark2 (healthy), spark3 (healthy)" in again.stderr
+    assert "ranks run" not in again.stderr and served(workers[0])
+    done = ctl(head, "share", "unexport", "--unmount")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"unexported {MODEL_DIR} on spark1 (unmounted on spark2; unmounted on spark3)"
+    assert head.show("dsv41-nfs-ganesha.service", "LoadState")["LoadState"] == "not-found"
+    assert not served(workers[0])
+    assert all(w.run(["findmnt", COMMON_MODEL], check=False).returncode != 0 for w in workers)
+    unserved = workers[0].run(["mount", "-t", "nfs4", f"{head.address}:/dsv41-native", COMMON_MODEL], check=False)
+    assert unserved.returncode != 0 and "is not served to this client" in unserved.stderr  # the stand-in checks
+    # The next start exports and mounts again through the share step.
+    assert ctl(head, "start", "--wait", "45").returncode == 0
+    assert status(head)["phase"] == "serving" and all(served(w) for w in workers)
