@@ -23,10 +23,10 @@ from dsv41.version import VERSION
 from . import settings as settings_mod
 from .auth import CallerCheck, CredentialFiles
 from .events import EventHub
-from .memory import MemorySampler, PsiTrigger, TriggerWatcher
+from .memory import MemorySampler, PsiTrigger, RankMemoryReader, TriggerWatcher
 from .rank import RankManager
 from dsv41.sdnotify import SdNotify
-from .service import AgentService, ensure_dirs, rank_memory_reader
+from .service import AgentService, ensure_dirs
 from .systemd import Systemd, SystemdError
 
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemdError as exc:
         log.error("agent_failed", f"cannot reach systemd over D-Bus: {exc}")
         return 1
-    sampler = MemorySampler(rank_memory=rank_memory_reader(rank))
+    sampler = MemorySampler(rank_memory=RankMemoryReader(lambda: rank.status().control_group))
     trigger = PsiTrigger()
     if not trigger.armed:
         log.warning("psi_trigger_unavailable", f"PSI trigger not armed ({trigger.error}); sampling only")

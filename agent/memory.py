@@ -1,7 +1,8 @@
 """Memory samples for the guard: MemAvailable, the node cgroup's headroom, PSI, the rank's usage.
 
 Reading is cheap on purpose (one small read per file, no psutil, files kept open and re-read with
-pread), so 20-50 ms sampling costs a negligible share of a core. "Available" is the tighter of the
+pread). What costs is sending: a gRPC message costs more CPU than reading a sample, so a stream can
+send only the samples that moved (SendPolicy) while still sampling every 20-50 ms. "Available" is the tighter of the
 kernel's MemAvailable and what the node's own memory cgroup still allows: on a Spark the first one
 binds, in a container (the test nodes) the second.
 """
@@ -12,6 +13,7 @@ import os
 import select
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,15 +45,22 @@ class Sample:
     psi_triggered: bool = False
 
 
+def _meminfo_field(text: bytes, name: bytes) -> int:
+    start = text.find(b"\n" + name)
+    if start < 0 and text.startswith(name):
+        start = -1
+    elif start < 0:
+        return 0
+    start += 1 + len(name)
+    end = text.find(b"\n", start)
+    fields = text[start:end if end >= 0 else len(text)].split()
+    return int(fields[0]) * 1024 if fields else 0
+
+
 def parse_meminfo(text: bytes) -> tuple[int, int]:
-    total = available = 0
-    for line in text.split(b"\n"):
-        if line.startswith(b"MemTotal:"):
-            total = int(line.split()[1]) * 1024
-        elif line.startswith(b"MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-            break
-    return total, available
+    """MemTotal and MemAvailable in bytes (0 when absent); finds the two lines rather than splitting
+    all fifty, since this runs 20-50 times a second."""
+    return _meminfo_field(text, b"MemTotal:"), _meminfo_field(text, b"MemAvailable:")
 
 
 def parse_pressure(text: bytes) -> tuple[Pressure, Pressure]:
@@ -106,10 +115,16 @@ def _int(data: bytes | None) -> int | None:
 
 
 class MemorySampler:
-    """Reads one Sample. Roots are constructor arguments so tests can point at fixture trees."""
+    """Reads one Sample. Roots are constructor arguments so tests can point at fixture trees.
+
+    The node cgroup's limit is re-read at most every `limit_refresh_s` (it changes only when an
+    operator sets it), and its usage is read only while there is a limit: on a Spark the root
+    cgroup has none, so a sample is two small reads.
+    """
 
     def __init__(self, proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup",
-                 rank_memory: Callable[[], int] = lambda: 0, clock: Callable[[], float] = time.monotonic):
+                 rank_memory: Callable[[], int] = lambda: 0, clock: Callable[[], float] = time.monotonic,
+                 limit_refresh_s: float = 1.0):
         self._meminfo = _File(f"{proc_root}/meminfo")
         self._pressure = _File(f"{proc_root}/pressure/memory")
         # cgroup v2 at the root the node sees, else v1's memory controller
@@ -120,22 +135,120 @@ class MemorySampler:
             self._usage = _File(f"{cgroup_root}/memory/memory.usage_in_bytes")
         self._rank_memory = rank_memory
         self._clock = clock
+        self._limit_refresh_s = limit_refresh_s
+        self._limit_value: int | None = None
+        self._limit_read_at = float("-inf")
+
+    def _cgroup_limit(self, now: float, total: int) -> int:
+        if now - self._limit_read_at >= self._limit_refresh_s or now < self._limit_read_at:
+            self._limit_value, self._limit_read_at = _int(self._limit.read()), now
+        limit = self._limit_value
+        return 0 if limit is None or limit >= UNLIMITED or limit >= total > 0 else limit
 
     def sample(self, psi_triggered: bool = False) -> Sample:
+        now = self._clock()
         total, available = parse_meminfo(self._meminfo.read() or b"")
         pressure = self._pressure.read()
         some, full = parse_pressure(pressure) if pressure else (NO_PRESSURE, NO_PRESSURE)
-        limit = _int(self._limit.read())
-        usage = _int(self._usage.read()) or 0
-        if limit is None or limit >= UNLIMITED or limit >= total > 0:
-            limit = 0
+        limit = self._cgroup_limit(now, total)
+        usage = (_int(self._usage.read()) or 0) if limit else 0
         headroom = available if not limit else min(available, max(0, limit - usage))
-        return Sample(self._clock(), total, available, limit, usage if limit else 0, headroom, some, full,
-                      self._rank_memory(), psi_triggered)
+        return Sample(now, total, available, limit, usage, headroom, some, full, self._rank_memory(), psi_triggered)
 
     def close(self) -> None:
         for f in (self._meminfo, self._pressure, self._limit, self._usage):
             f.close()
+
+
+class RankMemoryReader:
+    """The rank unit's cgroup memory usage (0: unknown), read directly: cheaper than a D-Bus call per
+    sample. The file stays open while the unit keeps its control group; a failed read (the group was
+    removed and made again when the rank restarted) reopens it on the next call."""
+
+    def __init__(self, control_group: Callable[[], str], cgroup_root: str = "/sys/fs/cgroup"):
+        self._control_group = control_group
+        self._root = cgroup_root
+        self._group: str | None = None
+        self._file: _File | None = None
+
+    def __call__(self) -> int:
+        group = self._control_group()
+        if group != self._group:
+            self._open(group)
+        data = self._file.read() if self._file is not None else None
+        if data is None:
+            self._group = None  # try again next time
+            return 0
+        return _int(data) or 0
+
+    def _open(self, group: str) -> None:
+        self.close()
+        self._group = group
+        if not group:
+            return
+        for path in (f"{self._root}{group}/memory.current", f"{self._root}/memory{group}/memory.usage_in_bytes"):
+            candidate = _File(path)
+            if candidate.read() is not None:
+                self._file = candidate
+                return
+            candidate.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+@dataclass(frozen=True)
+class SendPolicy:
+    """Which samples a memory stream transmits. min_change_bytes 0: every one.
+
+    Otherwise a sample is sent when the available bytes or the rank's memory moved at least
+    min_change_bytes from the last one sent, when a PSI trigger pushed it, or when heartbeat_s has
+    passed since the last one sent. A sample sent for a change is preceded by the samples held back
+    since the last one sent (the most recent `replay`) and followed by the next `follow` samples
+    whatever they are, so a consumer fitting a trend or confirming over consecutive samples sees
+    every sample around a change, while a quiet node costs one message per heartbeat instead of one
+    per sample: on gRPC each message costs far more CPU than reading the sample.
+    """
+    min_change_bytes: int = 0
+    heartbeat_s: float = 1.0
+    replay: int = 0
+    follow: int = 0
+
+
+class ChangeFilter:
+    """Applies a SendPolicy to a sequence of samples; pure (no clock but the samples' own)."""
+
+    def __init__(self, policy: SendPolicy):
+        self._policy = policy
+        self._held: deque[Sample] = deque(maxlen=max(0, policy.replay))
+        self._last: Sample | None = None
+        self._following = 0
+
+    def offer(self, sample: Sample) -> list[Sample]:
+        """The samples to transmit now, oldest first (often none)."""
+        p, last = self._policy, self._last
+        if p.min_change_bytes <= 0 or last is None:
+            return self._send([sample])
+        changed = (abs(sample.available - last.available) >= p.min_change_bytes
+                   or abs(sample.rank_memory - last.rank_memory) >= p.min_change_bytes)
+        if changed or sample.psi_triggered:
+            self._following = p.follow
+            return self._send([*self._held, sample])
+        if self._following > 0:
+            self._following -= 1
+            return self._send([sample])
+        if sample.at_monotonic_s - last.at_monotonic_s >= p.heartbeat_s:
+            return self._send([sample])
+        if self._held.maxlen:
+            self._held.append(sample)
+        return []
+
+    def _send(self, samples: list[Sample]) -> list[Sample]:
+        self._held.clear()
+        self._last = samples[-1]
+        return samples
 
 
 class PsiTrigger:

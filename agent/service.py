@@ -19,7 +19,7 @@ from dsv41.version import VERSION
 from .auth import cert_not_after
 from .events import EventHub
 from .images import ImageIds
-from .memory import MemorySampler, Sample, TriggerWatcher
+from .memory import ChangeFilter, MemorySampler, Sample, SendPolicy, TriggerWatcher
 from .rank import ExitRecord, RankError, RankManager, RankStatus
 from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
@@ -31,6 +31,10 @@ from .settings import AgentSettings
 from .systemd import Systemd
 
 MIN_INTERVAL_MS, MAX_INTERVAL_MS = 20, 10_000
+MAX_MIN_CHANGE_BYTES = 1 << 40
+MAX_HEARTBEAT_MS = 60_000
+DEFAULT_HEARTBEAT_MS = 1_000
+MAX_REPLAY_SAMPLES = 256
 
 
 def adapter_digest(directory: str) -> str:
@@ -59,6 +63,24 @@ def rank_pb(state: RankStatus) -> pb.RankState:
                         memory_current_bytes=state.memory_current, fingerprint=state.fingerprint,
                         invocation_id=state.invocation_id, status_text=state.status_text,
                         last_exit=exit_pb(state.last_exit), n_restarts=state.n_restarts)
+
+
+def send_policy(request: pb.WatchMemoryRequest, interval_ms: int) -> SendPolicy | str:
+    """The stream's SendPolicy, or what is wrong with the request."""
+    if request.min_change_bytes > MAX_MIN_CHANGE_BYTES:
+        return f"min_change_bytes {request.min_change_bytes}: must be 0..{MAX_MIN_CHANGE_BYTES} (0: send every sample)"
+    if not request.min_change_bytes:
+        if request.heartbeat_ms or request.replay_samples or request.follow_samples:
+            return "heartbeat_ms, replay_samples and follow_samples apply only with min_change_bytes > 0"
+        return SendPolicy()
+    heartbeat_ms = request.heartbeat_ms or DEFAULT_HEARTBEAT_MS
+    if not interval_ms <= heartbeat_ms <= MAX_HEARTBEAT_MS:
+        return f"heartbeat_ms {heartbeat_ms}: must be interval_ms ({interval_ms})..{MAX_HEARTBEAT_MS}"
+    for name in ("replay_samples", "follow_samples"):
+        if getattr(request, name) > MAX_REPLAY_SAMPLES:
+            return f"{name} {getattr(request, name)}: must be 0..{MAX_REPLAY_SAMPLES}"
+    return SendPolicy(request.min_change_bytes, heartbeat_ms / 1000.0, request.replay_samples,
+                      request.follow_samples)
 
 
 def sample_pb(s: Sample) -> pb.MemorySample:
@@ -186,6 +208,10 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
         if not MIN_INTERVAL_MS <= interval_ms <= MAX_INTERVAL_MS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"interval_ms {interval_ms}: must be {MIN_INTERVAL_MS}..{MAX_INTERVAL_MS}")
+        policy = send_policy(request, interval_ms)
+        if isinstance(policy, str):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, policy)
+        sends = ChangeFilter(policy)
         fired = threading.Event()
         remove = self._triggers.add(fired.set) if request.psi_trigger else (lambda: None)
         interval = interval_ms / 1000.0
@@ -195,9 +221,11 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
                 triggered = fired.wait(max(0.0, next_at - self._monotonic()))
                 if triggered:
                     fired.clear()
-                    yield sample_pb(self._sampler.sample(psi_triggered=True))
+                    for sample in sends.offer(self._sampler.sample(psi_triggered=True)):
+                        yield sample_pb(sample)
                     continue
-                yield sample_pb(self._sampler.sample())
+                for sample in sends.offer(self._sampler.sample()):
+                    yield sample_pb(sample)
                 next_at += interval
                 if next_at < self._monotonic():  # a slow reader: skip ticks rather than burst
                     next_at = self._monotonic() + interval
@@ -218,22 +246,6 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
                                priority=event.priority, message=event.message, fields=event.fields)
         finally:
             unsubscribe()
-
-
-def rank_memory_reader(rank: RankManager, cgroup_root: str = "/sys/fs/cgroup") -> Callable[[], int]:
-    """Reads the rank unit's cgroup memory usage directly (cheaper than a D-Bus call per sample)."""
-    def read() -> int:
-        group = rank.status().control_group
-        if not group:
-            return 0
-        for path in (f"{cgroup_root}{group}/memory.current", f"{cgroup_root}/memory{group}/memory.usage_in_bytes"):
-            try:
-                with open(path, "rb") as f:
-                    return int(f.read().strip() or 0)
-            except (OSError, ValueError):
-                continue
-        return 0
-    return read
 
 
 def ensure_dirs(settings: AgentSettings) -> None:

@@ -179,5 +179,8 @@ class AgentClient:
         thread.start()
         return thread
 
-    def watch_memory(self, interval_ms: int, psi_trigger: bool = True):
-        return self._stub.WatchMemory(pb.WatchMemoryRequest(interval_ms=interval_ms, psi_trigger=psi_trigger))
+    def watch_memory(self, interval_ms: int, psi_trigger: bool = True, min_change_bytes: int = 0,
+                     heartbeat_ms: int = 0, replay_samples: int = 0, follow_samples: int = 0):
+        return self._stub.WatchMemory(pb.WatchMemoryRequest(
+            interval_ms=interval_ms, psi_trigger=psi_trigger, min_change_bytes=min_change_bytes,
+            heartbeat_ms=heartbeat_ms, replay_samples=replay_samples, follow_samples=follow_samples))

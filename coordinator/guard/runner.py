@@ -26,7 +26,8 @@ from .policy import ABORT, ABORT_ALL, ACTIONS, REARM, STOP, Decision, Guard, Gua
 class MemorySource(Protocol):
     node: str
 
-    def watch_memory(self, interval_ms: int, psi_trigger: bool = True) -> Iterator: ...
+    def watch_memory(self, interval_ms: int, psi_trigger: bool = True, min_change_bytes: int = 0,
+                     heartbeat_ms: int = 0, replay_samples: int = 0, follow_samples: int = 0) -> Iterator: ...
 
 
 @dataclass
@@ -89,9 +90,10 @@ class MemoryGuard:
     def start(self) -> None:
         s = self.settings
         self._log.info("memory_guard_started", f"memory guard {s.mode}: keeps {s.guard_bytes / 1e9:.3f} GB available "
-                       f"on {len(self._sources)} nodes, sampling every {s.interval_ms} ms, acting {s.lead_s:g} s "
+                       f"on {len(self._sources)} nodes, sampling every {s.interval_ms} ms (sent on a change of "
+                       f"{s.send_change_bytes / 2**20:g} MiB or every {s.heartbeat_ms} ms), acting {s.lead_s:g} s "
                        "ahead of the predicted crossing", guard_mode=s.mode, guard_bytes=s.guard_bytes,
-                       interval_ms=s.interval_ms, lead_s=s.lead_s)
+                       interval_ms=s.interval_ms, send_change_bytes=s.send_change_bytes, lead_s=s.lead_s)
         self._thread.start()
 
     def stop(self) -> None:
@@ -150,7 +152,8 @@ class MemoryGuard:
         lost = False
         while not session.stopped.is_set():
             try:
-                stream = source.watch_memory(self.settings.interval_ms, psi_trigger=True)
+                stream = source.watch_memory(self.settings.interval_ms, psi_trigger=True,
+                                             **self.settings.send_request())
                 session.streams[node] = stream
                 if session.stopped.is_set():
                     stream.cancel()

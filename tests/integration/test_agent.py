@@ -192,6 +192,34 @@ def test_memory_stream_delivers_samples_at_the_asked_rate(agent, interval_ms):
     assert 0 < last.available_bytes <= last.mem_available_bytes
 
 
+def test_memory_stream_sends_a_quiet_node_at_the_heartbeat_and_every_sample_around_a_change(agent):
+    _, stub = agent
+    interval_s, heartbeat_s, around = 0.02, 0.3, 4
+    stream = stub.WatchMemory(pb.WatchMemoryRequest(interval_ms=20, min_change_bytes=128 << 20, heartbeat_ms=300,
+                                                    replay_samples=around, follow_samples=around), timeout=60)
+    samples = []
+    started = None
+    for sample in stream:
+        samples.append(sample)
+        if started is None and sample.at_monotonic_s - samples[0].at_monotonic_s >= 1.5:
+            quiet = list(samples)
+            started = len(samples)
+            stub.StartRank(pb.StartRankRequest(spec=spec("--allocate-mb", "200", fingerprint="a1")), timeout=30)
+        if started is not None and len(samples) > started + 1 and samples[-1 - around].rank_memory_bytes > 190 << 20:
+            break
+    stream.cancel()
+    stub.StopRank(pb.StopRankRequest(deadline_s=10), timeout=60)
+    # quiet: about one sample per heartbeat, not one per 20 ms (75 in 1.5 s)
+    assert 4 <= len(quiet) <= 12, [round(q.at_monotonic_s - quiet[0].at_monotonic_s, 3) for q in quiet]
+    # the change: the sample that saw the rank's 200 MiB comes with the samples held back before it
+    # and the ones after it, each one sampling interval from the next
+    change = next(i for i, x in enumerate(samples) if x.rank_memory_bytes > 128 << 20)
+    window = samples[change - around:change + around + 1]
+    gaps = [b.at_monotonic_s - a.at_monotonic_s for a, b in zip(window, window[1:])]
+    assert len(window) == 2 * around + 1 and all(0.5 * interval_s < g < 3 * interval_s for g in gaps), gaps
+    assert all(x.rank_memory_bytes < 128 << 20 for x in window[:around])
+
+
 def test_memory_sample_sees_the_node_cgroup_limit_and_the_rank(booted, agent):
     node, stub = agent
     stub.StartRank(pb.StartRankRequest(spec=spec("--allocate-mb", "96", fingerprint="c9")), timeout=30)
@@ -201,11 +229,18 @@ def test_memory_sample_sees_the_node_cgroup_limit_and_the_rank(booted, agent):
     assert status.rank.memory_current_bytes > 90 << 20
 
 
-def test_memory_stream_rejects_a_bad_interval(agent):
+@pytest.mark.parametrize("request_fields, fragment", [
+    ({"interval_ms": 5}, "20..10000"),
+    ({"interval_ms": 50, "heartbeat_ms": 500}, "only with min_change_bytes"),
+    ({"interval_ms": 50, "min_change_bytes": 1 << 41}, "min_change_bytes 2199023255552: must be 0.."),
+    ({"interval_ms": 50, "min_change_bytes": 1 << 20, "heartbeat_ms": 20}, "heartbeat_ms 20: must be interval_ms"),
+    ({"interval_ms": 50, "min_change_bytes": 1 << 20, "follow_samples": 1000}, "follow_samples 1000: must be 0..256"),
+])
+def test_memory_stream_rejects_bad_requests(agent, request_fields, fragment):
     _, stub = agent
     with pytest.raises(grpc.RpcError) as info:
-        next(stub.WatchMemory(pb.WatchMemoryRequest(interval_ms=5), timeout=10))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "20..10000" in info.value.details()
+        next(stub.WatchMemory(pb.WatchMemoryRequest(**request_fields), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in info.value.details()
 
 
 @pytest.mark.parametrize("mutate, code, fragment", [

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from coordinator.guard import policy as p
-from tests.unit.test_guard_traces import (GB, GB10_GUARD, MB, Engine, gb10_head, prompt_minutes, run_guard,
-                                          run_poll)
+from tests.unit.test_guard_traces import (GB, GB10_GUARD, MB, Engine, agent_send_policy, gb10_head, prompt_minutes,
+                                          run_guard, run_poll)
 
 pytestmark = pytest.mark.unit
 
@@ -142,6 +142,71 @@ def test_incident_the_200k_prompt_at_chunk_1024_that_hung_the_head_is_aborted_ab
     out = run_guard(gb10_head(1024).add("p200k", 0, 200_000), GB10_GUARD, duration, noise=5 * MB)
     assert actions(out) == [(p.ABORT, "p200k")]
     assert out.lowest >= GB10_GUARD.guard_bytes
+
+
+# ---------------------------------------------------------------- the agent sends only what moved
+
+def _leak(rate_mb: float):
+    return lambda t: int(max(0.0, t - 1) * rate_mb * MB)
+
+
+SEND_TRACES = {
+    "runaway": lambda: (sim_engine(700 * MB).add("small", 0, 2_000).add("runaway", 0.5, 60_000), SIM, 8, 0),
+    "two prompts": lambda: (sim_engine(2_000 * MB, fair=True).add("a60k", 0, 60_000).add("b120k", 0.05, 120_000),
+                            SIM, 12, 0),
+    "abort does not help": lambda: (Engine(base=3_000 * MB, chunk=768, rate=lambda _: 2_000.0, kv_per_token=1_000,
+                                           external=_leak(300)).add("x", 0, 500_000), SIM, 15, 0),
+    "slow stop": lambda: (Engine(base=1_000 * MB, chunk=768, rate=lambda _: 2_000.0, kv_per_token=100,
+                                 external=_leak(40)).add("x", 0, 500_000), SIM, 40, 0),
+    "incident 200k": lambda: (gb10_head(1024).add("p200k", 0, 200_000), GB10_GUARD,
+                              60 * prompt_minutes(200_000, 1024) + 5, 5 * MB),
+    "incident 256k, quiet": lambda: (gb10_head(1024, decode_stack=False).add("p256k", 0, 256_000), GB10_GUARD,
+                                     60 * prompt_minutes(256_000, 1024) + 5, 0),
+    "healthy sawtooth": lambda: (gb10_head(768).add("p100k", 0, 100_000), GB10_GUARD,
+                                 60 * prompt_minutes(100_000, 768) + 5, 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEND_TRACES))
+def test_sending_only_changes_leaves_the_guards_actions_unchanged(name):
+    engine, settings, duration, noise = SEND_TRACES[name]()
+    every = run_guard(engine, settings, duration, noise=noise)
+    engine, settings, duration, noise = SEND_TRACES[name]()
+    changes = run_guard(engine, settings, duration, noise=noise, send=agent_send_policy(settings))
+    assert actions(changes) == actions(every)
+    acted = lambda out: [(t, d) for t, d in out.decisions if d.kind in p.ACTIONS]  # noqa: E731
+    for (t_changes, _), (t_every, d) in zip(acted(changes), acted(every)):
+        # A fall slower than min_change_bytes per sample reaches the guard when it adds up to
+        # min_change_bytes: the guard acts on memory at most that much lower, never later otherwise.
+        late_s = settings.send_change_bytes / abs(d.slope) if d.slope else 0.0
+        assert 0 <= t_changes - t_every <= max(late_s, 0.0) + 2 * settings.interval_ms / 1000
+    assert changes.lowest >= min(every.lowest, settings.guard_bytes)
+
+
+def test_a_quiet_node_costs_one_message_a_second_and_a_runaway_every_sample():
+    sent = []
+
+    class Counting(p.Guard):
+        def observe(self, node, at, level, now, inflight):
+            sent.append(at)
+            return super().observe(node, at, level, now, inflight)
+
+    import tests.unit.test_guard_traces as traces
+    original = traces.p.Guard
+    traces.p.Guard = Counting
+    try:
+        run_guard(Engine(base=GB10_GUARD.guard_bytes + 2 * GB, chunk=768, rate=lambda _: 1.0), GB10_GUARD, 30,
+                  send=agent_send_policy(GB10_GUARD))
+        assert 29 <= len(sent) <= 32  # one a second, not 50
+        sent.clear()
+        out = run_guard(sim_engine(700 * MB).add("runaway", 0.5, 60_000), SIM, 3, send=agent_send_policy(SIM))
+        aborted_at = out.first(p.ABORT)[0]
+        falling = [at for at in sent if 0.5 <= at <= aborted_at]
+        # the fall is streamed at the sampling rate (the gaps are the sampling's jitter)
+        assert len(falling) >= (aborted_at - 0.5) * 1000 / SIM.interval_ms * 0.85
+        assert max(b - a for a, b in zip(falling, falling[1:])) < 1.2 * SIM.interval_ms / 1000
+    finally:
+        traces.p.Guard = original
 
 
 # ---------------------------------------------------------------- who is aborted and when

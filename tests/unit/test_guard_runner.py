@@ -104,8 +104,11 @@ class Source:
         self.streams: list[Stream] = []
         self.opened = threading.Event()
 
-    def watch_memory(self, interval_ms, psi_trigger=True):
+    def watch_memory(self, interval_ms, psi_trigger=True, **send):
         assert interval_ms == SETTINGS.interval_ms and psi_trigger
+        # only what moved, with the samples around a change that the slope and confirmation need
+        assert send == {"min_change_bytes": 4 << 20, "heartbeat_ms": 1000, "replay_samples": 11,
+                        "follow_samples": 11}
         stream = Stream()
         self.streams.append(stream)
         self.opened.set()

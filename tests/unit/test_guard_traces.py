@@ -19,6 +19,7 @@ from typing import Callable
 
 import pytest
 
+from agent.memory import NO_PRESSURE, ChangeFilter, Sample, SendPolicy
 from coordinator.guard import policy as p
 
 pytestmark = pytest.mark.unit
@@ -147,12 +148,21 @@ class Outcome:
         return next((t, d) for t, d in self.decisions if d.kind == kind)
 
 
+def agent_send_policy(settings: p.GuardSettings) -> SendPolicy:
+    """What the guard's runner asks the agents for (coordinator/guard/runner.py)."""
+    asked = settings.send_request()
+    return SendPolicy(asked["min_change_bytes"], asked["heartbeat_ms"] / 1000, asked["replay_samples"],
+                      asked["follow_samples"])
+
+
 def run_guard(engine: Engine, settings: p.GuardSettings, duration: float, latency_s: float = 0.02,
-              noise: int = 0, seed: int = 1, node: str = "spark1") -> Outcome:
+              noise: int = 0, seed: int = 1, node: str = "spark1", send: SendPolicy | None = None) -> Outcome:
     """The guard in a closed loop with the engine: samples every interval (with jitter and noise),
-    actions reach the engine `latency_s` later."""
+    actions reach the engine `latency_s` later. With `send`, the samples pass through the agent's
+    ChangeFilter first, as on the wire: the guard sees them when the filter releases them."""
     rng = random.Random(seed)
     guard = p.Guard(settings)
+    gate = ChangeFilter(send) if send is not None else None
     pending: list[tuple[float, p.Decision]] = []
     decisions = []
     lowest = engine.available()
@@ -166,11 +176,15 @@ def run_guard(engine: Engine, settings: p.GuardSettings, duration: float, latenc
             pending.remove((at, d))
         lowest = min(lowest, engine.advance(t))
         sample = engine.available() + (rng.randint(-noise, noise) if noise else 0)
-        d = guard.observe(node, t, sample, t, engine.inflight)
-        if d.kind != p.NONE:
-            decisions.append((t, d))
-        if d.kind in p.ACTIONS:
-            pending.append((t + latency_s, d))
+        delivered = [(t, sample)] if gate is None else [
+            (s.at_monotonic_s, s.available) for s in gate.offer(
+                Sample(t, 0, sample, 0, 0, sample, NO_PRESSURE, NO_PRESSURE, 0))]
+        for at, level in delivered:
+            d = guard.observe(node, at, level, t, engine.inflight)
+            if d.kind != p.NONE:
+                decisions.append((t, d))
+            if d.kind in p.ACTIONS:
+                pending.append((t + latency_s, d))
     return Outcome(decisions, lowest, engine)
 
 

@@ -53,3 +53,92 @@ def test_gid_lookup_picks_the_roce_v2_entry_for_the_ipv4_mapped_address(tmp_path
     assert match == roce.GidMatch("rocep1s0f1", 1, 3)
     assert roce.find_roce_v2_gid(str(tmp_path), ["rocep1s0f1"], "10.0.0.3") is None
     assert roce.find_roce_v2_gid("/sys", ["rocep1s0f0"], "10.0.0.2") is None  # this machine has no RDMA
+
+
+def test_parse_meminfo_finds_the_fields_wherever_they_are_and_reads_missing_ones_as_zero():
+    assert memory.parse_meminfo(b"MemFree: 3 kB\nMemAvailable: 5 kB") == (0, 5120)
+    assert memory.parse_meminfo(b"MemTotal:  10 kB\n") == (10240, 0)
+    assert memory.parse_meminfo(b"") == (0, 0)
+    # a field whose name ends another field's name is not taken for it
+    assert memory.parse_meminfo(b"XMemTotal: 7 kB\nMemTotal: 9 kB\n") == (9216, 0)
+
+
+def test_the_cgroup_limit_is_reread_once_a_second_and_usage_only_while_there_is_a_limit(tmp_path):
+    write(tmp_path, "proc/meminfo", "MemTotal: 16000000 kB\nMemAvailable: 8000000 kB\n")
+    write(tmp_path, "cg/cgroup.controllers", "memory\n")
+    write(tmp_path, "cg/memory.max", "max\n")
+    write(tmp_path, "cg/memory.current", f"{100 << 20}\n")
+    now = [10.0]
+    sampler = memory.MemorySampler(str(tmp_path / "proc"), str(tmp_path / "cg"), clock=lambda: now[0])
+    first = sampler.sample()
+    assert first.cgroup_limit == 0 and first.cgroup_usage == 0 and first.available == 8000000 * 1024
+    write(tmp_path, "cg/memory.max", f"{1 << 30}\n")  # an operator sets a limit
+    now[0] = 10.5
+    assert sampler.sample().cgroup_limit == 0  # not re-read within the second
+    now[0] = 11.0
+    limited = sampler.sample()
+    assert limited.cgroup_limit == 1 << 30 and limited.cgroup_usage == 100 << 20
+    assert limited.available == (1 << 30) - (100 << 20)
+
+
+def test_the_rank_memory_reader_follows_the_control_group_and_reopens_after_a_failed_read(tmp_path):
+    write(tmp_path, "system.slice/dsv41-rank.service/memory.current", "4096\n")
+    group = ["/system.slice/dsv41-rank.service"]
+    reader = memory.RankMemoryReader(lambda: group[0], str(tmp_path))
+    assert reader() == 4096
+    write(tmp_path, "system.slice/dsv41-rank.service/memory.current", "8192\n")
+    assert reader() == 8192  # the open file is re-read, not cached
+    group[0] = ""
+    assert reader() == 0  # no rank: unknown
+    group[0] = "/system.slice/other.service"
+    assert reader() == 0  # a group without the file
+    write(tmp_path, "system.slice/other.service/memory.current", "12\n")
+    assert reader() == 12  # found once it exists: a failed read is retried
+    write(tmp_path, "memory/system.slice/v1.service/memory.usage_in_bytes", "77\n")
+    group[0] = "/system.slice/v1.service"
+    assert reader() == 77  # cgroup v1's memory controller
+    reader.close()
+
+
+def sample(at, available, rank=0, psi=False):
+    return memory.Sample(at, 0, available, 0, 0, available, memory.NO_PRESSURE, memory.NO_PRESSURE, rank, psi)
+
+
+def sent_times(gate, samples):
+    return [[round(s.at_monotonic_s, 3) for s in gate.offer(x)] for x in samples]
+
+
+def test_without_a_threshold_every_sample_is_sent():
+    gate = memory.ChangeFilter(memory.SendPolicy())
+    assert sent_times(gate, [sample(0.05 * i, 1000) for i in range(5)]) == [[0.0], [0.05], [0.1], [0.15], [0.2]]
+
+
+def test_a_quiet_node_sends_one_sample_per_heartbeat():
+    gate = memory.ChangeFilter(memory.SendPolicy(min_change_bytes=1000, heartbeat_s=1.0, replay=4))
+    sent = [t for batch in sent_times(gate, [sample(0.05 * i, 10_000 + (i % 3) * 300) for i in range(61)])
+            for t in batch]
+    assert sent == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_change_is_sent_after_the_samples_held_back_so_a_trend_sees_all_of_it():
+    gate = memory.ChangeFilter(memory.SendPolicy(min_change_bytes=1000, heartbeat_s=1.0, replay=3))
+    levels = [10_000, 10_100, 10_200, 10_300, 10_400, 10_500, 11_100, 9_000, 8_990, 8_980]
+    batches = sent_times(gate, [sample(0.05 * i, level) for i, level in enumerate(levels)])
+    # 0.0 first; 0.05..0.25 held (within 1000 of 10_000); 0.3 moved 1100: the last 3 held, then it
+    assert batches[:7] == [[0.0], [], [], [], [], [], [0.15, 0.2, 0.25, 0.3]]
+    assert batches[7] == [0.35]  # moved 2100 from the last one sent: sent at once, nothing held
+    assert batches[8:] == [[], []]
+
+
+def test_the_rank_memory_and_a_psi_trigger_also_send():
+    gate = memory.ChangeFilter(memory.SendPolicy(min_change_bytes=1000, heartbeat_s=1.0, replay=8))
+    assert sent_times(gate, [sample(0.0, 10_000, rank=0), sample(0.05, 10_000, rank=500),
+                             sample(0.1, 10_000, rank=1500)]) == [[0.0], [], [0.05, 0.1]]
+    assert sent_times(gate, [sample(0.15, 10_000, rank=1500, psi=True)]) == [[0.15]]
+
+
+def test_the_samples_after_a_change_follow_it_whatever_they_are():
+    gate = memory.ChangeFilter(memory.SendPolicy(min_change_bytes=1000, heartbeat_s=1.0, replay=0, follow=2))
+    levels = [10_000, 12_000, 12_000, 12_000, 12_000]
+    assert sent_times(gate, [sample(0.05 * i, level) for i, level in enumerate(levels)]) == \
+        [[0.0], [0.05], [0.1], [0.15], []]
