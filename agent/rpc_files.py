@@ -27,7 +27,8 @@ class FileRpcs:
                           f"path {name!r}: must be a plain file name (letters, digits, _ . -) in the state directory")
         return os.path.join(self._settings.state_dir, "state", name)
 
-    def _digest(self, name: str, path: str) -> pb.FileDigest:
+    # Not `_digest`: AgentService keeps its adapter digest cache in an attribute of that name.
+    def _file_digest(self, name: str, path: str) -> pb.FileDigest:
         try:
             with open(path, "rb") as f:
                 data = f.read(MAX_FILE_BYTES + 1)
@@ -55,7 +56,7 @@ class FileRpcs:
         except BaseException:
             os.unlink(tmp)
             raise
-        digest = self._digest(request.path, path)
+        digest = self._file_digest(request.path, path)
         if mode & 0o077:
             self._events.info("file_written", f"wrote {path} ({digest.size} bytes, sha256 {digest.sha256[:12]})",
                               path=path, sha256=digest.sha256)
@@ -73,4 +74,4 @@ class FileRpcs:
         return pb.FileDigest(path=request.path, exists=False)
 
     def GetFileDigest(self, request, context):
-        return self._digest(request.path, self._state_path(request.path, context))
+        return self._file_digest(request.path, self._state_path(request.path, context))
