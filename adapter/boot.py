@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Mapping
 
 from adapter import (
+    api_key,
     autotune_keep,
     inflight,
     loop_abort,
@@ -38,6 +39,7 @@ BUILDERS: tuple[tuple[str, Builder], ...] = (
     (max_new_tokens.NAME, lambda env, log: max_new_tokens.build(env)),
     (reasoning_effort.NAME, lambda env, log: reasoning_effort.build(env)),
     (inflight.NAME, lambda env, log: inflight.build(env)),
+    (api_key.NAME, api_key.build),
 )
 
 

@@ -14,6 +14,8 @@ Patching at import time, rather than importing every target up front, keeps each
 
 Nothing here may break SGLang's import: a missing or changed target is logged on one line and the
 adapter owning it switches itself off ("stays out"); a hook that raises at run time does the same.
+The one exception is an adapter marked fail_closed (the API key): switching it off would mean
+serving without authentication, so its patch failures and hook errors stop the process instead.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapter.log import AdapterLog
+from adapter.log import PREFIX, AdapterLog
 
 BEFORE = "before"  # hook(*args, **kwargs) -> None or (args, kwargs)
 AFTER = "after"  # hook(result, *args, **kwargs) -> None (keep result) or a new result
@@ -67,6 +69,9 @@ class AdapterSpec:
     detail: str  # the settings it runs with, for the "installed" line
     patches: tuple[Patch, ...]
     state: Any = None  # the adapter object the hooks belong to (for inspection and tests)
+    # True for an adapter the rank must not run without: a target it cannot patch, or an error in
+    # one of its hooks, stops the process (Refused) instead of leaving the adapter out.
+    fail_closed: bool = False
 
 
 @dataclass
@@ -79,6 +84,16 @@ class _Armed:
 
 class PatchError(Exception):
     """A target is missing or no longer looks the way the adapter expects."""
+
+
+class Refused(SystemExit):
+    """Stops the process with a one-line reason on stderr and exit status 1.
+
+    A SystemExit, not an Exception: the `except Exception` blocks around imports and plugin
+    loading (ours and SGLang's) must not turn a refusal into "carry on without the adapter"."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(PREFIX + message.replace("\n", " ") + "; the rank does not start")
 
 
 def resolve_target(module: types.ModuleType, attr: str) -> tuple[Any, str, Callable[..., Any], Any]:
@@ -184,7 +199,7 @@ class Installer:
         return "HookRegistry" if self._hook_registry() is not None else "import hook"
 
     def on_import(self, module: types.ModuleType) -> None:
-        """Patch every watched target in `module`. Never raises."""
+        """Patch every watched target in `module`. Never raises, but Refused for a fail_closed adapter."""
         for armed in self._armed:
             for patch in armed.spec.patches:
                 if patch.module != module.__name__ or not armed.on or patch.target in armed.applied:
@@ -192,6 +207,8 @@ class Installer:
                 try:
                     self._apply(armed, patch, module)
                 except Exception as e:  # noqa: BLE001 - any failure must leave SGLang importable
+                    if armed.spec.fail_closed:
+                        raise Refused(f"{armed.spec.name} could not patch {patch.target}: {e}") from None
                     armed.on = False
                     self._log.line(
                         f"{armed.spec.name} could not patch {patch.target}: {e}; {armed.spec.name} stays out"
@@ -236,6 +253,8 @@ class Installer:
     def _guard(self, armed: _Armed, patch: Patch) -> Callable[..., Any]:
         """The hook, passed through while the adapter is off; a runtime failure switches it off."""
         hook, log, name = patch.hook, self._log, armed.spec.name
+        if armed.spec.fail_closed:
+            return hook  # its errors propagate: an unchecked key or an unredacted log line must not pass
 
         def fail(e: BaseException) -> None:
             if armed.on:

@@ -103,8 +103,24 @@ def looks_like_garbage(text: str) -> str | None:
     return None
 
 
+def requires_key(base: str, timeout: float) -> CheckResult:
+    """With API_KEY_FILE set, rank 0 must refuse a request without the key: a rank that lost the
+    key on its way (adapter not loaded, DSV41_API_KEY_FILE not reaching it) would otherwise serve
+    everyone, and the smoke test, which sends the key, could not tell."""
+    status, _ = _request(f"{base}/v1/models", None, timeout)
+    if status == 401:
+        return CheckResult(True, "requests without the API key are refused (401)")
+    return CheckResult(False, f"{base}/v1/models answered {status} without the API key, expected 401: rank 0 "
+                              "serves without authentication although API_KEY_FILE is set (is the adapter on "
+                              "the rank's PYTHONPATH, and does DSV41_API_KEY_FILE reach rank 0?)")
+
+
 def smoke(base: str, model: str, quick: bool, batch: int, timeout: float, api_key: str | None = None) -> CheckResult:
     try:
+        if api_key:
+            guarded = requires_key(base, timeout)
+            if not guarded.ok:
+                return guarded
         message, finish = _choice(_chat(base, model, [{"role": "user", "content": "What is 19+23? Answer with the "
                                                         "number only."}], timeout, api_key))
         content = str(message.get("content") or "")

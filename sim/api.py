@@ -3,6 +3,7 @@ with SGLang's shapes (OpenAI-compatible chat completions, SSE streaming with chu
 
 from __future__ import annotations
 
+import hmac
 import json
 import socket
 import threading
@@ -182,7 +183,8 @@ def make_handler(state: ApiState) -> type[BaseHTTPRequestHandler]:
             key = state.args.api_key
             if not key or self.path.startswith(_OPEN_PREFIXES):
                 return True
-            return self.headers.get("Authorization", "") == f"Bearer {key}"
+            # Constant-time, as SGLang compares it.
+            return hmac.compare_digest(self.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
 
         def _dispatch(self, routes: dict[str, Callable[[], None]]) -> None:
             path = self.path.split("?", 1)[0]

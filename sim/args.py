@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from adapter.keyfile import VARIABLE, read_key_file
 from coordinator.argcheck import check_sglang_args
 
 from .flags import DEFAULTS, FLAGS, SPECULATIVE_ALGORITHMS
@@ -39,10 +40,15 @@ freed on completion or abort. Environment (defaults in brackets):
   DSV41_SIM_RENDEZVOUS_TIMEOUT_S  how long ranks wait for the group to form [--dist-timeout or 600]
   DSV41_SIM_PEER_TIMEOUT_S        a silent peer counts as lost after this (a closed
                                   connection counts at once) [5]
+  DSV41_API_KEY_FILE              a file (mode 0600, one line) holding the API key that every
+                                  route but /health, /ready and /metrics then requires, like
+                                  --api-key without the key in argv; a bad file stops the rank
 """
 
-# Flags that may differ between ranks of one group: the plan gives the head its own fraction.
-RANK_LOCAL = frozenset({"node_rank", "mem_fraction_static"})
+# Flags that may differ between ranks of one group: the plan gives the head its own fraction, and
+# only rank 0 serves HTTP, so only it has the API key (which must not travel to the workers over
+# the group's connection, nor appear in a "ranks disagree" message).
+RANK_LOCAL = frozenset({"node_rank", "mem_fraction_static", "api_key"})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -142,6 +148,17 @@ def canonical_argv(argv: Sequence[str]) -> list[str]:
         name, sep, value = arg.partition("=")
         out.append(aliases[name] + sep + value if name in aliases else arg)
     return out
+
+
+def with_key_file(args: SimArgs, env: Mapping[str, str]) -> SimArgs:
+    """args with the API key read from the file named by DSV41_API_KEY_FILE, when it is set; the
+    same rules as the adapter inside SGLang (adapter/api_key.py). ValueError says why not."""
+    if VARIABLE not in env:
+        return args
+    if args.api_key is not None:
+        raise ValueError(f"--api-key is given while {VARIABLE} names the key file; a key in argv is visible "
+                         "to every local user in ps and /proc/PID/cmdline: remove --api-key")
+    return SimArgs({**args.values, "api_key": read_key_file(env[VARIABLE])})  # KeyFileError is a ValueError
 
 
 def parse(argv: Sequence[str]) -> SimArgs:

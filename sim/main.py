@@ -10,7 +10,7 @@ import time
 from typing import Callable, Sequence, TextIO
 
 from . import settings as settings_mod
-from .args import SimArgs, parse
+from .args import SimArgs, parse, with_key_file
 from .engine import Engine, EngineConfig
 from .group import GroupError, Head, Worker
 from .settings import Settings
@@ -159,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         log(f"error: {exc}")
         return 2
+    try:
+        args = with_key_file(args, os.environ)
+    except ValueError as exc:
+        # Like the adapter in SGLang: a key that cannot be read stops the rank, never "serve without one".
+        log(f"error: {exc}; the rank does not start")
+        return 1
     log(f"dsv41-sim-rank (a stand-in for SGLang: no model, no GPU) rank {args.rank} of {args.nnodes}, "
         f"pid {os.getpid()}")
     if args.rank == 0:

@@ -7,9 +7,12 @@ without DSV41_SOURCE shows SGLang's own behaviour, so every test compares the tw
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
-from tests.sglang.harness import Sglang, adapter_lines
+from tests.sglang.harness import CHECKS, Sglang, adapter_lines
 
 pytestmark = pytest.mark.sglang
 
@@ -22,6 +25,7 @@ EVERY_ADAPTER = [
     "max_new_tokens",
     "reasoning_effort",
     "inflight",
+    "api_key",
 ]
 
 
@@ -183,3 +187,72 @@ def test_one_installed_line_per_adapter_in_the_http_process(sglang: Sglang) -> N
     names = installed(err)
     assert sorted(names) == sorted(set(names))
     assert {"inflight", "max_new_tokens", "loop_abort", "tp3_pad"} <= set(names) <= set(EVERY_ADAPTER)
+
+
+API_KEY = "sglang-K3y_from-the-file"
+
+
+def api_key_file(sglang: Sglang, name: str, content: str = API_KEY + "\n", mode: int = 0o600) -> str:
+    path = Path(sglang.root) / name
+    path.write_text(content)
+    path.chmod(mode)
+    return str(path)
+
+
+def test_api_key_from_the_file_reaches_sglangs_middleware_and_never_its_log(sglang: Sglang) -> None:
+    path = api_key_file(sglang, "api-key")
+    armed, err = sglang.check("chk_api_key", env={"DSV41_API_KEY_FILE": path})
+    assert armed["on"] and armed["marked_prepare"] == armed["marked_logging"] == "api_key"
+    assert armed["parsed_is_key"] and armed["resolved_is_key"] and armed["serving_is_key"]
+    assert (armed["http_without_key"], armed["http_wrong_key"], armed["http_with_key"]) == (401, 401, 200)
+    assert armed["logged"] and not armed["logged_key"] and armed["logged_api_key_field"] == "'<redacted>'"
+    assert armed["log_lines"] >= 1 and armed["log_lines_redacted"]  # SGLang logs server_args only through it
+    assert API_KEY not in err
+    assert f"dsv41-adapter: api_key: the HTTP API requires the key read from DSV41_API_KEY_FILE={path}" in err
+    assert "api_key" in installed(err)
+    # Without the variable SGLang serves without a key; given in argv, SGLang alone logs it.
+    plain, _ = sglang.check("chk_api_key")
+    assert plain["parsed_is_none"] and plain["serving_is_none"] and not plain["on"]
+    assert plain["http_without_key"] == 200 and plain["logged_api_key_field"] == "None"
+    leaky, _ = sglang.check("chk_api_key", "--api-key", API_KEY, armed=False)
+    assert leaky["logged_key"] is True and leaky["logged_api_key_field"] == "the key"
+    assert leaky["http_without_key"] == 401
+
+
+def refused(sglang: Sglang, env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    done = subprocess.run([str(sglang.python), str(CHECKS / "chk_api_key.py"), *args], capture_output=True,
+                          text=True, timeout=300, env=sglang.env(True, env), cwd=str(sglang.root))
+    lines = done.stderr.strip().splitlines()
+    return done.returncode, done.stdout, lines[-1] if lines else ""
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["group_readable", "missing", "empty", "two_lines", "non_ascii", "key_in_argv"],
+)
+def test_api_key_refusals_stop_the_rank_in_prepare_server_args(sglang: Sglang, case: str) -> None:
+    path = str(Path(sglang.root) / f"key-{case}")
+    args: tuple[str, ...] = ()
+    if case == "group_readable":
+        api_key_file(sglang, f"key-{case}", mode=0o640)
+        what = "mode 0640 lets group or other read the key; it must be 0600"
+    elif case == "missing":
+        what = "no such file"
+    elif case == "empty":
+        api_key_file(sglang, f"key-{case}", content="")
+        what = "empty (it must hold the key on one line)"
+    elif case == "two_lines":
+        api_key_file(sglang, f"key-{case}", content=API_KEY + "\n" + API_KEY + "\n")
+        what = "more than one line"
+    elif case == "non_ascii":
+        api_key_file(sglang, f"key-{case}", content="sglang-K\u00e9y-from-the-file\n")
+        what = "not ASCII"
+    else:
+        api_key_file(sglang, f"key-{case}")
+        args = ("--api-key", "argv-key-0123456")
+        what = "visible to every local user in ps"
+    status, stdout, last = refused(sglang, {"DSV41_API_KEY_FILE": path}, *args)
+    assert status == 1 and stdout == ""  # SGLang never got past parsing its argv
+    assert last.startswith("dsv41-adapter: api_key: ") and last.endswith("; the rank does not start")
+    assert what in last and (case == "key_in_argv" or f"DSV41_API_KEY_FILE={path}: " in last)
+    assert API_KEY not in last and "argv-key-0123456" not in last

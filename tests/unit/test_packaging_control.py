@@ -24,7 +24,8 @@ DISTRIBUTION_MODULES = {
 }
 # What the launchers put on sys.path besides the package's own directory: the directory of
 # another package this one depends on.
-EXTRA_PATHS = {"dsv41-agent": {"/usr/share/dsv41/rank": "dsv41-adapter"}}
+EXTRA_PATHS = {"dsv41-agent": {"/usr/share/dsv41/rank": "dsv41-adapter"},
+               "dsv41-sim": {"/usr/share/dsv41/rank": "dsv41-adapter"}}
 
 
 def paragraphs() -> dict[str, dict[str, str]]:
