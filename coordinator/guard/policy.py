@@ -65,9 +65,9 @@ class GuardSettings:
     envelope_points: int = 8              # lows (one per envelope span) in the lows' line
     significance: float = 3.0             # standard errors a slope must be below zero
     rearm_quiet_s: float = 10.0           # re-arm after this long without danger
-    # The agent sends a sample only when available moved this much since the last one it sent (or
-    # every heartbeat), preceded by the samples it held back: the policy sees every sample of a
-    # change, a quiet node costs one message a second. 0: every sample is sent.
+    # The agent sends a sample only when available moved this much since the last one it sent, the
+    # samples after it that a confirmation needs, and one every heartbeat: a quiet node costs one
+    # gRPC message a second instead of one per sample. 0: every sample is sent.
     send_change_bytes: int = 4 << 20
     heartbeat_ms: int = 1000
 
@@ -85,14 +85,14 @@ class GuardSettings:
             raise ValueError("send_change_bytes must be zero or more and heartbeat_ms at least interval_ms")
 
     def send_request(self) -> dict[str, int]:
-        """What the agents are asked to send (WatchMemoryRequest's fields). Around a change: enough
-        held-back samples to fill the slope window before it, and as many after it, which covers
-        the consecutive samples a confirmation needs."""
+        """What the agents are asked to send (WatchMemoryRequest's fields): every sample that moved
+        send_change_bytes, followed by the samples a confirmation needs. No held-back samples before
+        a change: they are flat, and a window holding a flat half is not a sustained fall anyway (the
+        trace tests check the actions are the same as with every sample)."""
         if not self.send_change_bytes:
             return {"min_change_bytes": 0}
-        around = min(256, max(self.confirm_samples, math.ceil(self.window_s * 1000 / self.interval_ms) + 1))
         return {"min_change_bytes": self.send_change_bytes, "heartbeat_ms": self.heartbeat_ms,
-                "replay_samples": around, "follow_samples": around}
+                "replay_samples": 0, "follow_samples": self.confirm_samples}
 
 
 @dataclass(frozen=True)
