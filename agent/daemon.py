@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemdError as exc:
         log.error("agent_failed", f"cannot reach systemd over D-Bus: {exc}")
         return 1
-    sampler = MemorySampler(rank_memory=RankMemoryReader(lambda: rank.status().control_group))
+    sampler = MemorySampler(rank_memory=RankMemoryReader(rank.control_group))
     trigger = PsiTrigger()
     if not trigger.armed:
         log.warning("psi_trigger_unavailable", f"PSI trigger not armed ({trigger.error}); sampling only")

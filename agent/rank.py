@@ -125,6 +125,14 @@ class RankManager:
                 return replace(ABSENT, last_exit=self._last_exit)
             return _status_from(self._props, self._last_exit)
 
+    def control_group(self) -> str:
+        """The rank unit's control group, "" when there is none; read with every memory sample, so
+        it builds no RankStatus."""
+        with self._state_lock:
+            if not self._props or self._props.get("LoadState") == "not-found":
+                return ""
+            return str(self._props.get("ControlGroup", ""))
+
     def refresh(self) -> RankStatus:
         """Reads the unit's properties from systemd (start-up, reconnect, or before answering)."""
         props = self._systemd.properties(RANK_UNIT, (UNIT_IFACE, SERVICE_IFACE))

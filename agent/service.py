@@ -19,7 +19,7 @@ from dsv41.version import VERSION
 from .auth import cert_not_after
 from .events import EventHub
 from .images import ImageIds
-from .memory import ChangeFilter, MemorySampler, Sample, SendPolicy, TriggerWatcher
+from .memory import ChangeFilter, MemorySampler, Sample, SendPolicy, TriggerWatcher, Wakeup
 from .rank import ExitRecord, RankError, RankManager, RankStatus
 from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
@@ -212,15 +212,13 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
         if isinstance(policy, str):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, policy)
         sends = ChangeFilter(policy)
-        fired = threading.Event()
+        fired = Wakeup()
         remove = self._triggers.add(fired.set) if request.psi_trigger else (lambda: None)
         interval = interval_ms / 1000.0
         try:
             next_at = self._monotonic()
             while context.is_active():
-                triggered = fired.wait(max(0.0, next_at - self._monotonic()))
-                if triggered:
-                    fired.clear()
+                if fired.wait(next_at - self._monotonic()):
                     for sample in sends.offer(self._sampler.sample(psi_triggered=True)):
                         yield sample_pb(sample)
                     continue
@@ -231,6 +229,7 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
                     next_at = self._monotonic() + interval
         finally:
             remove()
+            fired.close()
 
     # -- events
 

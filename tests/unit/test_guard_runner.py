@@ -107,7 +107,7 @@ class Source:
     def watch_memory(self, interval_ms, psi_trigger=True, **send):
         assert interval_ms == SETTINGS.interval_ms and psi_trigger
         # only what moved, and the samples after it that a confirmation needs
-        assert send == {"min_change_bytes": 4 << 20, "heartbeat_ms": 1000, "replay_samples": 0,
+        assert send == {"min_change_bytes": 4 << 20, "heartbeat_ms": 5000, "replay_samples": 0,
                         "follow_samples": SETTINGS.confirm_samples}
         stream = Stream()
         self.streams.append(stream)

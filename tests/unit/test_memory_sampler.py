@@ -142,3 +142,20 @@ def test_the_samples_after_a_change_follow_it_whatever_they_are():
     levels = [10_000, 12_000, 12_000, 12_000, 12_000]
     assert sent_times(gate, [sample(0.05 * i, level) for i, level in enumerate(levels)]) == \
         [[0.0], [0.05], [0.1], [0.15], []]
+
+
+def test_a_wakeup_waits_out_its_timeout_unless_set_and_is_cleared_by_the_wait():
+    import threading
+    import time
+    wakeup = memory.Wakeup()
+    t0 = time.monotonic()
+    assert wakeup.wait(0.03) is False and time.monotonic() - t0 >= 0.029
+    wakeup.set()
+    wakeup.set()
+    assert wakeup.wait(5.0) is True  # at once
+    assert wakeup.wait(0.0) is False  # both sets were consumed by that one wait
+    threading.Timer(0.05, wakeup.set).start()
+    t0 = time.monotonic()
+    assert wakeup.wait(5.0) is True and time.monotonic() - t0 < 2.0
+    wakeup.close()
+    wakeup.set()  # after close: nothing, no error

@@ -1,0 +1,75 @@
+"""WatchMemory's loop in-process: a PSI trigger cuts the wait short and its sample is sent even when
+nothing moved; the stream ends when the client goes away and leaves no listener behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from agent import memory
+from agent.service import AgentService
+from dsv41.v1 import agent_pb2 as pb
+
+pytestmark = pytest.mark.unit
+
+
+class Triggers:
+    """Stands in for the TriggerWatcher (a kernel PSI trigger fires only under a real memory stall)."""
+
+    def __init__(self):
+        self.listeners = []
+
+    def add(self, listener):
+        self.listeners.append(listener)
+        return lambda: self.listeners.remove(listener)
+
+    def fire(self):
+        for listener in list(self.listeners):
+            listener()
+
+
+class Context:
+    def __init__(self):
+        self.active = True
+
+    def is_active(self):
+        return self.active
+
+    def abort(self, code, details):
+        raise AssertionError(f"aborted: {code}: {details}")
+
+
+def service(tmp_path, triggers):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 1000000 kB\nMemAvailable: 500000 kB\n")
+    sampler = memory.MemorySampler(str(tmp_path / "proc"), str(tmp_path / "cg"))
+    settings = SimpleNamespace(allowed_runtimes=("host",), allowed_images=())
+    return AgentService(settings, None, None, sampler, triggers, None, time.monotonic())
+
+
+@pytest.mark.parametrize("send", [{}, {"min_change_bytes": 1 << 30, "heartbeat_ms": 10_000}])
+def test_a_psi_trigger_sends_a_sample_at_once_between_ticks(tmp_path, send):
+    triggers, context = Triggers(), Context()
+    stream = service(tmp_path, triggers).WatchMemory(
+        pb.WatchMemoryRequest(interval_ms=5_000, psi_trigger=True, **send), context)
+    first = next(stream)
+    assert not first.psi_triggered and first.available_bytes == 500000 * 1024
+    threading.Timer(0.05, triggers.fire).start()
+    t0 = time.monotonic()
+    pushed = next(stream)
+    assert pushed.psi_triggered and time.monotonic() - t0 < 2.5  # not the 5 s tick
+    context.active = False  # the client went away: the loop ends at its next check
+    with pytest.raises(StopIteration):
+        next(stream)
+    assert triggers.listeners == []
+
+
+def test_without_psi_trigger_no_listener_is_added(tmp_path):
+    triggers, context = Triggers(), Context()
+    stream = service(tmp_path, triggers).WatchMemory(pb.WatchMemoryRequest(interval_ms=20), context)
+    assert not next(stream).psi_triggered and triggers.listeners == []
+    context.active = False
+    stream.close()
