@@ -15,7 +15,7 @@ import select
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 UNLIMITED = 1 << 62  # cgroup v1 reports "no limit" as a page-rounded 2^63-1
@@ -146,15 +146,22 @@ class MemorySampler:
         limit = self._limit_value
         return 0 if limit is None or limit >= UNLIMITED or limit >= total > 0 else limit
 
-    def sample(self, psi_triggered: bool = False) -> Sample:
+    def sample(self, psi_triggered: bool = False, details: bool = True) -> Sample:
+        """details False: only what "available" needs (PSI zero, rank memory unknown), for a stream
+        that decides on available first and reads the rest with with_details() for what it sends."""
         now = self._clock()
         total, available = parse_meminfo(self._meminfo.read() or b"")
-        pressure = self._pressure.read()
-        some, full = parse_pressure(pressure) if pressure else (NO_PRESSURE, NO_PRESSURE)
         limit = self._cgroup_limit(now, total)
         usage = (_int(self._usage.read()) or 0) if limit else 0
         headroom = available if not limit else min(available, max(0, limit - usage))
-        return Sample(now, total, available, limit, usage, headroom, some, full, self._rank_memory(), psi_triggered)
+        sample = Sample(now, total, available, limit, usage, headroom, NO_PRESSURE, NO_PRESSURE, 0, psi_triggered)
+        return self.with_details(sample) if details else sample
+
+    def with_details(self, sample: Sample) -> Sample:
+        """The sample with PSI and the rank's memory read now."""
+        pressure = self._pressure.read()
+        some, full = parse_pressure(pressure) if pressure else (NO_PRESSURE, NO_PRESSURE)
+        return replace(sample, some=some, full=full, rank_memory=self._rank_memory())
 
     def close(self) -> None:
         for f in (self._meminfo, self._pressure, self._limit, self._usage):
@@ -204,7 +211,7 @@ class RankMemoryReader:
 class SendPolicy:
     """Which samples a memory stream transmits. min_change_bytes 0: every one.
 
-    Otherwise a sample is sent when the available bytes or the rank's memory moved at least
+    Otherwise a sample is sent when the available bytes (what the guard acts on) moved at least
     min_change_bytes from the last one sent, when a PSI trigger pushed it, or when heartbeat_s has
     passed since the last one sent. A sample sent for a change is preceded by the samples held back
     since the last one sent (the most recent `replay`) and followed by the next `follow` samples
@@ -232,9 +239,7 @@ class ChangeFilter:
         p, last = self._policy, self._last
         if p.min_change_bytes <= 0 or last is None:
             return self._send([sample])
-        changed = (abs(sample.available - last.available) >= p.min_change_bytes
-                   or abs(sample.rank_memory - last.rank_memory) >= p.min_change_bytes)
-        if changed or sample.psi_triggered:
+        if abs(sample.available - last.available) >= p.min_change_bytes or sample.psi_triggered:
             self._following = p.follow
             return self._send([*self._held, sample])
         if self._following > 0:

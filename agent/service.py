@@ -215,15 +215,19 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
         fired = Wakeup()
         remove = self._triggers.add(fired.set) if request.psi_trigger else (lambda: None)
         interval = interval_ms / 1000.0
+        # Sending only changes, a tick reads just what "available" needs; PSI and the rank's memory
+        # are read for the samples sent (held-back ones that may be replayed are read in full).
+        lazy = policy.min_change_bytes > 0 and policy.replay == 0
+        complete = self._sampler.with_details if lazy else (lambda sample: sample)
         try:
             next_at = self._monotonic()
             while context.is_active():
                 if fired.wait(next_at - self._monotonic()):
-                    for sample in sends.offer(self._sampler.sample(psi_triggered=True)):
-                        yield sample_pb(sample)
+                    for sample in sends.offer(self._sampler.sample(psi_triggered=True, details=not lazy)):
+                        yield sample_pb(complete(sample))
                     continue
-                for sample in sends.offer(self._sampler.sample()):
-                    yield sample_pb(sample)
+                for sample in sends.offer(self._sampler.sample(details=not lazy)):
+                    yield sample_pb(complete(sample))
                 next_at += interval
                 if next_at < self._monotonic():  # a slow reader: skip ticks rather than burst
                     next_at = self._monotonic() + interval

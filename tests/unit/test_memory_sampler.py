@@ -130,11 +130,27 @@ def test_a_change_is_sent_after_the_samples_held_back_so_a_trend_sees_all_of_it(
     assert batches[8:] == [[], []]
 
 
-def test_the_rank_memory_and_a_psi_trigger_also_send():
+def test_a_psi_trigger_sends_and_the_ranks_memory_alone_does_not():
+    # available is what the guard acts on; the rank's memory moves with it or is page cache
     gate = memory.ChangeFilter(memory.SendPolicy(min_change_bytes=1000, heartbeat_s=1.0, replay=8))
     assert sent_times(gate, [sample(0.0, 10_000, rank=0), sample(0.05, 10_000, rank=500),
-                             sample(0.1, 10_000, rank=1500)]) == [[0.0], [], [0.05, 0.1]]
-    assert sent_times(gate, [sample(0.15, 10_000, rank=1500, psi=True)]) == [[0.15]]
+                             sample(0.1, 10_000, rank=1500)]) == [[0.0], [], []]
+    assert sent_times(gate, [sample(0.15, 10_000, rank=1500, psi=True)]) == [[0.05, 0.1, 0.15]]
+
+
+def test_a_sample_without_details_reads_psi_and_the_rank_only_when_completed(tmp_path):
+    write(tmp_path, "proc/meminfo", "MemTotal: 16000000 kB\nMemAvailable: 8000000 kB\n")
+    write(tmp_path, "proc/pressure/memory", "some avg10=2.50 avg60=0.00 avg300=0.00 total=77\n")
+    reads = []
+    sampler = memory.MemorySampler(str(tmp_path / "proc"), str(tmp_path / "cg"),
+                                   rank_memory=lambda: reads.append(1) or 4096, clock=lambda: 3.0)
+    quick = sampler.sample(details=False)
+    assert quick.available == 8000000 * 1024 and quick.some == memory.NO_PRESSURE and quick.rank_memory == 0
+    assert reads == []
+    full = sampler.with_details(quick)
+    assert full.some.avg10 == 2.5 and full.some.total_us == 77 and full.rank_memory == 4096
+    assert full.at_monotonic_s == 3.0 and full.available == quick.available and reads == [1]
+    assert sampler.sample() == full
 
 
 def test_the_samples_after_a_change_follow_it_whatever_they_are():

@@ -45,6 +45,8 @@ class Context:
 def service(tmp_path, triggers):
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc/meminfo").write_text("MemTotal: 1000000 kB\nMemAvailable: 500000 kB\n")
+    (tmp_path / "proc/pressure").mkdir()
+    (tmp_path / "proc/pressure/memory").write_text("some avg10=1.25 avg60=0.00 avg300=0.00 total=4242\n")
     sampler = memory.MemorySampler(str(tmp_path / "proc"), str(tmp_path / "cg"))
     settings = SimpleNamespace(allowed_runtimes=("host",), allowed_images=())
     return AgentService(settings, None, None, sampler, triggers, None, time.monotonic())
@@ -57,10 +59,12 @@ def test_a_psi_trigger_sends_a_sample_at_once_between_ticks(tmp_path, send):
         pb.WatchMemoryRequest(interval_ms=5_000, psi_trigger=True, **send), context)
     first = next(stream)
     assert not first.psi_triggered and first.available_bytes == 500000 * 1024
+    assert first.some.avg10 == 1.25 and first.some.total_us == 4242  # read for what is sent, in both modes
     threading.Timer(0.05, triggers.fire).start()
     t0 = time.monotonic()
     pushed = next(stream)
     assert pushed.psi_triggered and time.monotonic() - t0 < 2.5  # not the 5 s tick
+    assert pushed.some.total_us == 4242
     context.active = False  # the client went away: the loop ends at its next check
     with pytest.raises(StopIteration):
         next(stream)
