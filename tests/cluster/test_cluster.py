@@ -109,8 +109,11 @@ def test_5_upgrading_the_agents_while_serving_keeps_every_rank(sparks, debs):
     pids = rank_pids(status(head))
     for node in sparks.values():
         agent = unit_pid(node, "dsv41-agent.service")
-        install(node, debs[1], ["dsv41-adapter", "dsv41-agent"], remote="/var/tmp/debs-v2")
-        assert node.run(["dpkg-query", "-W", "-f", "${Version}", "dsv41-agent"]).stdout.endswith("+1")
+        # the rank-side packages move together: dsv41-sim depends on dsv41-adapter of its own version
+        install(node, debs[1], ["dsv41-adapter", "dsv41-agent", "dsv41-sim"], remote="/var/tmp/debs-v2")
+        for package in ("dsv41-adapter", "dsv41-agent", "dsv41-sim"):  # upgraded, none removed by apt
+            state = node.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", package], check=False).stdout
+            assert state.startswith("install ok installed") and state.endswith("+1"), (package, state)
         assert unit_pid(node, "dsv41-agent.service") != agent  # restarted by the upgrade
         assert unit_pid(node, "dsv41-rank.service") == pids[node.name]
     time.sleep(1.0)
