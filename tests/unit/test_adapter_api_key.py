@@ -20,6 +20,7 @@ from adapter import api_key, boot
 from adapter.keyfile import VARIABLE, KeyFileError, read_key_file
 from adapter.log import AdapterLog
 from adapter.patching import AFTER, AdapterSpec, Installer, Patch, Refused, arm
+from tests.fakepkg import fake_package
 
 pytestmark = pytest.mark.unit
 
@@ -214,18 +215,8 @@ SOURCE = textwrap.dedent(
 
 @pytest.fixture
 def pkg(tmp_path: Path, request: pytest.FixtureRequest):
-    name = "dsv41keyfake_" + request.node.name.replace("[", "_").replace("]", "_").replace("-", "_")
-    root = tmp_path / "src"
-    (root / name).mkdir(parents=True)
-    (root / name / "__init__.py").write_text("")
-    (root / name / "target.py").write_text(SOURCE)
-    sys.path.insert(0, str(root))
-    before = list(sys.meta_path)
-    yield name
-    sys.meta_path[:] = before
-    sys.path.remove(str(root))
-    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-        del sys.modules[mod]
+    with fake_package(tmp_path, "dsv41keyfake_", request.node.name, SOURCE) as name:
+        yield name
 
 
 def respec(spec: AdapterSpec, module: str, attrs: dict[str, str] | None = None) -> AdapterSpec:

@@ -23,6 +23,7 @@ from adapter.patching import (
     arm,
     wrap,
 )
+from tests.fakepkg import fake_package
 
 pytestmark = pytest.mark.unit
 
@@ -48,19 +49,8 @@ SOURCE = textwrap.dedent(
 
 @pytest.fixture
 def pkg(tmp_path: Path, request: pytest.FixtureRequest):
-    """A fresh importable package per test; finders and modules are removed afterwards."""
-    name = "dsv41fake_" + request.node.name.replace("[", "_").replace("]", "_").replace("-", "_")
-    root = tmp_path / "src"
-    (root / name).mkdir(parents=True)
-    (root / name / "__init__.py").write_text("")
-    (root / name / "target.py").write_text(SOURCE)
-    sys.path.insert(0, str(root))
-    before = list(sys.meta_path)
-    yield name
-    sys.meta_path[:] = before
-    sys.path.remove(str(root))
-    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-        del sys.modules[mod]
+    with fake_package(tmp_path, "dsv41fake_", request.node.name, SOURCE) as name:
+        yield name
 
 
 def installer(specs, buf: io.StringIO, registry=None) -> Installer:
