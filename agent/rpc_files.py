@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 
 import grpc
 
+from dsv41.atomicfile import replace_file
 from dsv41.v1 import agent_pb2 as pb
 
 MAX_FILE_BYTES = 64 << 20
@@ -45,17 +45,7 @@ class FileRpcs:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "mode: at most 0644 (no execute or group/other write)")
         directory = os.path.dirname(path)
         os.makedirs(directory, mode=0o755, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".put-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(request.content)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, path)  # never a torn file under the real name
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        replace_file(path, request.content, mode)  # never a torn file under the real name
         digest = self._file_digest(request.path, path)
         if mode & 0o077:
             self._events.info("file_written", f"wrote {path} ({digest.size} bytes, sha256 {digest.sha256[:12]})",

@@ -33,6 +33,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from dsv41.atomicfile import replace_file
+
 COORDINATOR_NAME = "dsv41-coordinator"
 PKI_GROUP = "dsv41"
 CA_DAYS = 3650
@@ -207,23 +209,8 @@ class PkiStore:
 
     def _write(self, path: str, data: bytes, private: bool) -> None:
         self._mkdir(os.path.dirname(path))
-        tmp = f"{path}.tmp-{os.getpid()}"
-        mode = 0o600 if private else 0o640
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchown(f.fileno(), os.geteuid(), os.getegid() if private else self._gid())
-                os.fchmod(f.fileno(), mode)  # whatever the umask was
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # a reader never sees half a key
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        replace_file(path, data, 0o600 if private else 0o640,  # a reader never sees half a key
+                     owner=(os.geteuid(), os.getegid() if private else self._gid()))
 
     # reading
     def _read(self, stem: str, suffix: str) -> bytes:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dsv41.atomicfile import replace_file
 from dsv41.safetensors import CheckpointError, read_header, read_index
 
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -40,12 +39,7 @@ def _receipts(path: Path) -> dict:
 
 def _save(path: Path, receipts: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".receipts-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(receipts, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_file(str(path), json.dumps(receipts, indent=1, sort_keys=True).encode(), 0o600)
 
 
 def _sha256(path: Path, progress: Callable[[int], None]) -> str:
