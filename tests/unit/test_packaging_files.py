@@ -4,7 +4,6 @@ launchers, the default /etc/dsv41/*.env, the man pages, and the build driver's p
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 from agent import settings as agent_settings
 from coordinator import config as cluster_config
 from dsv41.version import VERSION
+from tests.debs import debs_module
 
 pytestmark = pytest.mark.unit
 
@@ -24,16 +24,6 @@ BIN = REPO / "packaging" / "bin"
 ETC = REPO / "packaging" / "etc"
 MAN = REPO / "packaging" / "man"
 SEED = REPO / "tests" / "cluster.env.example"
-
-
-def _debs_module():
-    """packaging/debs.py (packaging/ is no Python package: the name would shadow python3-packaging)."""
-    if "dsv41_debs" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("dsv41_debs", REPO / "packaging" / "debs.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["dsv41_debs"] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules["dsv41_debs"]
 
 
 def _launcher(tmp_path: Path, name: str, private: Path, rank: Path | None = None) -> Path:
@@ -201,7 +191,7 @@ def test_daemon_man_pages_cover_every_option(page: str, module: str) -> None:
 # ----- the build driver's pure parts -----
 
 def test_version_comes_from_dsv41_version_py() -> None:
-    debs = _debs_module()
+    debs = debs_module()
     assert debs.read_version((REPO / "dsv41" / "version.py").read_text()) == VERSION
     assert debs.debian_version(VERSION) == VERSION
     assert debs.debian_version(VERSION, "+1") == f"{VERSION}+1"
@@ -211,7 +201,7 @@ def test_version_comes_from_dsv41_version_py() -> None:
 
 @pytest.mark.parametrize("suffix", ["1", "+1 ", "-1", "+1/2", "+ä"])
 def test_bad_version_suffixes_are_refused(suffix: str) -> None:
-    debs = _debs_module()
+    debs = debs_module()
     with pytest.raises(debs.BuildError, match="suffix"):
         debs.debian_version("0.1.0", suffix)
 
@@ -219,13 +209,13 @@ def test_bad_version_suffixes_are_refused(suffix: str) -> None:
 @pytest.mark.skipif(shutil.which("dpkg") is None, reason="dpkg is not installed")
 @pytest.mark.parametrize("suffix, relation", [("+1", "gt"), ("+2", "gt"), ("~rc1", "lt")])
 def test_suffixes_order_as_dpkg_compares_them(suffix: str, relation: str) -> None:
-    version = _debs_module().debian_version(VERSION, suffix)
+    version = debs_module().debian_version(VERSION, suffix)
     assert subprocess.run(["dpkg", "--compare-versions", version, relation, VERSION]).returncode == 0
 
 
 @pytest.mark.skipif(shutil.which("dpkg-parsechangelog") is None, reason="dpkg-dev is not installed")
 def test_changelog_parses_and_carries_the_commit_date(tmp_path: Path) -> None:
-    debs = _debs_module()
+    debs = debs_module()
     who = debs.maintainer((REPO / "packaging" / "debian" / "control").read_text())
     path = tmp_path / "changelog"
     path.write_text(debs.changelog(f"{VERSION}+1", who, 1_790_000_000, "ab" * 20, modified=True))
@@ -238,7 +228,7 @@ def test_changelog_parses_and_carries_the_commit_date(tmp_path: Path) -> None:
 
 
 def test_build_environment_is_fixed() -> None:
-    env = _debs_module().build_environment(1_790_000_000, "/nonexistent")
+    env = debs_module().build_environment(1_790_000_000, "/nonexistent")
     assert env["PATH"] == "/usr/sbin:/usr/bin:/sbin:/bin"  # never a pyenv or venv python3
     assert env["SOURCE_DATE_EPOCH"] == "1790000000"
     assert env["TZ"] == "UTC" and env["LC_ALL"] == "C.UTF-8"
@@ -246,7 +236,7 @@ def test_build_environment_is_fixed() -> None:
 
 def test_lintian_counts() -> None:
     text = "E: p: tag-a x\nW: p: tag-b\nW: q: tag-c [f]\nI: p: tag-d\nN: note\nrunning with root\n"
-    assert _debs_module().lintian_counts(text) == {"E": 1, "W": 2, "I": 1, "N": 1}
+    assert debs_module().lintian_counts(text) == {"E": 1, "W": 2, "I": 1, "N": 1}
 
 
 def test_adapter_plugin_metadata_carries_the_project_version() -> None:
