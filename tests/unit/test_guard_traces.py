@@ -140,6 +140,7 @@ class Outcome:
     decisions: list[tuple[float, p.Decision]]
     lowest: int                                # lowest true available over the run
     engine: Engine
+    observed: list[float] = field(default_factory=list)  # the times of the samples the guard saw
 
     def kinds(self) -> list[str]:
         return [d.kind for _, d in self.decisions if d.kind in p.ACTIONS]
@@ -163,6 +164,7 @@ def run_guard(engine: Engine, settings: p.GuardSettings, duration: float, latenc
     rng = random.Random(seed)
     guard = p.Guard(settings)
     gate = ChangeFilter(send) if send is not None else None
+    observed: list[float] = []
     pending: list[tuple[float, p.Decision]] = []
     decisions = []
     lowest = engine.available()
@@ -180,12 +182,13 @@ def run_guard(engine: Engine, settings: p.GuardSettings, duration: float, latenc
             (s.at_monotonic_s, s.available) for s in gate.offer(
                 Sample(t, 0, sample, 0, 0, sample, NO_PRESSURE, NO_PRESSURE, 0))]
         for at, level in delivered:
+            observed.append(at)
             d = guard.observe(node, at, level, t, engine.inflight)
             if d.kind != p.NONE:
                 decisions.append((t, d))
             if d.kind in p.ACTIONS:
                 pending.append((t + latency_s, d))
-    return Outcome(decisions, lowest, engine)
+    return Outcome(decisions, lowest, engine, observed)
 
 
 def _apply(engine: Engine, d: p.Decision, at: float) -> None:
