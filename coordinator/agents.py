@@ -29,9 +29,18 @@ class AgentUnavailable(Exception):
         details = error.details() if isinstance(error, grpc.RpcError) else str(error)
         details = explanation or details
         super().__init__(f"{node}: {what}: {code}: {details}")
+        self.what = what
         self.node = node
         self.code = code
         self.details = details
+        self.explained = explanation is not None  # a diagnosed cause (e.g. the wrong certificate), not a blip
+
+    def after_waiting(self, seconds: float) -> "AgentUnavailable":
+        """The same failure, saying how long the caller waited for it to clear."""
+        waited = AgentUnavailable.__new__(AgentUnavailable)
+        waited.__dict__.update(self.__dict__, details=f"{self.details} (still unreachable after {seconds:g} s)")
+        Exception.__init__(waited, f"{self.node}: {self.what}: {self.code}: {waited.details}")
+        return waited
 
 
 def rank_spec_pb(plan: NodePlan, generation: str) -> pb.RankSpec:
@@ -67,7 +76,9 @@ class AgentClient:
         self._tls = tls
         self._server_name = server_name or node
         options = [("grpc.max_receive_message_length", 8 << 20), ("grpc.keepalive_time_ms", 10_000),
-                   ("grpc.keepalive_timeout_ms", 5_000)]
+                   ("grpc.keepalive_timeout_ms", 5_000),
+                   # A LAN peer that was down is tried again within 5 s, not after gRPC's 120 s backoff.
+                   ("grpc.max_reconnect_backoff_ms", 5_000)]
         if tls is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:

@@ -363,8 +363,27 @@ class ClusterRuntime:
             raise errors[0]
         return results
 
+    def _status_once_reachable(self, client: AgentClient, deadline: float) -> pb.NodeStatus:
+        """The agent's status. An agent that cannot be reached yet (its node still booting, its network
+        coming up, the agent restarting) is asked again each second until the step's deadline; any other
+        answer, and a refused TLS handshake, is final at once."""
+        end = self._monotonic() + deadline
+        waiting = False
+        while True:
+            try:
+                return client.status(timeout=max(1.0, min(end - self._monotonic(), 10.0)))
+            except AgentUnavailable as exc:
+                if exc.code != "UNAVAILABLE" or exc.explained or self._monotonic() + 1.0 > end:
+                    raise exc.after_waiting(deadline) if waiting else exc
+                if not waiting:
+                    waiting = True
+                    self._log.warning("agent_waiting", f"{client.node}: agent at {client.target} not reachable "
+                                      f"yet, waiting up to {deadline:g} s: {exc.details}", node_name=client.node)
+                    self._set(detail=f"waiting for the agent on {client.node}: {exc.details}")
+            self._sleep(1.0)
+
     def _step_preflight(self, deadline: float) -> None:
-        statuses = self._each(lambda c: c.status(timeout=min(deadline, 10.0)), "preflight")
+        statuses = self._each(lambda c: self._status_once_reachable(c, deadline), "preflight")
         versions = {name: s.agent_version for name, s in statuses.items()}
         if len(set(versions.values())) > 1:
             raise StepFailed("preflight", None, "agents run different versions: " +

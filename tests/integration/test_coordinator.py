@@ -160,11 +160,31 @@ def test_each_failed_step_names_the_cause_and_leaves_no_rank(nodes, coordinator,
 def test_an_unreachable_agent_fails_preflight_naming_the_node(nodes, coordinator):
     nodes["spark3"].run(["systemctl", "stop", "dsv41-agent.service"])
     try:
-        c = coordinator()
+        c = coordinator(PREFLIGHT_TIMEOUT_S="3")
         status = c.wait_phase("failed", "serving", timeout=60)
         assert status.phase == "failed" and status.phase_detail.startswith("preflight: spark3: agent at ")
+        assert status.phase_detail.endswith("(still unreachable after 3 s)"), status.phase_detail
         assert no_rank_anywhere(nodes)
         proc = ctl(c, "status")
         assert proc.returncode == 1 and "spark3" in proc.stdout and "down" in proc.stdout
     finally:
         nodes["spark3"].run(["systemctl", "start", "dsv41-agent.service"])
+
+
+def test_preflight_waits_for_an_agent_that_comes_up_late(nodes, coordinator):
+    """The coordinator started before a worker finished booting: it waits for that agent, then serves."""
+    nodes["spark3"].run(["systemctl", "stop", "dsv41-agent.service"])
+    try:
+        c = coordinator(PREFLIGHT_TIMEOUT_S="60")
+        status = c.wait_phase("failed", "serving", "preflight", timeout=30)
+        deadline = time.monotonic() + 20
+        while "waiting for the agent on spark3" not in status.phase_detail and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = c.status()
+        assert status.phase == "preflight", (status.phase, status.phase_detail)
+        assert status.phase_detail.startswith("waiting for the agent on spark3: "), status.phase_detail
+    finally:
+        nodes["spark3"].run(["systemctl", "start", "dsv41-agent.service"])
+    status = c.wait_phase("serving", "failed", timeout=90)
+    assert status.phase == "serving", status.phase_detail
+    assert "42" in chat(nodes["spark1"].address)["choices"][0]["message"]["content"]
