@@ -59,6 +59,10 @@ class ApiKey:
             raise Refused(f"{NAME}: --api-key is given (on the command line or in --config) while {VARIABLE} "
                           "names the key file; a key in argv is visible to every local user in ps and "
                           "/proc/PID/cmdline: remove --api-key")
+        if getattr(server_args, "admin_api_key", None) is not None:
+            raise Refused(f"{NAME}: --admin-api-key is given (on the command line or in --config); a key in "
+                          "argv is visible to every local user in ps and /proc/PID/cmdline, and dsv41 runs "
+                          "without an admin key: remove --admin-api-key")
         try:
             key = read_key_file(self.path)
         except KeyFileError as e:

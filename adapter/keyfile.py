@@ -31,8 +31,9 @@ class KeyFileError(ValueError):
 
 
 def read_key_file(path: str, variable: str = VARIABLE) -> str:
-    """The key held by `path`: a regular file, not readable by group or other, holding one line of
-    8 to 4096 printable ASCII characters without spaces (a final newline is allowed)."""
+    """The key held by `path`: a regular file owned by root or this process's user, not readable by
+    group or other, holding one line of 8 to 4096 printable ASCII characters without spaces (a final
+    newline is allowed)."""
 
     def refuse(what: str) -> KeyFileError:
         return KeyFileError(f"{variable}={path}: {what}")
@@ -54,6 +55,10 @@ def read_key_file(path: str, variable: str = VARIABLE) -> str:
             raise refuse("not a regular file")
         if st.st_mode & 0o077:
             raise refuse(f"mode {st.st_mode & 0o777:04o} lets group or other read the key; it must be 0600")
+        if st.st_uid not in (0, os.geteuid()):
+            # Its owner could swap the key, or loosen the mode, under a running server.
+            raise refuse(f"owned by uid {st.st_uid}; it must be owned by root or by the rank's user "
+                         f"(uid {os.geteuid()})")
         data = os.read(fd, _READ_LIMIT)
     except OSError as exc:
         raise refuse(f"cannot be read: {exc.strerror}") from None

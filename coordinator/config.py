@@ -218,7 +218,11 @@ _OWNED_FLAGS = {
     "--speculative-dspark-block-size": "DSPARK_BLOCK_SIZE",
     "--speculative-dspark-sps-table-path": "DSPARK_SPS_TABLE",
     "--speculative-dspark-confidence-sts-path": "DSPARK_STS_TABLE",
-    "--api-key": "a key file (keys in argv are visible in ps)",
+}
+# Flags that put a secret in argv, where every local user reads it in ps and /proc/PID/cmdline.
+_SECRET_FLAGS = {
+    "--api-key": "set API_KEY_FILE instead (the key then reaches rank 0 as a 0600 file)",
+    "--admin-api-key": "dsv41 runs SGLang without an admin key",
 }
 
 
@@ -227,6 +231,10 @@ def _check_extra_args(words: tuple[str, ...], raw: str, s: Mapping[str, object],
         flag, _, inline = word.partition("=")
         if flag in _OWNED_FLAGS:
             err("EXTRA_SGLANG_ARGS", f"{flag} is set from {_OWNED_FLAGS[flag]}; remove it here", raw)
+        if flag in _SECRET_FLAGS:
+            # No value in this error: it would copy the key into the journal.
+            err("EXTRA_SGLANG_ARGS", f"{flag} would put a key in argv, visible to every local user in ps; "
+                f"remove it: {_SECRET_FLAGS[flag]}")
         if flag == "--speculative-num-draft-tokens" and s.get("SPEC_ALGO") == "DSPARK":
             given = inline or (words[i + 1] if i + 1 < len(words) else "")
             want = int(s.get("DSPARK_BLOCK_SIZE", 0)) + 1

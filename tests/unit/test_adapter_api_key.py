@@ -107,6 +107,16 @@ def test_unreadable_file_is_refused(tmp_path: Path) -> None:
         read_key_file(path)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away needs root")
+def test_a_file_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    path = key_file(tmp_path)
+    os.chown(path, 65534, 65534)  # nobody could swap the key under a running server
+    with pytest.raises(KeyFileError, match=rf"^{VARIABLE}={path}: owned by uid 65534; it must be owned by root"):
+        read_key_file(path)
+    os.chown(path, 0, 65534)  # root's file in another group is fine at 0600
+    assert read_key_file(path) == KEY
+
+
 def test_the_variable_named_in_messages_can_be_another(tmp_path: Path) -> None:
     with pytest.raises(KeyFileError, match=r"^OTHER_FILE=/nope: no such file"):
         read_key_file("/nope", variable="OTHER_FILE")
@@ -171,6 +181,19 @@ def test_a_key_also_in_argv_is_refused_because_ps_shows_it(tmp_path: Path) -> No
     message = str(info.value)
     assert "--api-key is given" in message and "visible to every local user in ps" in message
     assert "from-argv-1234" not in message and KEY not in message
+
+
+def test_an_admin_key_in_argv_is_refused_too(tmp_path: Path) -> None:
+    spec = api_key.build({VARIABLE: key_file(tmp_path)}, AdapterLog(io.StringIO()))
+
+    def with_admin_key(argv):
+        return SimpleNamespace(api_key=None, admin_api_key="admin-argv-5678")
+
+    with pytest.raises(Refused) as info:
+        spec.state.around_prepare(with_admin_key, ["--admin-api-key", "admin-argv-5678"])
+    message = str(info.value)
+    assert "--admin-api-key is given" in message and "remove --admin-api-key" in message
+    assert "admin-argv-5678" not in message
 
 
 def test_a_sealed_record_stops_the_rank(tmp_path: Path) -> None:

@@ -96,7 +96,9 @@ def test_undefined_home_is_a_clear_error():
     ({"WORKER2_HOST": "spark2"}, "node name spark2 is used twice"),
     ({"WORKER2_IP": "10.0.0.2"}, "address 10.0.0.2 is used by two nodes"),
     ({"EXTRA_SGLANG_ARGS": '"--tp-size 3"'}, "--tp-size is set from TP_SIZE; remove it here"),
-    ({"EXTRA_SGLANG_ARGS": '"--api-key secret"'}, "--api-key is set from a key file"),
+    ({"EXTRA_SGLANG_ARGS": '"--api-key secret"'}, "--api-key would put a key in argv, visible to every local "
+                                                   "user in ps; remove it: set API_KEY_FILE instead"),
+    ({"EXTRA_SGLANG_ARGS": '"--admin-api-key=secret"'}, "--admin-api-key would put a key in argv"),
     ({"EXTRA_SGLANG_ARGS": '"--speculative-num-draft-tokens 5"'}, "must be DSPARK_BLOCK_SIZE + 1 = 6"),
     ({"EXTRA_SGLANG_ARGS": '"oops --x"'}, "must start with a --flag"),
     ({"EXTRA_SGLANG_ARGS": "\"--a 'b\""}, "cannot be split like a shell would"),
@@ -111,6 +113,13 @@ def test_bad_values_name_file_line_key_and_what_is_allowed(changes, expected):
     assert matching, errors
     if expected.startswith(f"{key}="):
         assert matching[0].startswith(f"cluster.env:{line_of(text, key)}: {key}=")
+
+
+@pytest.mark.parametrize("flag", ["--api-key topsecret99", "--admin-api-key=topsecret99"])
+def test_a_key_in_extra_args_is_refused_without_repeating_it(flag):
+    errors = errors_of(edited(EXTRA_SGLANG_ARGS=f'"--enable-metrics {flag}"'))
+    assert any("would put a key in argv" in e for e in errors), errors
+    assert not any("topsecret99" in e for e in errors), errors
 
 
 def test_expandable_segments_true_is_refused_with_the_reason():
