@@ -10,6 +10,7 @@ import io
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -100,11 +101,44 @@ def test_missing_empty_relative_and_odd_paths(tmp_path: Path) -> None:
         read_key_file(str(fifo))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def _refusal_as(uid: int, path: str) -> str:
+    """read_key_file's refusal as seen by a forked child running as `uid` (root reads any file)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to uid, report, and leave without running pytest's teardown
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            try:
+                read_key_file(path)
+                message = "accepted"
+            except KeyFileError as exc:
+                message = str(exc)
+            os.write(write_end, message.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        message = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return message
+
+
 def test_unreadable_file_is_refused(tmp_path: Path) -> None:
-    path = key_file(tmp_path, mode=0o000)
-    with pytest.raises(KeyFileError, match=rf"^{VARIABLE}={path}: cannot be read: Permission denied"):
-        read_key_file(path)
+    if os.geteuid() != 0:
+        path = key_file(tmp_path, mode=0o000)
+        with pytest.raises(KeyFileError) as info:
+            read_key_file(path)
+        assert str(info.value) == f"{VARIABLE}={path}: cannot be read: Permission denied"
+        return
+    # pytest's temporary directories are 0700; nobody needs a directory it can pass through.
+    with tempfile.TemporaryDirectory(dir="/tmp") as where:
+        os.chmod(where, 0o711)
+        path = key_file(Path(where), mode=0o000)
+        os.chown(path, 65534, 65534)  # nobody's own file, unreadable even to nobody
+        assert _refusal_as(65534, path) == f"{VARIABLE}={path}: cannot be read: Permission denied"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away needs root")
