@@ -12,19 +12,9 @@ from coordinator.runtime import ClusterRuntime
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 from tests.configtext import HOME, SEED_TEXT
+from tests.rpcfailure import RpcFailure
 
 pytestmark = pytest.mark.unit
-
-
-class _Rpc(grpc.RpcError):
-    def __init__(self, code, details):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
 
 
 class Clock:
@@ -67,7 +57,7 @@ def runtime(agent):
     return rt, clock, stream
 
 
-REFUSED = _Rpc(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; connection refused")
+REFUSED = RpcFailure(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; connection refused")
 
 
 def test_an_agent_that_comes_up_within_the_deadline_is_waited_for():
@@ -93,10 +83,10 @@ def test_an_agent_still_unreachable_at_the_deadline_fails_saying_how_long_it_wai
 
 
 @pytest.mark.parametrize("error, explanation", [
-    (_Rpc(grpc.StatusCode.UNAVAILABLE, "Peer name spark3 is not in peer certificate"),
+    (RpcFailure(grpc.StatusCode.UNAVAILABLE, "Peer name spark3 is not in peer certificate"),
      "the agent at spark3:7441 presents a certificate for spark2"),
-    (_Rpc(grpc.StatusCode.UNAUTHENTICATED, "the caller is not the cluster's coordinator"), None),
-    (_Rpc(grpc.StatusCode.INTERNAL, "boom"), None),
+    (RpcFailure(grpc.StatusCode.UNAUTHENTICATED, "the caller is not the cluster's coordinator"), None),
+    (RpcFailure(grpc.StatusCode.INTERNAL, "boom"), None),
 ])
 def test_an_answer_that_waiting_cannot_change_fails_at_once(error, explanation):
     agent = LateAgent("spark3", failures=10**6, error=error, explanation=explanation)

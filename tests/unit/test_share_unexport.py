@@ -12,6 +12,7 @@ from coordinator.runtime import ClusterRuntime
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 from tests.configtext import HOME, SEED_TEXT, edited
+from tests.rpcfailure import RpcFailure
 
 pytestmark = pytest.mark.unit
 M = pb.MountState
@@ -88,7 +89,7 @@ class FakeAgent:
     def remove_mount(self, timeout=None):
         self._check("remove_mount")
         if self.rank == "active":
-            raise AgentUnavailable(self.node, "RemoveMount", _Rpc(grpc.StatusCode.FAILED_PRECONDITION,
+            raise AgentUnavailable(self.node, "RemoveMount", RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
                                                                   "the rank is running"))
         self.mount = M.ABSENT
         return M(state=M.ABSENT)
@@ -96,23 +97,12 @@ class FakeAgent:
     def remove_export(self, force, mounted_by, timeout=None):
         self._check(("remove_export", force, tuple(mounted_by)))
         if mounted_by and not force:
-            raise AgentUnavailable(self.node, "RemoveExport", _Rpc(grpc.StatusCode.FAILED_PRECONDITION,
+            raise AgentUnavailable(self.node, "RemoveExport", RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
                                                                    f"export /srv/m is mounted by {', '.join(mounted_by)}"))
         was = self.exported
         self.exported = False
         return pb.ExportState(exported=False, path="/srv/m" if was else "",
                               detail=("removed" + (" (forced)" if force else "")) if was else "was not exported")
-
-
-class _Rpc(grpc.RpcError):
-    def __init__(self, code, details):
-        self._code, self._details = code, details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
 
 
 def runtime(rank="active", mounts=(M.HEALTHY, M.HEALTHY), down=()):
