@@ -13,6 +13,9 @@ file and sets DSV41_API_KEY_FILE for rank 0 only, the one rank that serves HTTP.
   nothing else needs the file.
 - AFTER sglang.srt.entrypoints.engine._server_args_for_logging: SGLang logs every field in its
   start-up `server_args=...` line; api_key and admin_api_key come out as "<redacted>".
+- AFTER sglang.srt.managers.tokenizer_manager.TokenizerManager._server_args_for_dump and
+  ._dump_config_snapshot: a crash dump (--crash-dump-folder) pickles the whole ServerArgs and the
+  resolved config, the key with them; both come out as dicts with the key "<redacted>".
 
 The adapter is fail_closed (adapter/patching.py): a bad key file, a key also given with
 --api-key, a target it cannot patch or an error in a hook stop the rank. Leaving the adapter out
@@ -31,16 +34,18 @@ from adapter.patching import AFTER, AROUND, AdapterSpec, Patch, Refused
 NAME = "api_key"
 ARGS_MODULE = "sglang.srt.server_args"
 LOGGING_MODULE = "sglang.srt.entrypoints.engine"
+DUMP_MODULE = "sglang.srt.managers.tokenizer_manager"
 SECRET_FIELDS = ("api_key", "admin_api_key")
 REDACTED = "<redacted>"
 
 
-def redacted(values: Any) -> dict[str, Any]:
+def redacted(values: Any, source: str = f"{LOGGING_MODULE}._server_args_for_logging",
+             what: str = "SGLang's server_args log line") -> dict[str, Any]:
     """A copy of SGLang's server-args dict with the keys replaced; anything but a dict is refused
-    (a changed SGLang must not get its log line through unredacted)."""
+    (a changed SGLang must not get its log line or dump through unredacted)."""
     if not isinstance(values, Mapping):
-        raise Refused(f"{NAME}: {LOGGING_MODULE}._server_args_for_logging returned {type(values).__name__}, "
-                      "not a dict: cannot redact the API key from SGLang's server_args log line")
+        raise Refused(f"{NAME}: {source} returned {type(values).__name__}, not a dict: cannot redact the "
+                      f"API key from {what}")
     out = dict(values)
     for name in SECRET_FIELDS:
         if out.get(name) is not None:
@@ -77,6 +82,17 @@ class ApiKey:
     def after_logging(self, result: Any, *_args: Any, **_kwargs: Any) -> dict[str, Any]:
         return redacted(result)
 
+    def after_dump_args(self, result: Any, *_args: Any, **_kwargs: Any) -> dict[str, Any]:
+        # Without watermarking SGLang pickles the ServerArgs object itself; its dict form is what
+        # SGLang dumps with watermarking on, so readers of a dump handle it already.
+        values = result.resolved_dict() if hasattr(result, "resolved_dict") else result
+        return redacted(values, f"{DUMP_MODULE}.TokenizerManager._server_args_for_dump", "a crash dump")
+
+    def after_dump_config(self, result: Any, *_args: Any, **_kwargs: Any) -> dict[str, Any] | None:
+        if result is None:  # SGLang could not serialize the config and dumps none
+            return None
+        return redacted(result, f"{DUMP_MODULE}.TokenizerManager._dump_config_snapshot", "a crash dump")
+
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
     """On whenever DSV41_API_KEY_FILE is present, even empty: the file is checked when SGLang parses
@@ -87,11 +103,15 @@ def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
     return AdapterSpec(
         name=NAME,
         state=adapter,
-        detail=f"key from {VARIABLE}={adapter.path}, redacted from the server_args log line",
+        detail=f"key from {VARIABLE}={adapter.path}, redacted from the server_args log line and crash dumps",
         fail_closed=True,
         patches=(
             Patch(ARGS_MODULE, "prepare_server_args", AROUND, adapter.around_prepare, params=("argv",)),
             Patch(LOGGING_MODULE, "_server_args_for_logging", AFTER, adapter.after_logging,
                   params=("server_args",)),
+            Patch(DUMP_MODULE, "TokenizerManager._server_args_for_dump", AFTER, adapter.after_dump_args,
+                  params=("self",)),
+            Patch(DUMP_MODULE, "TokenizerManager._dump_config_snapshot", AFTER, adapter.after_dump_config,
+                  params=("self",)),
         ),
     )

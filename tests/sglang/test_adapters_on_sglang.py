@@ -207,6 +207,8 @@ def test_api_key_from_the_file_reaches_sglangs_middleware_and_never_its_log(sgla
     assert (armed["http_without_key"], armed["http_wrong_key"], armed["http_with_key"]) == (401, 401, 200)
     assert armed["logged"] and not armed["logged_key"] and armed["logged_api_key_field"] == "'<redacted>'"
     assert armed["log_lines"] >= 1 and armed["log_lines_redacted"]  # SGLang logs server_args only through it
+    assert armed["marked_dump"] == ["api_key", "api_key"]
+    assert armed["dump_config_written"] and not armed["dump_has_key"]  # a crash dump carries no key
     assert API_KEY not in err
     assert f"dsv41-adapter: api_key: the HTTP API requires the key read from DSV41_API_KEY_FILE={path}" in err
     assert "api_key" in installed(err)
@@ -217,6 +219,7 @@ def test_api_key_from_the_file_reaches_sglangs_middleware_and_never_its_log(sgla
     leaky, _ = sglang.check("chk_api_key", "--api-key", API_KEY, armed=False)
     assert leaky["logged_key"] is True and leaky["logged_api_key_field"] == "the key"
     assert leaky["http_without_key"] == 401
+    assert leaky["dump_has_key"] is True  # SGLang alone pickles the key into a crash dump
 
 
 def refused(sglang: Sglang, env: dict[str, str], *args: str) -> tuple[int, str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import io
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -180,6 +181,8 @@ def test_the_key_from_the_file_reaches_server_args(tmp_path: Path) -> None:
     assert [(p.module, p.attr, p.kind) for p in spec.patches] == [
         ("sglang.srt.server_args", "prepare_server_args", "around"),
         ("sglang.srt.entrypoints.engine", "_server_args_for_logging", "after"),
+        ("sglang.srt.managers.tokenizer_manager", "TokenizerManager._server_args_for_dump", "after"),
+        ("sglang.srt.managers.tokenizer_manager", "TokenizerManager._dump_config_snapshot", "after"),
     ]
     server_args = spec.state.around_prepare(prepared(), ["--model-path", "/m"])
     assert server_args.api_key == KEY and server_args.argv == ["--model-path", "/m"]
@@ -253,6 +256,24 @@ def test_the_logged_server_args_are_redacted(tmp_path: Path) -> None:
         spec.state.after_logging(f"api_key={KEY}", None)
 
 
+def test_a_crash_dump_gets_the_server_args_and_config_without_the_key(tmp_path: Path) -> None:
+    spec = api_key.build({VARIABLE: key_file(tmp_path)}, AdapterLog(io.StringIO()))
+
+    class ServerArgs:  # what SGLang pickles into a crash dump without watermarking
+        def resolved_dict(self):
+            return {"model_path": "/m", "api_key": KEY, "admin_api_key": None}
+
+    assert spec.state.after_dump_args(ServerArgs(), None) == {"model_path": "/m", "api_key": "<redacted>",
+                                                              "admin_api_key": None}
+    assert spec.state.after_dump_args({"api_key": KEY}, None) == {"api_key": "<redacted>"}  # with watermarking
+    assert spec.state.after_dump_config({"api_key": KEY, "port": 8888}, None) == {"api_key": "<redacted>",
+                                                                                  "port": 8888}
+    assert spec.state.after_dump_config(None, None) is None  # SGLang could not serialize its config
+    with pytest.raises(Refused, match="_server_args_for_dump returned list, not a dict: cannot redact the API key "
+                                      "from a crash dump"):
+        spec.state.after_dump_args([KEY], None)
+
+
 # ----- fail-closed installation -----
 
 SOURCE = textwrap.dedent(
@@ -260,12 +281,25 @@ SOURCE = textwrap.dedent(
     def prepare_server_args(argv):
         class Args:
             api_key = None
+
+            def resolved_dict(self):
+                return {"api_key": self.api_key, "argv": self.argv}
         args = Args()
         args.argv = argv
         return args
 
     def _server_args_for_logging(server_args):
         return {"api_key": server_args.api_key}
+
+    class TokenizerManager:
+        def __init__(self, server_args):
+            self.server_args = server_args
+
+        def _server_args_for_dump(self):
+            return self.server_args
+
+        def _dump_config_snapshot(self):
+            return {"api_key": self.server_args.api_key, "port": 1}
     """
 )
 
@@ -291,6 +325,11 @@ def test_installed_hooks_set_and_redact_the_key(pkg: str, tmp_path: Path) -> Non
     args = module.prepare_server_args(["--port", "1"])
     assert args.api_key == KEY
     assert module._server_args_for_logging(args) == {"api_key": "<redacted>"}
+    manager = module.TokenizerManager(args)
+    dump = {"server_args": manager._server_args_for_dump(), "resolved_config": manager._dump_config_snapshot()}
+    assert dump == {"server_args": {"api_key": "<redacted>", "argv": ["--port", "1"]},
+                    "resolved_config": {"api_key": "<redacted>", "port": 1}}
+    assert KEY.encode() not in pickle.dumps(dump)
     assert buf.getvalue().startswith("dsv41-adapter: api_key installed (key from ")
 
 

@@ -1,6 +1,7 @@
 """The API key from DSV41_API_KEY_FILE on real SGLang: argv parsed by prepare_server_args, the record
 resolved and published as run_server and the HTTP server do, the key checked by SGLang's own
-middleware, and the start-up `server_args=` log line. Prints booleans, never the key.
+middleware, the start-up `server_args=` log line and a crash dump's pickle. Prints booleans, never
+the key.
 
 argv: [extra SGLang flags...]; a refusal exits 1 from inside prepare_server_args (no JSON then).
 """
@@ -54,6 +55,24 @@ source = inspect.getsource(engine)
 lines = [ln.strip() for ln in source.splitlines() if "server_args=" in ln and "logger." in ln]
 result["log_lines"] = len(lines)
 result["log_lines_redacted"] = all("_server_args_for_logging(" in ln for ln in lines)
+
+# A crash dump (--crash-dump-folder), as TokenizerManager.dump_requests_before_crash pickles it: the
+# real methods on a stand-in manager that holds what they read.
+import pickle  # noqa: E402
+import types  # noqa: E402
+
+from sglang.srt.managers.tokenizer_manager import TokenizerManager  # noqa: E402
+
+manager = types.SimpleNamespace(server_args=server_args, model_path=server_args.model_path,
+                                served_model_name=server_args.served_model_name)
+manager.resolved_config_dict = types.MethodType(TokenizerManager.resolved_config_dict, manager)
+dump = {"server_args": TokenizerManager._server_args_for_dump(manager),
+        "resolved_config": TokenizerManager._dump_config_snapshot(manager)}
+blob = pickle.dumps(dump)
+result["dump_has_key"] = key is not None and key.encode() in blob
+result["dump_config_written"] = dump["resolved_config"] is not None
+result["marked_dump"] = [marked(TokenizerManager._server_args_for_dump),
+                         marked(TokenizerManager._dump_config_snapshot)]
 
 
 async def status(app, auth):
