@@ -44,6 +44,7 @@ class Sample:
     full: Pressure
     rank_memory: int  # 0: unknown
     psi_triggered: bool = False
+    seq: int = 0  # the stream's count of samples taken (0: not from a stream)
 
 
 def _meminfo_field(text: bytes, name: bytes) -> int:
@@ -146,15 +147,17 @@ class MemorySampler:
         limit = self._limit_value
         return 0 if limit is None or limit >= UNLIMITED or limit >= total > 0 else limit
 
-    def sample(self, psi_triggered: bool = False, details: bool = True) -> Sample:
+    def sample(self, psi_triggered: bool = False, details: bool = True, seq: int = 0) -> Sample:
         """details False: only what "available" needs (PSI zero, rank memory unknown), for a stream
-        that decides on available first and reads the rest with with_details() for what it sends."""
+        that decides on available first and reads the rest with with_details() for what it sends.
+        seq: the stream's count of samples taken, carried in the sample."""
         now = self._clock()
         total, available = parse_meminfo(self._meminfo.read() or b"")
         limit = self._cgroup_limit(now, total)
         usage = (_int(self._usage.read()) or 0) if limit else 0
         headroom = available if not limit else min(available, max(0, limit - usage))
-        sample = Sample(now, total, available, limit, usage, headroom, NO_PRESSURE, NO_PRESSURE, 0, psi_triggered)
+        sample = Sample(now, total, available, limit, usage, headroom, NO_PRESSURE, NO_PRESSURE, 0, psi_triggered,
+                        seq)
         return self.with_details(sample) if details else sample
 
     def with_details(self, sample: Sample) -> Sample:

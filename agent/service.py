@@ -89,7 +89,7 @@ def sample_pb(s: Sample) -> pb.MemorySample:
         cgroup_limit_bytes=s.cgroup_limit, cgroup_usage_bytes=s.cgroup_usage, available_bytes=s.available,
         some=pb.Pressure(avg10=s.some.avg10, avg60=s.some.avg60, avg300=s.some.avg300, total_us=s.some.total_us),
         full=pb.Pressure(avg10=s.full.avg10, avg60=s.full.avg60, avg300=s.full.avg300, total_us=s.full.total_us),
-        rank_memory_bytes=s.rank_memory, psi_triggered=s.psi_triggered)
+        rank_memory_bytes=s.rank_memory, psi_triggered=s.psi_triggered, seq=s.seq)
 
 
 class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grpc.AgentServicer):
@@ -219,14 +219,16 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
         # are read for the samples sent (held-back ones that may be replayed are read in full).
         lazy = policy.min_change_bytes > 0 and policy.replay == 0
         complete = self._sampler.with_details if lazy else (lambda sample: sample)
+        taken = 0
         try:
             next_at = self._monotonic()
             while context.is_active():
+                taken += 1
                 if fired.wait(next_at - self._monotonic()):
-                    for sample in sends.offer(self._sampler.sample(psi_triggered=True, details=not lazy)):
+                    for sample in sends.offer(self._sampler.sample(psi_triggered=True, details=not lazy, seq=taken)):
                         yield sample_pb(complete(sample))
                     continue
-                for sample in sends.offer(self._sampler.sample(details=not lazy)):
+                for sample in sends.offer(self._sampler.sample(details=not lazy, seq=taken)):
                     yield sample_pb(complete(sample))
                 next_at += interval
                 if next_at < self._monotonic():  # a slow reader: skip ticks rather than burst

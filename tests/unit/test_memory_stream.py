@@ -65,6 +65,7 @@ def test_a_psi_trigger_sends_a_sample_at_once_between_ticks(tmp_path, send):
     pushed = next(stream)
     assert pushed.psi_triggered and time.monotonic() - t0 < 2.5  # not the 5 s tick
     assert pushed.some.total_us == 4242
+    assert (first.seq, pushed.seq) == (1, 2)  # the pushed sample counts as one taken
     context.active = False  # the client went away: the loop ends at its next check
     with pytest.raises(StopIteration):
         next(stream)
@@ -75,5 +76,18 @@ def test_without_psi_trigger_no_listener_is_added(tmp_path):
     triggers, context = Triggers(), Context()
     stream = service(tmp_path, triggers).WatchMemory(pb.WatchMemoryRequest(interval_ms=20), context)
     assert not next(stream).psi_triggered and triggers.listeners == []
+    context.active = False
+    stream.close()
+
+
+def test_seq_counts_the_samples_taken_so_a_client_sees_how_many_were_not_sent(tmp_path):
+    triggers, context = Triggers(), Context()
+    meminfo = tmp_path / "proc/meminfo"
+    stream = service(tmp_path, triggers).WatchMemory(
+        pb.WatchMemoryRequest(interval_ms=20, min_change_bytes=100 << 20, heartbeat_ms=60_000), context)
+    assert next(stream).seq == 1  # the first sample is always sent
+    threading.Timer(0.2, meminfo.write_text, ["MemTotal: 1000000 kB\nMemAvailable: 300000 kB\n"]).start()
+    moved = next(stream)  # held back until available fell by 195 MiB, some ten ticks later
+    assert moved.available_bytes == 300000 * 1024 and moved.seq > 5
     context.active = False
     stream.close()
