@@ -207,3 +207,17 @@ def test_8_unexporting_the_weights_while_workers_have_them_mounted_is_refused(sp
     # The next start exports and mounts again through the share step.
     assert ctl(head, "start", "--wait", "45").returncode == 0
     assert status(head)["phase"] == "serving" and all(served(w) for w in workers)
+
+    # --force unexports under mounted workers, says what it left behind and records an incident.
+    assert ctl(head, "stop", "--wait", "45").returncode == 0
+    forced = ctl(head, "share", "unexport", "--force")
+    assert forced.returncode == 0, forced.stderr
+    left = ("the mounts on spark2, spark3 are stale now; the next bring-up (start after stop, or restart) exports "
+            "and mounts again")
+    assert forced.stdout.strip() == f"unexported {MODEL_DIR} on spark1 (forced): {left}"
+    assert head.show("dsv41-nfs-ganesha.service", "LoadState")["LoadState"] == "not-found"
+    assert not served(workers[0])
+    assert all(w.run(["findmnt", COMMON_MODEL], check=False).returncode == 0 for w in workers)  # left mounted
+    events = ctl(head, "events").stdout.splitlines()
+    assert any(f" spark1 export_forced: unexported {MODEL_DIR} on spark1 (forced): {left}" in e for e in events), events
+
