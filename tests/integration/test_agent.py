@@ -11,6 +11,7 @@ import pytest
 from dsv41.v1 import agent_pb2 as pb
 from tests.harness.nspawn import Node
 from tests.integration.agentnode import channel, free_port, install_agent, spec, wait
+from tests.integration.test_guard_memory import HeadMemory
 
 pytestmark = pytest.mark.integration
 RANK = "dsv41-rank.service"
@@ -193,34 +194,54 @@ def test_memory_stream_delivers_samples_at_the_asked_rate(agent, interval_ms):
 
 
 def test_memory_stream_sends_a_quiet_node_at_the_heartbeat_and_every_sample_around_a_change(agent):
-    _, stub = agent
-    interval_s, heartbeat_s, around = 0.02, 0.3, 4
-    stream = stub.WatchMemory(pb.WatchMemoryRequest(interval_ms=20, min_change_bytes=128 << 20, heartbeat_ms=300,
-                                                    replay_samples=around, follow_samples=around), timeout=60)
-    samples = []
-    started = None
-    for sample in stream:
-        samples.append(sample)
-        if started is None and sample.at_monotonic_s - samples[0].at_monotonic_s >= 1.5:
-            quiet = list(samples)
-            started = len(samples)
-            stub.StartRank(pb.StartRankRequest(spec=spec("--allocate-mb", "200", fingerprint="a1")), timeout=30)
-        if started is not None and len(samples) > started + 1 and samples[-1 - around].rank_memory_bytes > 190 << 20:
-            break
-    stream.cancel()
-    stub.StopRank(pb.StopRankRequest(deadline_s=10), timeout=60)
-    # quiet: about one sample per heartbeat, not one per 20 ms (75 in 1.5 s)
+    node, stub = agent
+    interval_s, around, threshold = 0.02, 4, 128 << 20
+    # The node's cgroup gets a limit, so "available" is the node's own headroom, not the host's
+    # MemAvailable, which other work on this machine moves by as much as the test's rank does.
+    memory = HeadMemory(node)
+    memory.limit_to(1 << 30)
+    try:
+        time.sleep(1.2)  # the agent re-reads the limit once a second
+        # quiet: about one sample per 300 ms heartbeat, not one per 20 ms (75 in 1.5 s)
+        stream = stub.WatchMemory(pb.WatchMemoryRequest(interval_ms=20, min_change_bytes=threshold,
+                                                        heartbeat_ms=300), timeout=60)
+        quiet = []
+        for sample in stream:
+            quiet.append(sample)
+            if sample.at_monotonic_s - quiet[0].at_monotonic_s >= 1.5:
+                break
+        stream.cancel()
+        # a change, with no heartbeat in the way: after the first sample nothing is sent until
+        # available memory moves 128 MiB; that sample comes with the `around` samples held back
+        # before it and the `around` after it, consecutive samples taken (seq), about one sampling
+        # interval apart
+        stream = stub.WatchMemory(pb.WatchMemoryRequest(interval_ms=20, min_change_bytes=threshold,
+                                                        heartbeat_ms=60_000, replay_samples=around,
+                                                        follow_samples=around), timeout=30)
+        samples = []
+        for sample in stream:
+            samples.append(sample)
+            if len(samples) == 1:
+                time.sleep(0.3)  # more than `around` ticks pass before the rank starts
+                stub.StartRank(pb.StartRankRequest(spec=spec("--allocate-mb", "200", fingerprint="a1")), timeout=30)
+            if len(samples) >= 2 + 2 * around:
+                break
+        stream.cancel()
+        stub.StopRank(pb.StopRankRequest(deadline_s=10), timeout=60)
+    finally:
+        (memory.dir / "memory.limit_in_bytes").write_text("-1")
+    assert quiet[0].cgroup_limit_bytes > 0 and samples[0].cgroup_limit_bytes > 0
     assert 4 <= len(quiet) <= 12, [round(q.at_monotonic_s - quiet[0].at_monotonic_s, 3) for q in quiet]
     assert all(b.seq - a.seq > 1 for a, b in zip(quiet, quiet[1:]))  # the unchanged ones were not sent
-    # the change: the sample that saw the rank's 200 MiB comes with the samples held back before it
-    # and the ones after it: consecutive samples taken, about one sampling interval apart
-    change = next(i for i, x in enumerate(samples) if x.rank_memory_bytes > 128 << 20)
-    window = samples[change - around:change + around + 1]
-    seqs = [x.seq for x in window]
-    assert seqs == list(range(seqs[0], seqs[0] + 2 * around + 1)), seqs
-    gaps = [b.at_monotonic_s - a.at_monotonic_s for a, b in zip(window, window[1:])]
+    first, burst = samples[0], samples[1:2 + 2 * around]
+    report = [(x.seq, (first.available_bytes - x.available_bytes) >> 20, x.rank_memory_bytes >> 20) for x in samples]
+    assert first.seq == 1 and burst[0].seq > 1 + around, report
+    assert [x.seq for x in burst] == list(range(burst[0].seq, burst[0].seq + 2 * around + 1)), report
+    moved = [abs(x.available_bytes - first.available_bytes) >= threshold for x in burst]
+    assert moved.index(True) == around, report  # the held-back ones had not moved 128 MiB; this one had
+    assert burst[around].rank_memory_bytes > 64 << 20, report  # the rank's allocation is what moved it
+    gaps = [b.at_monotonic_s - a.at_monotonic_s for a, b in zip(burst, burst[1:])]
     assert 0.5 * interval_s < statistics.median(gaps) < 2 * interval_s, gaps
-    assert all(x.rank_memory_bytes < 128 << 20 for x in window[:around])
 
 
 def test_memory_sample_sees_the_node_cgroup_limit_and_the_rank(booted, agent):
