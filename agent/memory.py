@@ -2,9 +2,9 @@
 
 Reading is cheap on purpose (one small read per file, no psutil, files kept open and re-read with
 pread). What costs is sending: a gRPC message costs more CPU than reading a sample, so a stream can
-send only the samples that moved (SendPolicy) while still sampling every 20-50 ms. "Available" is the tighter of the
-kernel's MemAvailable and what the node's own memory cgroup still allows: on a Spark the first one
-binds, in a container (the test nodes) the second.
+send only the samples that moved (SendPolicy) while still sampling every 20-50 ms. "Available" is
+the tighter of the kernel's MemAvailable and what the node's own memory cgroup still allows: on a
+Spark the first one binds, in a container (the test nodes) the second.
 """
 
 from __future__ import annotations

@@ -224,12 +224,11 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
             next_at = self._monotonic()
             while context.is_active():
                 taken += 1
-                if fired.wait(next_at - self._monotonic()):
-                    for sample in sends.offer(self._sampler.sample(psi_triggered=True, details=not lazy, seq=taken)):
-                        yield sample_pb(complete(sample))
-                    continue
-                for sample in sends.offer(self._sampler.sample(details=not lazy, seq=taken)):
+                pushed = fired.wait(next_at - self._monotonic())
+                for sample in sends.offer(self._sampler.sample(psi_triggered=pushed, details=not lazy, seq=taken)):
                     yield sample_pb(complete(sample))
+                if pushed:  # a PSI trigger cut the wait short: the timer's tick is still due
+                    continue
                 next_at += interval
                 if next_at < self._monotonic():  # a slow reader: skip ticks rather than burst
                     next_at = self._monotonic() + interval
