@@ -33,13 +33,14 @@ class AgentUnavailable(Exception):
         self.node = node
         self.code = code
         self.details = details
+        self.error = error
         self.explained = explanation is not None  # a diagnosed cause (e.g. the wrong certificate), not a blip
 
     def after_waiting(self, seconds: float) -> "AgentUnavailable":
         """The same failure, saying how long the caller waited for it to clear."""
-        waited = AgentUnavailable.__new__(AgentUnavailable)
-        waited.__dict__.update(self.__dict__, details=f"{self.details} (still unreachable after {seconds:g} s)")
-        Exception.__init__(waited, f"{self.node}: {self.what}: {self.code}: {waited.details}")
+        waited = AgentUnavailable(self.node, self.what, self.error,
+                                  f"{self.details} (still unreachable after {seconds:g} s)")
+        waited.explained = self.explained  # a longer message, not a diagnosis
         return waited
 
 

@@ -346,12 +346,15 @@ class ClusterRuntime:
         self._log.info("serving", f"cluster serving at {self.base_url} ({ranks}/{ranks} ranks, generation "
                        f"{self.snapshot().generation})", generation=self.snapshot().generation)
 
+    def _on_nodes(self, fn: Callable[[AgentClient], object], nodes: list[str]) -> dict[str, Future]:
+        """fn(client) on each named node at once; returns when all are done, their futures by node."""
+        with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+            return {name: pool.submit(fn, self.clients[name]) for name in nodes}
+
     def _each(self, fn: Callable[[AgentClient], object], step: str) -> dict[str, object]:
         """Runs fn on every node concurrently; the first error fails the step naming its node."""
-        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            futures = {name: pool.submit(fn, client) for name, client in self.clients.items()}
         results, errors = {}, []
-        for name, future in futures.items():
+        for name, future in self._on_nodes(fn, list(self.clients)).items():
             try:
                 results[name] = future.result()
             except AgentUnavailable as exc:
@@ -667,10 +670,8 @@ class ClusterRuntime:
 
     def _ask(self, fn: Callable[[AgentClient], object], nodes: list[str]) -> dict[str, share.Asked]:
         """fn on each node at once; an agent that cannot answer is an Asked with its error."""
-        with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
-            futures = {name: pool.submit(fn, self.clients[name]) for name in nodes}
         out = {}
-        for name, future in futures.items():
+        for name, future in self._on_nodes(fn, nodes).items():
             try:
                 out[name] = share.Asked(future.result())
             except AgentUnavailable as exc:
