@@ -23,10 +23,10 @@ from adapter.keyfile import VARIABLE, KeyFileError, read_key_file
 from adapter.log import AdapterLog
 from adapter.patching import AFTER, AdapterSpec, Installer, Patch, Refused, arm
 from tests.fakepkg import fake_package
+from tests.rankentry import adapter_entry, rank_env
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "s3cret-Key_0123456789"
 
 
@@ -382,19 +382,12 @@ FAKE_SGLANG = {
 
 
 def run_rank(tmp_path: Path, env_extra: dict[str, str], fake: dict[str, str] = FAKE_SGLANG) -> subprocess.CompletedProcess:
-    entry = tmp_path / "entry"
-    entry.mkdir(exist_ok=True)
-    for name in ("sitecustomize.py", "adapter"):
-        link = entry / name
-        if not link.exists():
-            link.symlink_to(REPO / "adapter" / name if name != "adapter" else REPO / "adapter")
     site = tmp_path / "fake-sglang"
     for rel, text in fake.items():
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_text(text)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "PYTHON"))}
-    env.update(PYTHONPATH=os.pathsep.join([str(entry), str(site)]), PYTHONDONTWRITEBYTECODE="1",
-               DSV41_SOURCE="/models/x", **env_extra)
+    env = rank_env([str(adapter_entry(tmp_path)), str(site)], PYTHONDONTWRITEBYTECODE="1", DSV41_SOURCE="/models/x",
+                   **env_extra)
     code = ("import sglang.srt.entrypoints.engine as e; from sglang.srt.server_args import prepare_server_args; "
             "a = prepare_server_args(['--x']); print(a.api_key == open(%r).read().strip(), "
             "e._server_args_for_logging(a))") % env_extra.get(VARIABLE, "/dev/null")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +12,10 @@ import pytest
 
 from adapter import boot
 from adapter.log import AdapterLog
+from tests.rankentry import adapter_entry, rank_env
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
 ALL = {"tp3_pad", "mxfp8_b12x", "autotune_keep", "prefill_empty_cache", "loop_abort", "max_new_tokens", "reasoning_effort", "inflight"}
 
 
@@ -69,20 +68,13 @@ PROBE = (
 
 
 def run_probe(tmp_path: Path, env_extra: dict[str, str], shadowed: bool = False) -> tuple[dict, str]:
-    entry = tmp_path / "entry"
-    entry.mkdir(exist_ok=True)
-    for name in ("sitecustomize.py", "adapter"):
-        link = entry / name
-        if not link.exists():
-            link.symlink_to(REPO / "adapter" / name if name != "adapter" else REPO / "adapter")
-    path = [str(entry)]
+    path = [str(adapter_entry(tmp_path))]
     if shadowed:
         other = tmp_path / "image-site"
         other.mkdir(exist_ok=True)
         (other / "sitecustomize.py").write_text("import sys\nsys.dsv41_test_shadowed = True\n")
         path.append(str(other))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "PYTHON"))}
-    env.update(PYTHONPATH=os.pathsep.join(path), **env_extra)
+    env = rank_env(path, **env_extra)
     # The probe itself imports adapter.patching: look at sys.modules before that import.
     code = "import sys; loaded = [m for m in sys.modules if m.startswith('adapter')]; " + PROBE.replace(
         "any(m == 'adapter' or m.startswith('adapter.') for m in sys.modules)", "bool(loaded)"

@@ -15,7 +15,7 @@ import re
 import sys
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import emit, installer, marked  # noqa: E402
+from common import asgi_get, emit, installer, marked  # noqa: E402
 
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
@@ -76,22 +76,9 @@ result["marked_dump"] = [marked(TokenizerManager._server_args_for_dump),
 
 
 async def status(app, auth):
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-        "path": "/v1/models", "raw_path": b"/v1/models", "query_string": b"", "root_path": "",
-        "headers": [(b"host", b"localhost")] + ([(b"authorization", auth.encode())] if auth else []),
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8888),
-    }
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    await app(scope, receive, send)
-    return next(m for m in sent if m["type"] == "http.response.start")["status"]
+    """The status of GET /v1/models with this Authorization header (none when auth is None)."""
+    code, _ = await asgi_get(app, "/v1/models", [(b"authorization", auth.encode())] if auth else [])
+    return code
 
 
 # SGLang's own middleware, installed from get_serving() exactly as http_server.launch_server does.

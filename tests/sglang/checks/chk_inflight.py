@@ -7,33 +7,12 @@ import time
 from types import SimpleNamespace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import emit, installer, marked  # noqa: E402
+from common import asgi_get, emit, installer, marked  # noqa: E402
 
 from sglang.srt.entrypoints import http_server  # noqa: E402
 from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: E402
 from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager  # noqa: E402
 from sglang.srt.observability.req_time_stats import APIServerReqTimeStats  # noqa: E402
-
-
-async def get(app, path):
-    """One HTTP GET through the ASGI app (what uvicorn would do)."""
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"host", b"localhost")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8888),
-    }
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    await app(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], body.decode()
 
 
 def state(obj, created_ago, first_token=False):
@@ -50,7 +29,7 @@ async def main():
         "marked_send_one": marked(TokenizerManager._send_one_request),
         "routes": [r.path for r in http_server.app.routes if getattr(r, "path", "") == "/dsv41/inflight"],
     }
-    result["before_start"] = await get(http_server.app, "/dsv41/inflight")
+    result["before_start"] = await asgi_get(http_server.app, "/dsv41/inflight")
     manager = SimpleNamespace(rid_to_state={})
     http_server.set_global_state(SimpleNamespace(tokenizer_manager=manager, template_manager=None, scheduler_info={}))
     long_prompt = GenerateReqInput(text="a very long document", rid="long-1")
@@ -64,7 +43,7 @@ async def main():
     coro = TokenizerManager._send_one_request(manager, tokenized)
     if asyncio.iscoroutine(coro):
         coro.close()
-    status, body = await get(http_server.app, "/dsv41/inflight")
+    status, body = await asgi_get(http_server.app, "/dsv41/inflight")
     result["status"], result["body"] = status, json.loads(body) if status == 200 else body
     return result
 

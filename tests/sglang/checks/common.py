@@ -23,6 +23,28 @@ def marked(func: Any) -> Any:
     return getattr(func, "__dsv41_adapter__", None)
 
 
+async def asgi_get(app: Any, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, str]:
+    """One HTTP GET through an ASGI app, as uvicorn would send it: (status, body text)."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"localhost"), *(headers or [])], "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8888),
+    }
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], body.decode()
+
+
 class WordTokenizer:
     """Stands in for the HF tokenizer a scheduler's Req holds: decode() plus the EOS fields."""
 
