@@ -47,6 +47,9 @@ class Sample:
     seq: int = 0  # the stream's count of samples taken (0: not from a stream)
 
 
+MEMINFO_READS = 3
+
+
 def _meminfo_field(text: bytes, name: bytes) -> int:
     start = text.find(b"\n" + name)
     if start < 0 and text.startswith(name):
@@ -59,9 +62,16 @@ def _meminfo_field(text: bytes, name: bytes) -> int:
     return int(fields[0]) * 1024 if fields else 0
 
 
+class MeminfoInvalid(ValueError):
+    """/proc/meminfo (or a tree standing in for it) has no MemAvailable line."""
+
+
 def parse_meminfo(text: bytes) -> tuple[int, int]:
-    """MemTotal and MemAvailable in bytes (0 when absent); finds the two lines rather than splitting
-    all fifty, since this runs 20-50 times a second."""
+    """MemTotal (0 when absent) and MemAvailable in bytes; finds the two lines rather than splitting
+    all fifty, since this runs 20-50 times a second. Without MemAvailable it raises MeminfoInvalid:
+    read as 0 it would look like a node out of memory, and the guard would act on it."""
+    if not (text.startswith(b"MemAvailable:") or b"\nMemAvailable:" in text):
+        raise MeminfoInvalid(f"no MemAvailable line in {len(text)} bytes of meminfo")
     return _meminfo_field(text, b"MemTotal:"), _meminfo_field(text, b"MemAvailable:")
 
 
@@ -152,13 +162,24 @@ class MemorySampler:
         that decides on available first and reads the rest with with_details() for what it sends.
         seq: the stream's count of samples taken, carried in the sample."""
         now = self._clock()
-        total, available = parse_meminfo(self._meminfo.read() or b"")
+        total, available = self._meminfo_values()
         limit = self._cgroup_limit(now, total)
         usage = (_int(self._usage.read()) or 0) if limit else 0
         headroom = available if not limit else min(available, max(0, limit - usage))
         sample = Sample(now, total, available, limit, usage, headroom, NO_PRESSURE, NO_PRESSURE, 0, psi_triggered,
                         seq)
         return self.with_details(sample) if details else sample
+
+    def _meminfo_values(self) -> tuple[int, int]:
+        # The kernel makes /proc/meminfo whole on each read; a file standing in for it may be
+        # caught mid-rewrite, so a read without MemAvailable is tried again before it counts.
+        for attempt in range(MEMINFO_READS):
+            try:
+                return parse_meminfo(self._meminfo.read() or b"")
+            except MeminfoInvalid:
+                if attempt == MEMINFO_READS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def with_details(self, sample: Sample) -> Sample:
         """The sample with PSI and the rank's memory read now."""

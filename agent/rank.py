@@ -104,6 +104,7 @@ class RankManager:
         self._watchers: list[Callable[[RankStatus], None]] = []
         self._expected_stop = False
         self._exits = 0  # exits recorded so far
+        self._finalizing: set[str] = set()  # invocation IDs whose exit is being read from systemd
         systemd.on_properties_changed(self._on_properties)
         systemd.on_reconnect(self.refresh)
 
@@ -157,23 +158,41 @@ class RankManager:
 
     def _apply(self, props: dict, replace_all: bool) -> None:
         with self._state_lock:
-            before = self._props.get("ActiveState", "inactive") if self._props else "inactive"
-            self._props = props if replace_all else {**self._props, **props}
+            previous = self._props
+            before = previous.get("ActiveState", "inactive") if previous else "inactive"
+            self._props = props if replace_all else {**previous, **props}
             after = self._props.get("ActiveState", "inactive")
             exited = before in ("active", "activating", "deactivating", "reloading") and after in ("inactive", "failed")
-            exiting = dict(self._props)
+            # The exit's facts: what systemd just said over what was known of the run that ended (a
+            # re-read of a unit already garbage-collected has none of its own).
+            exiting = {**previous, **{k: v for k, v in props.items() if k != "InvocationID" or v}}
+            invocation = bytes(exiting.get("InvocationID", b"")).hex()
+            if exited and invocation in self._finalizing:
+                exited = False  # the signal and a re-read saw the same exit: record it once
+            if exited:
+                self._finalizing.add(invocation)
             status = self.status()
             watchers = list(self._watchers)
             self._state_lock.notify_all()
         if exited:
             # Read the exit from systemd before anything resets the unit; off the signal thread.
-            threading.Thread(target=self._finalize_exit, args=(self._expected_stop, exiting), name="rank-exit",
-                             daemon=True).start()
+            threading.Thread(target=self._finalize_exit, args=(self._expected_stop, exiting, invocation),
+                             name="rank-exit", daemon=True).start()
             return
         for callback in watchers:
             callback(status)
 
-    def _finalize_exit(self, expected: bool, exiting: dict) -> None:
+    def settled_status(self, timeout_s: float = 5.0) -> RankStatus:
+        """The status once an exit being recorded is recorded: between the unit's state change and
+        the exit's facts read from systemd, status() would show the unit stopped with the previous
+        run's exit."""
+        deadline = self._monotonic() + timeout_s
+        with self._state_lock:
+            while self._finalizing and self._monotonic() < deadline:
+                self._state_lock.wait(0.05)
+            return self.status()
+
+    def _finalize_exit(self, expected: bool, exiting: dict, invocation: str) -> None:
         try:
             props = self._systemd.properties(RANK_UNIT, (UNIT_IFACE, SERVICE_IFACE))
         except SystemdError:
@@ -186,6 +205,7 @@ class RankManager:
                 self._props = props
             record = self._last_exit = _exit_from(props if same_run else exiting, self._clock)
             self._exits += 1
+            self._finalizing.discard(invocation)
             status = self.status()
             watchers = list(self._watchers)
             self._state_lock.notify_all()

@@ -71,7 +71,7 @@ def mount_pb(status: MountStatus) -> pb.MountState:
 
 def export_pb(status: ExportStatus) -> pb.ExportState:
     return pb.ExportState(exported=status.exported, path=status.path, clients=list(status.clients),
-                          detail=status.detail)
+                          detail=status.detail, outcome=pb.ExportState.Outcome.Value(status.outcome.value))
 
 
 def fabric_pb(result: FabricResult) -> pb.FabricReport:

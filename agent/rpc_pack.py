@@ -61,6 +61,7 @@ class PackRpcs:
         for rank in spec.ranks:
             for state in pack_state(spec.out_dir, rank, spec.tp, tuple(spec.layers)):
                 layers.append(pb.PackLayerState(layer=state.layer, rank=rank, state=state.status.value,
+                                                state_kind=pb.PackLayerState.State.Value(state.status.name),
                                                 detail=state.detail, done_bytes=state.done_bytes,
                                                 total_bytes=state.total_bytes))
         return pb.PackState(layers=layers, running=running, status_text=text)

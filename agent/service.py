@@ -19,7 +19,7 @@ from dsv41.version import VERSION
 from .auth import cert_not_after
 from .events import EventHub
 from .images import ImageIds
-from .memory import ChangeFilter, MemorySampler, Sample, SendPolicy, TriggerWatcher, Wakeup
+from .memory import ChangeFilter, MeminfoInvalid, MemorySampler, Sample, SendPolicy, TriggerWatcher, Wakeup
 from .rank import ExitRecord, RankError, RankManager, RankStatus
 from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
@@ -31,6 +31,7 @@ from .settings import AgentSettings
 from .systemd import Systemd
 
 MIN_INTERVAL_MS, MAX_INTERVAL_MS = 20, 10_000
+MAX_UNREADABLE_TICKS = 25  # ticks in a row without a readable meminfo before a stream gives up
 MAX_MIN_CHANGE_BYTES = 1 << 40
 MAX_HEARTBEAT_MS = 60_000
 DEFAULT_HEARTBEAT_MS = 1_000
@@ -50,11 +51,27 @@ def adapter_digest(directory: str) -> str:
     return digest.hexdigest()
 
 
+# systemd's Service.Result values (systemd.exec(5) "$SERVICE_RESULT"), as the wire's enum.
+_EXIT_RESULTS = {"success": pb.ExitInfo.SUCCESS, "exit-code": pb.ExitInfo.EXIT_CODE, "signal": pb.ExitInfo.SIGNAL,
+                 "core-dump": pb.ExitInfo.CORE_DUMP, "timeout": pb.ExitInfo.TIMEOUT, "oom-kill": pb.ExitInfo.OOM_KILL,
+                 "watchdog": pb.ExitInfo.WATCHDOG, "start-limit-hit": pb.ExitInfo.START_LIMIT_HIT,
+                 "resources": pb.ExitInfo.RESOURCES}
+_EXIT_CODES = {"exited": pb.ExitInfo.EXITED, "killed": pb.ExitInfo.KILLED, "dumped": pb.ExitInfo.DUMPED}
+
+
+def exit_result_kind(result: str) -> int:
+    """systemd's Result as the wire's ExitInfo.Result (OTHER for one this agent does not know)."""
+    if not result:
+        return pb.ExitInfo.RESULT_UNSPECIFIED
+    return _EXIT_RESULTS.get(result, pb.ExitInfo.OTHER)
+
+
 def exit_pb(record: ExitRecord | None) -> pb.ExitInfo | None:
     if record is None:
         return None
     return pb.ExitInfo(result=record.result, code=record.code, status=record.status, at_unix_s=record.at_unix_s,
-                       invocation_id=record.invocation_id)
+                       invocation_id=record.invocation_id, result_kind=exit_result_kind(record.result),
+                       code_kind=_EXIT_CODES.get(record.code, pb.ExitInfo.CODE_UNSPECIFIED))
 
 
 def rank_pb(state: RankStatus) -> pb.RankState:
@@ -133,12 +150,20 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
     # -- status
 
     def GetStatus(self, request, context):
+        try:
+            memory = self._sampler.sample()
+        except MeminfoInvalid as exc:
+            context.abort(grpc.StatusCode.INTERNAL, f"cannot read this node's memory: {exc}")
         return pb.NodeStatus(
             node=self._settings.node, agent_version=VERSION, adapter_digest=self._adapter_digest(),
-            agent_up_s=self._monotonic() - self._started, rank=rank_pb(self._rank.refresh()),
-            memory=sample_pb(self._sampler.sample()), allowed_runtimes=list(self._settings.allowed_runtimes),
+            agent_up_s=self._monotonic() - self._started, rank=rank_pb(self._settled_rank()),
+            memory=sample_pb(memory), allowed_runtimes=list(self._settings.allowed_runtimes),
             mount=self.mount_snapshot_pb(), export=self.export_snapshot_pb(), images=self._images.get(),
             cert_not_after_unix_s=self._cert_not_after())
+
+    def _settled_rank(self):
+        self._rank.refresh()
+        return self._rank.settled_status()
 
     # -- rank
 
@@ -219,14 +244,24 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
         # are read for the samples sent (held-back ones that may be replayed are read in full).
         lazy = policy.min_change_bytes > 0 and policy.replay == 0
         complete = self._sampler.with_details if lazy else (lambda sample: sample)
-        taken = 0
+        taken = unreadable = 0
         try:
             next_at = self._monotonic()
             while context.is_active():
                 taken += 1
                 pushed = fired.wait(next_at - self._monotonic())
-                for sample in sends.offer(self._sampler.sample(psi_triggered=pushed, details=not lazy, seq=taken)):
-                    yield sample_pb(complete(sample))
+                try:
+                    sample = self._sampler.sample(psi_triggered=pushed, details=not lazy, seq=taken)
+                    unreadable = 0
+                except MeminfoInvalid as exc:
+                    # A tick that cannot be read is skipped (seq shows the gap); one that never can ends
+                    # the stream with the reason rather than sending a node that seems out of memory.
+                    unreadable += 1
+                    if unreadable >= MAX_UNREADABLE_TICKS:
+                        context.abort(grpc.StatusCode.INTERNAL, f"cannot read this node's memory: {exc}")
+                    sample = None
+                for sent in sends.offer(sample) if sample is not None else ():
+                    yield sample_pb(complete(sent))
                 if pushed:  # a PSI trigger cut the wait short: the timer's tick is still due
                     continue
                 next_at += interval

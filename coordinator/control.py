@@ -19,6 +19,7 @@ from dsv41.version import VERSION
 
 from . import plan as plan_mod
 from .agents import AgentClient, AgentUnavailable
+from .bringup.pack import incomplete
 from .config import ClusterConfig
 from .runtime import ClusterRuntime, Incident, Snapshot
 from .sockets import CONTROL_GROUP, CONTROL_SOCKET
@@ -157,16 +158,13 @@ class ControlService(control_pb2_grpc.ControlServicer):
         done: set[str] = set()
         try:
             if request.start:
-                for node, node_plan in plans.items():
-                    state = clients[node].pack_state(node_plan)
-                    if not all(layer.state == "complete" for layer in state.layers):
-                        clients[node].start_pack(node_plan)
+                self._runtime.start_pack()  # the supervisor drives the agents; progress is only read here
             while context.is_active() and len(done) < len(plans):
                 for node, node_plan in plans.items():
                     if node in done:
                         continue
                     state = clients[node].pack_state(node_plan)
-                    finished = all(layer.state == "complete" for layer in state.layers) or not state.running
+                    finished = not incomplete(state) or not state.running
                     if finished:
                         done.add(node)
                     yield pb.PackProgress(node=node, state=state, done=finished)
@@ -174,18 +172,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     time.sleep(1.0)
         except AgentUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except RuntimeError as exc:  # the supervisor was busy and did not get to it
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     def AutotuneReset(self, request, context):
-        removed, problems = 0, []
-        for node, client in self._runtime.clients.items():
-            try:
-                removed += client.clear_caches("autotune").removed_files
-            except AgentUnavailable as exc:
-                problems.append(f"{node}: {exc.details}")
-        if problems:
-            return pb.ActionReply(ok=False, message="; ".join(problems))
-        return pb.ActionReply(ok=True, message=f"removed {removed} autotune cache file(s) on {len(self._runtime.clients)} "
-                                               "nodes: the next boot retunes")
+        ok, message = self._runtime.autotune_reset()
+        return pb.ActionReply(ok=ok, message=message)
 
     def UnexportShare(self, request, context):
         ok, message = self._runtime.unexport(bool(request.force), bool(request.unmount))

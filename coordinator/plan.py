@@ -57,6 +57,9 @@ class RankSpec:
     exec_start_pre: tuple[tuple[str, ...], ...]
     exec_stop_post: tuple[tuple[str, ...], ...]
     stop_timeout_s: int
+    # The image a container rank runs ("" for the host runtime); also in argv. Not part of the
+    # fingerprint's body (to_json), which argv already covers.
+    image: str = ""
 
 
 @dataclass(frozen=True)
@@ -285,7 +288,7 @@ def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> Ran
     argv = [*docker, image, "python3", "-m", "sglang.launch_server", *args]
     remove = (DOCKER, "rm", "--force", CONTAINER_NAME)
     return RankSpec("container", tuple(argv), env, fills, tuple(binds),
-                    (remove,), (remove,), stop)
+                    (remove,), (remove,), stop, image)
 
 
 def _export(cfg: ClusterConfig) -> ExportSpec:

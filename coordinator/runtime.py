@@ -1,119 +1,85 @@
-"""The cluster runtime: bring-up, supervision, restart policy and stop, over the node agents.
+"""The cluster runtime: one supervisor thread brings the cluster up, keeps it serving and stops it.
 
-One supervisor thread performs every action in order (start, stop, restart, a rank's exit), so
-two actions never race; rank watchers and the control socket only enqueue. The coordinator never
-touches D-Bus, sysfs or netlink itself: it asks the agents.
+Only the supervisor thread changes the cluster's state and drives agents. Rank watchers post the
+rank states they see, the control socket and the memory guard post requests and jobs
+(coordinator.messages, policy.Request); the supervisor applies them in order. While a step waits
+(a poll, a health check, an agent call) the supervisor keeps reading its inbox: a rank that exits
+fails the step at once, and an operator's stop, restart or shutdown cancels the step within a
+fraction of a second, after which the ranks started so far are stopped, rank 0 first. The
+decisions are pure functions in coordinator.policy; the steps are modules of coordinator.bringup.
+The coordinator never touches D-Bus, sysfs or netlink itself: it asks the agents.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import replace
+from typing import Any, Callable
 
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 
+from . import adopt, bringup, policy, share, stopping
 from . import plan as plan_mod
-from . import serving, share, weights
+from . import unexport as unexport_mod
 from .agents import AgentClient, AgentUnavailable
+from .bringup import BringUp, Preempted, StepContext, StepFailed
+from .bringup.pack import incomplete
 from .config import ClusterConfig
+from .messages import AutotuneResetJob, PackStartJob, RankObserved, UnexportJob, Wake, WatchLost
+from .parallel import spawn
+from .policy import Action, Activity, RankExit, Request
+from .state import Incident, Snapshot, generation_of
 
-STEPS = ("preflight", "share", "fabric", "pack", "launch", "health", "smoke")
+__all__ = ["ClusterRuntime", "Incident", "Snapshot", "StepFailed", "generation_of"]
+
 GIB = 1 << 30
-STABLE_SERVING_S = 600.0  # serving this long resets the restart attempt counter
-
-
-class StepFailed(Exception):
-    def __init__(self, step: str, node: str | None, reason: str):
-        super().__init__(f"{step}: {node + ': ' if node else ''}{reason}")
-        self.step, self.node, self.reason = step, node, reason
-
-
-@dataclass(frozen=True)
-class Incident:
-    at_unix_s: float
-    node: str
-    kind: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    phase: str = "stopped"
-    detail: str = ""
-    since: float = 0.0
-    serving_since: float = 0.0
-    restart_attempt: int = 0
-    generation: str = ""
-    last_incident: Incident | None = None
-    fabric: dict = field(default_factory=dict)  # node -> FabricReport
-    fingerprints: dict = field(default_factory=dict)  # node -> plan fingerprint
-    ranks: dict = field(default_factory=dict)  # node -> last RankState seen
-
-
-def image_of(spec: plan_mod.RankSpec) -> str | None:
-    """The image a container-runtime rank runs (the argument before the rank's command), else None."""
-    if spec.runtime != "container":
-        return None
-    argv = list(spec.argv)
-    return argv[argv.index("python3") - 1] if "python3" in argv else None
-
-
-def image_problems(images_by_node: dict[str, dict[str, str]],
-                   specs: dict[str, plan_mod.RankSpec]) -> list[tuple[str, str]]:
-    """(node, reason) for every node whose image is missing or differs from the head's."""
-    wanted = {node: image_of(spec) for node, spec in specs.items()}
-    ids = {node: images_by_node.get(node, {}).get(image, "") for node, image in wanted.items() if image}
-    problems = [(node, f"image {wanted[node]} is not on this node (or not in its ALLOWED_IMAGES): "
-                       f"docker pull it, or load the same build") for node, image_id in ids.items() if not image_id]
-    if not problems and len(set(ids.values())) > 1:
-        reference = next(iter(ids))
-        problems = [(node, f"image {wanted[node]} is {image_id[:19]} here but {ids[reference][:19]} on "
-                           f"{reference}: every rank must run the same build")
-                    for node, image_id in ids.items() if image_id != ids[reference]]
-    return problems
-
-
-def generation_of(plans) -> str:
-    return hashlib.sha256(",".join(p.fingerprint for p in plans).encode()).hexdigest()[:12]
+SETTLE_S = 0.5  # when one rank dies the others follow within moments: wait for them before blaming
+MEMORY_POLL_S = 1.0
+JOB_WAIT_S = 150.0
 
 
 class ClusterRuntime:
     def __init__(self, cfg: ClusterConfig, clients: dict[str, AgentClient], log: EventLog,
                  table_source_dir: str = plan_mod.STATE_DIR, state_dir: str = "/var/lib/dsv41/coordinator",
                  api_key: str | None = None, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep, monotonic: Callable[[], float] = time.monotonic):
+                 monotonic: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.clients = clients
         self._log = log
         self._table_dir = table_source_dir
         self._state_dir = state_dir
         self._api_key = api_key  # read from API_KEY_FILE by the daemon; reaches rank 0 as a 0600 file
-        self._clock, self._sleep, self._monotonic = clock, sleep, monotonic
+        self._clock, self._monotonic = clock, monotonic
+        self.base_url = f"http://{cfg['HEAD_IP']}:{cfg['PORT']}"
+        # Published state: written by the supervisor only, read by anyone under the lock.
         self._lock = threading.Lock()
         self._snapshot = Snapshot(since=clock())
-        self._actions: queue.Queue = queue.Queue()
-        self._stop_watchers = threading.Event()
-        self._watch_threads: list[threading.Thread] = []
-        self._exited: dict[str, str] = {}  # node -> why its rank is gone, during a bring-up
         self._incidents: list[Incident] = []
         self._incident_listeners: list[Callable[[Incident], None]] = []
-        self._plans: tuple[plan_mod.NodePlan, ...] = ()
-        self._launched: dict[str, str] = {}  # node -> invocation ID of the rank this generation started
-        self._exit_times: dict[str, float] = {}  # node -> when its current-generation rank exited
-        self._operator = threading.Event()  # an operator's action is waiting: it beats a restart backoff
+        # Hand-over from other threads.
+        self._inbox: queue.Queue = queue.Queue()
+        self._request_lock = threading.Lock()
+        self._pending: Request | None = None
+        # The supervisor's own state: touched by its thread only.
+        self._activity = Activity.IDLE
+        self._step = ""
+        self._ranks_run = False  # this bring-up has started ranks: an exit fails it
+        self._bring = BringUp()
+        self._exits: dict[str, RankExit] = {}  # node -> how its rank of this generation ended
+        self._recover_due = False
+        self._deferred: list = []  # jobs that arrived during an activity
+        self._stop_watchers = threading.Event()
+        self._watch_threads: list[threading.Thread] = []
         self._done = threading.Event()
         self._worker = threading.Thread(target=self._run, name="supervisor", daemon=True)
-        self.base_url = f"http://{cfg['HEAD_IP']}:{cfg['PORT']}"
+        self._autostart = True
 
-    # -- public, thread-safe
+    # ------------------------------------------------------------------ public, thread-safe
 
     def snapshot(self) -> Snapshot:
         with self._lock:
@@ -124,50 +90,81 @@ class ClusterRuntime:
             return list(self._incidents)
 
     def on_incident(self, listener: Callable[[Incident], None]) -> None:
+        """listener(incident) on the supervisor thread for every incident: it must not block."""
         self._incident_listeners.append(listener)
 
     def run(self, autostart: bool = True) -> None:
         """Starts the supervisor: re-adopt what runs, else bring the cluster up when asked to."""
         for client in self.clients.values():
+            node = client.node
             self._watch_threads.append(client.watch_rank(
-                lambda event, node=client.node: self._on_rank_event(node, event),
-                lambda why, node=client.node: self._on_watch_lost(node, why), self._stop_watchers))
+                lambda event, node=node: self._inbox.put(RankObserved(node, event.rank)),
+                lambda why, node=node: self._inbox.put(WatchLost(node, why)), self._stop_watchers))
+        self._autostart = autostart
         self._worker.start()
-        self._actions.put(("adopt_or_start", autostart))
 
-    def request(self, action: str, reason: str | None = None) -> None:
-        """An operator's (or the memory guard's) start, stop or restart; `reason` is shown as the phase detail."""
-        self._operator.set()
-        self._actions.put((action, reason))
+    def request(self, action: str, reason: str | None = None, source: str = "dsv41ctl") -> None:
+        """An operator's (or the memory guard's) start, stop or restart; it supersedes one not yet
+        served, and a stop or restart cancels a bring-up under way. `reason` is shown as the phase
+        detail; a stop with a reason is recorded as an incident."""
+        self._offer(Request(Action(action), reason or "", source=source))
 
-    def unexport(self, force: bool, unmount: bool, wait_s: float = 150.0) -> tuple[bool, str]:
+    def shutdown(self, stop_cluster: bool) -> None:
+        """Stops the supervisor (cancelling a bring-up); with stop_cluster, brings the ranks down first
+        and confirms it on every node."""
+        self._offer(Request(Action.SHUTDOWN, "coordinator stopping", stop_cluster, source="coordinator"))
+        self._done.wait()
+        self._stop_watchers.set()
+
+    def unexport(self, force: bool, unmount: bool, wait_s: float = JOB_WAIT_S) -> tuple[bool, str]:
         """An operator's `dsv41ctl share unexport`: (done, what happened or why it was refused).
 
-        Runs on the supervisor between other actions, so it never races a bring-up's share step.
         Refused unless forced while a worker has the export mounted (the head's agent decides, from
         the `mounted_by` the workers' agents report) or ranks run or start; `unmount` first removes
         the workers' mounts, which their agents allow only while their ranks are stopped."""
         phase = self.snapshot().phase
         if not force and phase in share.BUSY_PHASES:
             return False, share.refusal("", [], [], phase)
-        job: Future = Future()
-        self._actions.put(("unexport", (force, unmount, job)))
+        return self._submit(UnexportJob(force, unmount), wait_s)
+
+    def start_pack(self, wait_s: float = JOB_WAIT_S) -> list[str]:
+        """`dsv41ctl pack --start`: starts the pack job where shards are incomplete; the nodes it was
+        started on. AgentUnavailable when an agent cannot be asked; RuntimeError when busy."""
+        return self._submit(PackStartJob(), wait_s, busy=RuntimeError)
+
+    def autotune_reset(self, wait_s: float = JOB_WAIT_S) -> tuple[bool, str]:
+        return self._submit(AutotuneResetJob(), wait_s)
+
+    # ------------------------------------------------------------------ hand-over
+
+    def _offer(self, new: Request) -> None:
+        with self._request_lock:
+            self._pending = policy.merge_requests(self._pending, new)
+        self._inbox.put(Wake())
+
+    def _take_request(self) -> Request | None:
+        with self._request_lock:
+            request, self._pending = self._pending, None
+            return request
+
+    def _peek_request(self) -> Request | None:
+        with self._request_lock:
+            return self._pending
+
+    def _submit(self, job, wait_s: float, busy: type[Exception] | None = None):
+        self._inbox.put(job)
         try:
-            return job.result(timeout=wait_s)
+            return job.reply.result(timeout=wait_s)
         except FutureTimeout:
-            if job.cancel():
-                return False, (f"the coordinator is busy (phase {self.snapshot().phase}) and did not get to it within "
-                               f"{wait_s:g} s; nothing was changed: try again")
-            return job.result()
+            if job.reply.cancel():
+                message = (f"the coordinator is busy (phase {self.snapshot().phase}) and did not get to it within "
+                           f"{wait_s:g} s; nothing was changed: try again")
+                if busy is not None:
+                    raise busy(message) from None
+                return False, message
+            return job.reply.result()
 
-    def shutdown(self, stop_cluster: bool) -> None:
-        """Stops the supervisor; with stop_cluster, brings the ranks down and confirms it on every node."""
-        self._operator.set()
-        self._actions.put(("shutdown", stop_cluster))
-        self._done.wait()
-        self._stop_watchers.set()
-
-    # -- state
+    # ------------------------------------------------------------------ published state
 
     def _set(self, **changes) -> Snapshot:
         with self._lock:
@@ -175,6 +172,12 @@ class ClusterRuntime:
                 changes.setdefault("since", self._clock())
             self._snapshot = replace(self._snapshot, **changes)
             return self._snapshot
+
+    def _record_rank(self, node: str, rank: pb.RankState) -> None:
+        with self._lock:
+            ranks = dict(self._snapshot.ranks)
+            ranks[node] = rank
+            self._snapshot = replace(self._snapshot, ranks=ranks)
 
     def _incident(self, node: str, kind: str, message: str) -> Incident:
         incident = Incident(self._clock(), node, kind, message)
@@ -184,563 +187,320 @@ class ClusterRuntime:
             self._snapshot = replace(self._snapshot, last_incident=incident)
         self._log.error("incident", f"{node}: {message}", node_name=node, incident=kind)
         for listener in list(self._incident_listeners):
-            listener(incident)
+            try:
+                listener(incident)
+            except Exception as exc:  # a listener's bug must not stop the supervisor
+                self._log.error("incident_listener_error", f"an incident listener failed: {exc!r}")
         return incident
 
-    # -- rank watching
-
-    def _on_rank_event(self, node: str, event: pb.RankEvent) -> None:
-        rank = event.rank
-        with self._lock:
-            ranks = dict(self._snapshot.ranks)
-            ranks[node] = rank
-            self._snapshot = replace(self._snapshot, ranks=ranks)
-            phase = self._snapshot.phase
-        # An exit is known by the invocation it ended, not by state transitions: streams can
-        # deliver an earlier rank's last state after a new launch, and one exit can be reported
-        # several times (failed, then reset to inactive).
-        exit_info = rank.last_exit
-        launched = self._launched.get(node)
-        if not launched or exit_info.invocation_id != launched or node in self._exited:
-            return
-        if rank.active_state in ("active", "activating") and rank.invocation_id == exit_info.invocation_id:
-            return  # a run cannot have ended and still be running: not an exit
-        why = (f"rank unit {rank.active_state}: result {exit_info.result or 'unknown'}, "
-               f"{exit_info.code or 'exit'} status {exit_info.status}")
-        self._exited[node] = why
-        self._exit_times[node] = exit_info.at_unix_s or self._clock()
-        self._log.info("rank_gone", f"{node}: {why}", node_name=node, invocation=exit_info.invocation_id,
-                       exited_at_unix_s=f"{self._exit_times[node]:.6f}")
-        if phase in ("serving", "health", "smoke"):
-            self._actions.put(("rank_exited", (node, why, exit_info.invocation_id)))
-
-    def _on_watch_lost(self, node: str, why: str) -> None:
-        self._log.warning("agent_stream_lost", f"{node}: lost the rank watch ({why}); re-subscribing",
-                          node_name=node)
-
-    # -- the supervisor
+    # ------------------------------------------------------------------ the supervisor loop
 
     def _run(self) -> None:
+        self._guarded("start", self._first_start)
         while True:
-            action, arg = self._actions.get()
-            if action in ("start", "stop", "restart", "shutdown"):
-                self._operator.clear()
-            try:
-                if action == "shutdown":
-                    if arg:
-                        self._stop_cluster("coordinator stopping")
+            request = self._take_request()
+            if request is not None:
+                if request.action is Action.SHUTDOWN:
+                    if request.stop_cluster:
+                        self._guarded("shutdown", lambda: self._stop_ranks("coordinator stopping"))
                     self._done.set()
                     return
-                if action == "adopt_or_start":
-                    if not self._adopt() and arg:
-                        self._bring_up_with_retries()
-                elif action == "start":
-                    if self.snapshot().phase != "serving":
-                        self._bring_up_with_retries(reset_attempts=True)
-                elif action == "stop":
-                    if arg:
-                        self._incident(self.cfg.head.name, "stopped", arg)
-                    self._stop_cluster(arg or "requested by dsv41ctl stop")
-                elif action == "restart":
-                    self._stop_cluster("restart requested", wait_memory=True)
-                    self._bring_up_with_retries(reset_attempts=True)
-                elif action == "unexport":
-                    force, unmount, job = arg
-                    if job.set_running_or_notify_cancel():
-                        try:
-                            job.set_result(self._unexport(force, unmount))
-                        except Exception as exc:  # the operator gets the error; the cluster's phase is untouched
-                            self._log.error("unexport_error", f"share unexport failed unexpectedly: {exc!r}")
-                            job.set_exception(exc)
-                elif action == "rank_exited":
-                    node, why, invocation = arg
-                    # Exits of ranks from before the last (re)start are old news.
-                    if self.snapshot().phase == "serving" and invocation == self._launched.get(node):
-                        self._set(phase="stopping", detail=f"rank on {node} exited: {why}")
-                        first, message = self._first_failure()
-                        self._incident(first, "rank_exit", message)
-                        self._recover(f"rank on {first} exited: {self._exited[first]}")
-            except Exception as exc:  # the supervisor must survive anything an action throws
-                self._log.error("supervisor_error", f"{action} failed unexpectedly: {exc!r}")
-                self._set(phase="failed", detail=f"{action}: internal error: {exc}")
+                self._guarded(request.action.value, lambda: self._serve(request))
+                continue
+            if self._recover_due:
+                self._recover_due = False
+                self._guarded("recovery", self._recover_from_exit)
+                continue
+            message = self._deferred.pop(0) if self._deferred else self._inbox.get()
+            self._guarded("event", lambda: self._apply(message, react=True))
 
-    def _first_failure(self, settle_s: float = 0.5) -> tuple[str, str]:
-        """When one rank dies the others follow within moments: wait for them, then blame the first."""
-        self._sleep(settle_s)
-        exits = sorted(self._exit_times.items(), key=lambda item: item[1])
-        # Exit timestamps of different nodes are only comparable to a few milliseconds (each is
-        # when that node's systemd reaped the process, and a peer notices a dead socket at once):
-        # among exits that close together, a rank ended from outside (signal, OOM kill) is the cause.
-        close = [node for node, at in exits if at - exits[0][1] <= 0.05]
-        external = [node for node in close if any(k in self._exited[node] for k in ("result signal", "oom-kill",
-                                                                                      "result core-dump"))]
-        first = external[0] if external else exits[0][0]
-        exits = [(first, self._exit_times[first])] + [e for e in exits if e[0] != first]
-        message = f"rank on {first} died first: {self._exited[first]}"
-        followers = [f"{node} ({self._exited[node].split(': ', 1)[-1]})" for node, _ in exits[1:]]
-        if followers:
-            message += "; then " + ", ".join(followers)
-        return first, message
+    def _guarded(self, what: str, fn: Callable[[], None]) -> None:
+        """Runs one activity; the loop serves a preempting request next, and survives anything else."""
+        try:
+            fn()
+        except Preempted:
+            pass  # the request that preempted it is in the slot: the loop serves it next
+        except Exception as exc:  # the supervisor must survive anything an activity throws
+            self._log.error("supervisor_error", f"{what} failed unexpectedly: {exc!r}")
+            self._set(phase="failed", detail=f"{what}: internal error: {exc}")
+        finally:
+            self._activity = Activity.IDLE
 
-    def _recover(self, cause: str) -> None:
-        """A rank of a serving cluster is gone: the TP group is broken. Stop it all, then restart."""
-        self._stop_cluster(f"recovering: {cause}", wait_memory=True)
-        self._bring_up_with_retries(first_cause=cause)
+    def _serve(self, request: Request) -> None:
+        if request.action is Action.STOP:
+            if request.reason:
+                self._incident(self.cfg.head.name, "stopped", request.reason)
+            self._stop_ranks(request.reason or "requested by dsv41ctl stop")
+        elif request.action is Action.START:
+            if self.snapshot().phase != "serving":
+                self._bring_up_with_retries(reset_attempts=True)
+        elif request.action is Action.RESTART:
+            self._stop_ranks("restart requested", wait_memory=True)
+            self._bring_up_with_retries(reset_attempts=True)
+
+    def _first_start(self) -> None:
+        if not self._adopt() and self._autostart:
+            self._bring_up_with_retries()
+
+    # ------------------------------------------------------------------ events
+
+    def _apply(self, message: Any, react: bool) -> None:
+        """One inbox message. `react`: may fail the running step (a rank exit during a bring-up)."""
+        if isinstance(message, RankObserved):
+            self._observe(message, react)
+        elif isinstance(message, WatchLost):
+            self._log.warning("agent_stream_lost", f"{message.node}: lost the rank watch ({message.why}); "
+                              "re-subscribing", node_name=message.node)
+        elif isinstance(message, (UnexportJob, PackStartJob, AutotuneResetJob)):
+            if self._activity is Activity.IDLE and react:
+                self._run_job(message)
+            else:
+                self._deferred.append(message)
+        elif not isinstance(message, Wake):
+            self._log.error("supervisor_error", f"unknown message {message!r}")
+
+    def _observe(self, message: RankObserved, react: bool) -> None:
+        node = message.node
+        self._record_rank(node, message.rank)
+        found = policy.new_exit(node, message.rank, self._bring.launched.get(node), self._exits, self._clock())
+        if found is None:
+            return
+        self._exits[node] = found
+        self._log.info("rank_gone", f"{node}: {found.describe()}", node_name=node, invocation=found.invocation_id,
+                       exited_at_unix_s=f"{found.at_unix_s:.6f}")
+        if not react:
+            return
+        if self._activity is Activity.BRINGUP and self._ranks_run:
+            self._settle()
+            blame = policy.first_failure(list(self._exits.values()))
+            raise StepFailed(self._step, blame.node, f"during bring-up, {blame.message}")
+        if self._activity is Activity.IDLE and self.snapshot().phase == "serving":
+            self._recover_due = True
+
+    def _pump(self, seconds: float, until: Future | None = None, react: bool = True) -> None:
+        """Waits `seconds` (or until `until` is done) applying inbox messages; raises Preempted when
+        a request cancels the current activity, StepFailed when a rank exit fails the bring-up."""
+        end = self._monotonic() + seconds
+        while True:
+            request = self._peek_request()
+            if react and policy.preempts(request, self._activity):
+                raise Preempted(request)
+            if until is not None and until.done():
+                return
+            left = end - self._monotonic()
+            try:
+                # Past the end, only what is already there: _pump(0) drains the inbox without waiting.
+                message = self._inbox.get(timeout=min(left, 0.25)) if left > 0 else self._inbox.get_nowait()
+            except queue.Empty:
+                if left <= 0:
+                    return
+                continue
+            self._apply(message, react)
+
+    def _settle(self) -> None:
+        self._pump(SETTLE_S, react=False)
+
+    def _wait(self, seconds: float) -> None:
+        self._pump(seconds)
+
+    def _call(self, fn: Callable[[], Any], to_end: bool = False) -> Any:
+        """fn() on a helper thread while the supervisor keeps applying its inbox. A call that changes
+        a node (to_end) is waited for even when cancelled, before Preempted or StepFailed is raised."""
+        future = spawn(fn, name="supervisor-call", on_done=lambda: self._inbox.put(Wake()))
+        try:
+            while not future.done():
+                self._pump(3600.0, until=future)
+        except (Preempted, StepFailed):
+            if to_end:
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001 - its outcome no longer matters; the cancellation does
+                    pass
+            raise
+        return future.result()
+
+    def _context(self, step: str) -> StepContext:
+        return StepContext(step, self.cfg, self.clients, self._log, self._bring, wait=self._wait, call=self._call,
+                           monotonic=self._monotonic, set_detail=lambda detail: self._set(detail=detail),
+                           record_rank=self._record_rank, state_dir=self._state_dir, table_dir=self._table_dir,
+                           api_key=self._api_key, base_url=self.base_url)
+
+    # ------------------------------------------------------------------ bring-up
 
     def _bring_up_with_retries(self, reset_attempts: bool = False, first_cause: str | None = None) -> None:
         snap = self._set(restart_attempt=0) if reset_attempts else self.snapshot()
-        attempt = snap.restart_attempt
-        if snap.serving_since and self._clock() - snap.serving_since > STABLE_SERVING_S:
-            attempt = 0
+        attempts = policy.attempts_so_far(snap.restart_attempt, snap.serving_since, self._clock())
         cause = first_cause
         while True:
             if cause is not None:
-                attempt += 1
                 max_attempts = int(self.cfg["RESTART_MAX_ATTEMPTS"])
-                if attempt > max_attempts:
-                    self._set(phase="failed", restart_attempt=attempt - 1,
+                restart = policy.next_restart(attempts, max_attempts, float(self.cfg["RESTART_BACKOFF_S"]))
+                if restart.give_up:
+                    self._set(phase="failed", restart_attempt=attempts,
                               detail=f"{cause} (gave up after {max_attempts} restart attempt(s))")
                     self._log.error("restart_exhausted", f"not restarting again: {cause}", attempts=max_attempts)
                     return
-                delay = float(self.cfg["RESTART_BACKOFF_S"]) * 2 ** (attempt - 1)
-                self._set(phase="restarting", restart_attempt=attempt,
-                          detail=f"attempt {attempt}/{max_attempts} in {delay:g} s after: {cause}")
-                self._log.warning("restart_attempt", f"restart attempt {attempt}/{max_attempts} in {delay:g} s: "
-                                  f"{cause}", attempt=attempt, delay_s=delay)
-                if self._operator.wait(delay):
-                    return  # an operator's stop/restart arrived during the backoff: it wins
+                attempts = restart.attempt
+                self._set(phase="restarting", restart_attempt=attempts,
+                          detail=f"attempt {attempts}/{max_attempts} in {restart.delay_s:g} s after: {cause}")
+                self._log.warning("restart_attempt", f"restart attempt {attempts}/{max_attempts} in "
+                                  f"{restart.delay_s:g} s: {cause}", attempt=attempts, delay_s=restart.delay_s)
+                self._activity = Activity.BACKOFF
+                self._pump(restart.delay_s)
             try:
                 self._bring_up()
                 return
             except StepFailed as exc:
+                self._activity = Activity.IDLE
                 self._incident(exc.node or "cluster", f"{exc.step}_failed", exc.reason)
-                self._stop_cluster(f"bring-up failed at {exc.step}", final_phase=None,
-                                   wait_memory=exc.step not in ("preflight", "share", "fabric", "pack"))
+                step = bringup.BY_NAME.get(exc.step)
+                ranks_ran = self._ranks_run
+                self._stop_ranks(f"bring-up failed at {exc.step}", final_phase=None, wait_memory=ranks_ran)
                 self._set(phase="failed", detail=str(exc))
-                if exc.step in ("preflight", "share", "fabric", "pack"):
+                if not policy.retry_can_fix(step.retryable if step else False, exc.transient):
                     return  # a restart cannot fix configuration or a node that is not ready
                 cause = str(exc)
 
-    # -- bring-up
-
     def _bring_up(self) -> None:
-        self._exited.clear()
-        self._exit_times.clear()
-        self._launched.clear()
-        step_deadlines = {"preflight": "PREFLIGHT_TIMEOUT_S", "share": "SHARE_TIMEOUT_S", "fabric": "FABRIC_TIMEOUT_S",
-                          "pack": "PACK_TIMEOUT_S", "launch": "LAUNCH_TIMEOUT_S", "health": "HEALTH_TIMEOUT_S",
-                          "smoke": "SMOKE_TIMEOUT_S"}
-        for step in STEPS:
-            if step == "smoke" and self.cfg["SKIP_SMOKE"]:
+        self._bring = BringUp()
+        self._exits.clear()
+        self._ranks_run = False
+        with self._request_lock:  # a start that waited is this bring-up: it must not run a second one
+            if self._pending is not None and self._pending.action is Action.START:
+                self._pending = None
+        for step in bringup.STEPS:
+            if step.skip(self.cfg):
                 continue
-            self._set(phase=step, detail="")
-            deadline = float(self.cfg[step_deadlines[step]])
+            self._activity = Activity.BRINGUP
+            self._pump(0)  # a stop (or an exit) that came meanwhile is served before the step begins
+            self._step = step.name
+            if step.name == bringup.RANKS_RUN_FROM:
+                self._ranks_run = True
+            self._set(phase=step.name, detail="")
+            deadline = float(self.cfg[step.deadline_key])
             started = self._monotonic()
-            self._log.info("step_started", f"bring-up: {step}", step=step)
-            getattr(self, f"_step_{step}")(deadline)
-            self._log.info("step_done", f"bring-up: {step} done in {self._monotonic() - started:.2f} s", step=step,
-                           duration_s=round(self._monotonic() - started, 3))
-        now = self._clock()
-        ranks = len(self._plans)
-        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {ranks}/{ranks} ranks", serving_since=now)
+            self._log.info("step_started", f"bring-up: {step.name}", step=step.name)
+            step.run(self._context(step.name), deadline)
+            took = self._monotonic() - started
+            self._log.info("step_done", f"bring-up: {step.name} done in {took:.2f} s", step=step.name,
+                           duration_s=round(took, 3))
+            if self._bring.generation:
+                self._set(generation=self._bring.generation, fabric=dict(self._bring.fabric),
+                          fingerprints={p.node: p.fingerprint for p in self._bring.plans})
+        self._pump(0)  # an exit or a stop that came with the last answer
+        self._activity = Activity.IDLE
+        ranks = len(self._bring.plans)
+        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {ranks}/{ranks} ranks",
+                  serving_since=self._clock())
         self._log.info("serving", f"cluster serving at {self.base_url} ({ranks}/{ranks} ranks, generation "
                        f"{self.snapshot().generation})", generation=self.snapshot().generation)
 
-    def _on_nodes(self, fn: Callable[[AgentClient], object], nodes: list[str]) -> dict[str, Future]:
-        """fn(client) on each named node at once; returns when all are done, their futures by node."""
-        with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
-            return {name: pool.submit(fn, self.clients[name]) for name in nodes}
+    # ------------------------------------------------------------------ recovery and stop
 
-    def _each(self, fn: Callable[[AgentClient], object], step: str) -> dict[str, object]:
-        """Runs fn on every node concurrently; the first error fails the step naming its node."""
-        results, errors = {}, []
-        for name, future in self._on_nodes(fn, list(self.clients)).items():
-            try:
-                results[name] = future.result()
-            except AgentUnavailable as exc:
-                errors.append(StepFailed(step, name, f"agent at {self.clients[name].target}: {exc.code}: "
-                                                      f"{exc.details}"))
-            except StepFailed as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-        return results
+    def _recover_from_exit(self) -> None:
+        """A rank of a serving cluster is gone: the TP group is broken. Stop it all, then restart."""
+        first = next(iter(self._exits.values()))
+        self._set(phase="stopping", detail=f"rank on {first.node} exited: {first.describe()}")
+        self._settle()
+        blame = policy.first_failure(list(self._exits.values()))
+        self._incident(blame.node, "rank_exit", blame.message)
+        cause = f"rank on {blame.node} exited: {self._exits[blame.node].describe()}"
+        self._stop_ranks(f"recovering: {cause}", wait_memory=True)
+        self._bring_up_with_retries(first_cause=cause)
 
-    def _status_once_reachable(self, client: AgentClient, deadline: float) -> pb.NodeStatus:
-        """The agent's status. An agent that cannot be reached yet (its node still booting, its network
-        coming up, the agent restarting) is asked again each second until the step's deadline; any other
-        answer, and a refused TLS handshake, is final at once."""
-        end = self._monotonic() + deadline
-        waiting = False
-        while True:
-            try:
-                return client.status(timeout=max(1.0, min(end - self._monotonic(), 10.0)))
-            except AgentUnavailable as exc:
-                if exc.code != "UNAVAILABLE" or exc.explained or self._monotonic() + 1.0 > end:
-                    raise exc.after_waiting(deadline) if waiting else exc
-                if not waiting:
-                    waiting = True
-                    self._log.warning("agent_waiting", f"{client.node}: agent at {client.target} not reachable "
-                                      f"yet, waiting up to {deadline:g} s: {exc.details}", node_name=client.node)
-                    self._set(detail=f"waiting for the agent on {client.node}: {exc.details}")
-            self._sleep(1.0)
-
-    def _step_preflight(self, deadline: float) -> None:
-        statuses = self._each(lambda c: self._status_once_reachable(c, deadline), "preflight")
-        versions = {name: s.agent_version for name, s in statuses.items()}
-        if len(set(versions.values())) > 1:
-            raise StepFailed("preflight", None, "agents run different versions: " +
-                             ", ".join(f"{n} {v}" for n, v in versions.items()) + "; upgrade every node to one version")
-        digests = {name: s.adapter_digest for name, s in statuses.items()}
-        if len(set(digests.values())) > 1:
-            raise StepFailed("preflight", None, "adapter files differ between nodes: " +
-                             ", ".join(f"{n} {d[:12] or 'none'}" for n, d in digests.items()) +
-                             "; install the same dsv41-adapter everywhere")
-        if not self.cfg["SKIP_VERIFY"]:
-            self._set(detail=f"verifying the checkpoint in {self.cfg['MODEL_DIR']}")
-            result = weights.verify(str(self.cfg["MODEL_DIR"]), int(self.cfg["EXPECTED_SHARDS"]),
-                                    os.path.join(self._state_dir, "weights-receipts.json"))
-            if not result.ok:
-                raise StepFailed("preflight", self.cfg.head.name, f"weights: {result.detail}")
-            self._log.info("weights_verified", f"weights: {result.detail}", hashed_bytes=result.hashed_bytes)
-        self._plans = self._render_plans(sync_tables=True)
-        plans = {p.node: p for p in self._plans}
-        need = float(self.cfg["RANK_MEMORY_GIB"]) * GIB
-        for name, status in statuses.items():
-            rank = status.rank
-            running = rank.active_state in ("active", "activating")
-            if running and rank.fingerprint != plans[name].fingerprint:
-                self._log.warning("stale_rank", f"{name} runs plan {rank.fingerprint}, not {plans[name].fingerprint}:"
-                                  " stopping it before launch", node_name=name)
-                self.clients[name].stop_rank(int(self.cfg["RANK_STOP_TIMEOUT_S"]))
-                status = self.clients[name].status()
-            available = status.memory.available_bytes
-            if not running and available < need:
-                raise StepFailed("preflight", name, f"{available / GIB:.1f} GiB available, a rank needs "
-                                                    f"{need / GIB:.1f} GiB (RANK_MEMORY_GIB)")
-        self._check_images(statuses, plans)
-        self._set(generation=generation_of(self._plans),
-                  fingerprints={p.node: p.fingerprint for p in self._plans})
-
-    def _check_images(self, statuses: dict, plans: dict) -> None:
-        """Ranks of one TP group must run one image: the same local image ID on every node."""
-        problems = image_problems({name: dict(s.images) for name, s in statuses.items()},
-                                  {name: p.rank_spec for name, p in plans.items()})
-        if problems:
-            node, reason = problems[0]
-            raise StepFailed("preflight", node, reason)
-
-    def _render_plans(self, sync_tables: bool) -> tuple[plan_mod.NodePlan, ...]:
-        """Renders plans; the DSpark table flags only when every node holds the head's copy."""
-        probe = plan_mod.render_cluster(self.cfg, dspark_tables=True)
-        tables = probe[0].dspark_tables  # rank path -> node path
-        if not tables:
-            return plan_mod.render_cluster(self.cfg)
-        names = [os.path.basename(node_path) for node_path in tables.values()]
-        head = self.cfg.head.name
-        sources = {}
-        for name in names:
-            path = os.path.join(self._table_dir, name)
-            try:
-                with open(path, "rb") as f:
-                    sources[name] = f.read()
-            except FileNotFoundError:
-                sources[name] = None
-        present = all(content is not None for content in sources.values())
-        for node, client in self.clients.items():
-            for name, content in sources.items():
-                if node == head:
-                    continue
-                if sync_tables:
-                    if content is None:
-                        client.remove_file(name)  # a stale copy would make ranks disagree
-                    else:
-                        digest = client.file_digest(name)
-                        if digest.sha256 != hashlib.sha256(content).hexdigest():
-                            client.put_file(name, content)
-        if not present:
-            missing = [n for n, c in sources.items() if c is None]
-            self._log.info("dspark_tables_absent", f"DSpark tables not on the head ({', '.join(missing)} in "
-                           f"{self._table_dir}): no rank gets the table flags")
-            return plan_mod.render_cluster(self.cfg)
-        want = {name: hashlib.sha256(content).hexdigest() for name, content in sources.items()}
-        for node, client in self.clients.items():
-            for name, sha in want.items():
-                got = client.file_digest(name)
-                if got.sha256 != sha:
-                    raise StepFailed("preflight", node, f"DSpark table {name} differs from the head's "
-                                                        f"({got.sha256[:12] or 'absent'} != {sha[:12]}): ranks would "
-                                                        "disagree on the verify schedule")
-        return plan_mod.render_cluster(self.cfg, dspark_tables=True)
-
-    def _step_share(self, deadline: float) -> None:
-        if not self.cfg["NFS_SHARE"]:
-            return
-        plans = {p.node: p for p in self._plans}
-        head = self.cfg.head.name
-        try:
-            state = self.clients[head].ensure_export(plans[head], deadline)
-        except AgentUnavailable as exc:
-            raise StepFailed("share", head, f"export: {exc.code}: {exc.details}") from None
-        if not state.exported:
-            raise StepFailed("share", head, f"export of {plans[head].export.path} failed: {state.detail}")
-        end = self._monotonic() + deadline
-        workers = [n for n in self.clients if n != head]
-        for node in workers:
-            try:
-                self.clients[node].ensure_mount(plans[node], deadline)
-            except AgentUnavailable as exc:
-                raise StepFailed("share", node, f"mount: {exc.code}: {exc.details}") from None
-        pending = set(workers)
-        last: dict[str, pb.MountState] = {}
-        while pending:
-            for node in sorted(pending):
-                last[node] = self.clients[node].get_mount()
-                if last[node].state == pb.MountState.HEALTHY:
-                    pending.discard(node)
-            if not pending:
-                break
-            if self._monotonic() > end:
-                node = sorted(pending)[0]
-                state = last[node]
-                raise StepFailed("share", node, f"mount of {plans[node].mount.what} at {plans[node].mount.where} is "
-                                                f"{pb.MountState.State.Name(state.state).lower()}: {state.detail}")
-            self._sleep(0.5)
-
-    def _step_fabric(self, deadline: float) -> None:
-        plans = {p.node: p for p in self._plans}
-        reports = self._each(lambda c: c.check_fabric(plans[c.node], deadline), "fabric")
-        self._set(fabric=reports)
-        for node, report in reports.items():
-            if not report.ok:
-                failed = [f"{c.name}: {c.detail}" for c in report.checks if not c.ok]
-                raise StepFailed("fabric", node, "; ".join(failed) or "fabric check failed")
-
-    def _step_pack(self, deadline: float) -> None:
-        todo = [p for p in self._plans if p.pack.required]
-        if not todo:
-            return
-        plans = {p.node: p for p in todo}
-        states = {p.node: self.clients[p.node].pack_state(p) for p in todo}
-        incomplete = {n: [l for l in s.layers if l.state != "complete"] for n, s in states.items()}
-        incomplete = {n: ls for n, ls in incomplete.items() if ls}
-        if not incomplete:
-            return
-        if not plans[next(iter(incomplete))].pack.run_if_missing:
-            node, layers = next(iter(incomplete.items()))
-            what = ", ".join(f"layer {l.layer} rank {l.rank}: {l.state}" + (f" ({l.detail})" if l.detail else "")
-                             for l in layers)
-            raise StepFailed("pack", node, f"packed Engram shards not complete ({what}); run `dsv41ctl pack` "
-                                           "or set SKIP_PREPARE=0")
-        for node in incomplete:
-            self.clients[node].start_pack(plans[node])
-        end = self._monotonic() + deadline
-        while incomplete:
-            if self._monotonic() > end:
-                raise StepFailed("pack", sorted(incomplete)[0], f"pack not complete after {deadline:g} s")
-            self._sleep(2.0)
-            for node in list(incomplete):
-                state = self.clients[node].pack_state(plans[node])
-                if all(l.state == "complete" for l in state.layers):
-                    del incomplete[node]
-                elif not state.running:
-                    bad = [l for l in state.layers if l.state != "complete"]
-                    raise StepFailed("pack", node, f"pack job ended with {bad[0].state}: {bad[0].detail or state.status_text}")
-
-    def _step_launch(self, deadline: float) -> None:
-        # Workers first, then the head: rank 0 starts the rendezvous the others are waiting for.
-        generation = self.snapshot().generation
-        if self._api_key:
-            head = self.cfg.head.name
-            try:
-                self.clients[head].put_file(os.path.basename(plan_mod.API_KEY_NODE_PATH), self._api_key.encode(),
-                                            mode=0o600)
-            except AgentUnavailable as exc:
-                raise StepFailed("launch", head, f"cannot place the API key file: {exc.code}: {exc.details}") from None
-        order = sorted(self._plans, key=lambda p: (p.rank == 0, p.rank))
-        for node_plan in order:
-            try:
-                reply = self.clients[node_plan.node].start_rank(node_plan, generation, replace=True,
-                                                                timeout_s=int(deadline))
-            except AgentUnavailable as exc:
-                raise StepFailed("launch", node_plan.node, f"{exc.code}: {exc.details}") from None
-            with self._lock:
-                ranks = dict(self._snapshot.ranks)
-                ranks[node_plan.node] = reply.rank
-                self._snapshot = replace(self._snapshot, ranks=ranks)
-                self._launched[node_plan.node] = reply.rank.invocation_id
-            self._log.info("rank_launched", f"{node_plan.node}: rank {node_plan.rank} "
-                           f"{pb.StartRankResponse.Outcome.Name(reply.outcome).lower()} (pid {reply.rank.main_pid})",
-                           node_name=node_plan.node, rank=node_plan.rank, pid=reply.rank.main_pid,
-                           invocation=reply.rank.invocation_id)
-
-    def _first_exit(self) -> str | None:
-        for node, why in list(self._exited.items()):
-            return f"rank on {node} exited during bring-up: {why}"
-        return None
-
-    def _step_health(self, deadline: float) -> None:
-        result = serving.wait_healthy(self.base_url, deadline, self._first_exit, sleep=self._sleep,
-                                      monotonic=self._monotonic, interval_s=0.2)
-        if not result.ok:
-            raise StepFailed("health", self.cfg.head.name, result.detail)
-
-    def _step_smoke(self, deadline: float) -> None:
-        result = serving.smoke(self.base_url, str(self.cfg["SERVED_MODEL_NAME"]), bool(self.cfg["SMOKE_QUICK"]),
-                               int(self.cfg["MAX_RUNNING_REQUESTS"]), timeout=deadline, api_key=self._api_key)
-        if not result.ok:
-            raise StepFailed("smoke", self.cfg.head.name, result.detail)
-        exited = self._first_exit()
-        if exited:
-            raise StepFailed("smoke", None, exited)
-
-    # -- adoption and stop
-
-    def _adopt(self) -> bool:
-        """A restarted coordinator takes over ranks that run the current plans instead of restarting them."""
-        try:
-            statuses = self._each(lambda c: c.status(), "adopt")
-        except StepFailed as exc:
-            self._log.warning("adopt_skipped", f"cannot see every agent ({exc}); bringing the cluster up instead")
-            return False
-        running = {n for n, s in statuses.items() if s.rank.active_state in ("active", "activating")}
-        if not running:
-            return False
-        try:
-            plans = self._render_plans(sync_tables=False)
-        except (AgentUnavailable, StepFailed):
-            return False
-        matches = all(statuses[p.node].rank.fingerprint == p.fingerprint for p in plans)
-        if running != set(self.clients) or not matches:
-            self._log.warning("adopt_refused", "ranks running do not match the current plans on every node "
-                              f"(running on {', '.join(sorted(running))}); restarting the cluster")
-            return False
-        self._plans = plans
-        self._launched = {n: s.rank.invocation_id for n, s in statuses.items()}
-        with self._lock:
-            self._snapshot = replace(self._snapshot, ranks={n: s.rank for n, s in statuses.items()},
-                                     generation=generation_of(plans),
-                                     fingerprints={p.node: p.fingerprint for p in plans})
-        self._set(phase="health", detail="re-adopting running ranks")
-        result = serving.health(self.base_url)
-        if not result.ok:
-            self._log.warning("adopt_refused", f"running ranks do not answer ({result.detail}); restarting")
-            return False
-        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {len(plans)}/{len(plans)} ranks "
-                                          "(re-adopted)", serving_since=self._clock())
-        self._log.info("adopted", f"re-adopted a serving cluster ({len(plans)} ranks, generation "
-                       f"{generation_of(plans)}) without restarting it")
-        return True
-
-    def _stop_cluster(self, why: str, final_phase: str | None = "stopped", wait_memory: bool = False) -> None:
+    def _stop_ranks(self, why: str, final_phase: str | None = "stopped", wait_memory: bool = False) -> None:
         """Rank 0 first (it drains), then the workers; then confirm on every node that nothing is left."""
+        self._activity = Activity.STOPPING
         self._set(phase="stopping", detail=why)
-        deadline = int(self.cfg["RANK_STOP_TIMEOUT_S"])
-        head = self.cfg.head.name
-        results: dict[str, str] = {}
-
-        def stop(client: AgentClient) -> str:
-            try:
-                reply = client.stop_rank(deadline)
-                return pb.StopRankResponse.Outcome.Name(reply.outcome).lower()
-            except AgentUnavailable as exc:
-                return f"not confirmed: {exc.code}: {exc.details}"
-
-        results[head] = stop(self.clients[head])
-        workers = [c for n, c in self.clients.items() if n != head]
-        with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
-            for client, outcome in zip(workers, pool.map(stop, workers)):
-                results[client.node] = outcome
-        for node, client in self.clients.items():
-            try:
-                state = client.status().rank.active_state
-                confirmed = state in ("absent", "inactive")
-                detail = f"rank unit {state}"
-            except AgentUnavailable as exc:
-                confirmed, detail = False, f"agent unreachable: {exc.details}"
-            priority = "info" if confirmed else "err"
-            self._log.event("rank_stop_confirmed" if confirmed else "rank_stop_unconfirmed",
-                            f"{node}: stop {results[node]}; {detail}", priority, node_name=node)
+        stopping.stop_ranks(self.clients, self.cfg.head.name, int(self.cfg["RANK_STOP_TIMEOUT_S"]), self._log,
+                            call=self._call)
+        self._activity = Activity.IDLE
         if final_phase:
             self._set(phase=final_phase, detail=why, serving_since=0.0)
         if wait_memory:  # only a restart stacks new ranks on the memory the old ones held
+            self._activity = Activity.MEMORY_WAIT
             self._wait_memory_back()
-
-    # -- the share, on an operator's request
-
-    def _ask(self, fn: Callable[[AgentClient], object], nodes: list[str]) -> dict[str, share.Asked]:
-        """fn on each node at once; an agent that cannot answer is an Asked with its error."""
-        out = {}
-        for name, future in self._on_nodes(fn, nodes).items():
-            try:
-                out[name] = share.Asked(future.result())
-            except AgentUnavailable as exc:
-                out[name] = share.Asked(None, f"{exc.code}: {exc.details}")
-        return out
-
-    def _unexport(self, force: bool, unmount: bool) -> tuple[bool, str]:
-        head = self.cfg.head.name
-        workers = [name for name in self.clients if name != head]
-        statuses = self._ask(lambda c: c.status(timeout=10.0), list(self.clients))
-        if statuses[head].answer is None:
-            return False, f"cannot reach {head}'s agent ({statuses[head].error}): nothing was changed"
-        path = statuses[head].answer.export.path
-        running = share.running_ranks(statuses)
-        mounted = share.holders(self._ask(lambda c: c.get_mount(), workers))
-        notes = []
-        if unmount and mounted and (force or not running):
-            for node, _ in mounted:
-                try:
-                    self.clients[node].remove_mount()
-                    notes.append(f"unmounted on {node}")
-                except AgentUnavailable as exc:
-                    notes.append(f"not unmounted on {node}: {exc.details}")
-            mounted = share.holders(self._ask(lambda c: c.get_mount(), [node for node, _ in mounted]))
-        reason = share.refusal(path, mounted, running, self.snapshot().phase)
-        held_by = [node for node, _ in mounted]
-        if reason and not force and not mounted:
-            self._log.warning("unexport_refused", reason, ranks_running=",".join(n for n, _ in running))
-            return False, reason
-        try:
-            state = self.clients[head].remove_export(force, held_by)
-        except AgentUnavailable as exc:
-            if exc.code == "FAILED_PRECONDITION" and not force:
-                message = reason or f"refused by {head}'s agent: {exc.details}"
-                if notes:
-                    message += f" ({'; '.join(notes)})"
-                self._log.warning("unexport_refused", message, mounted_by=",".join(held_by),
-                                  ranks_running=",".join(n for n, _ in running))
-                return False, message
-            return False, f"{head}: RemoveExport: {exc.code}: {exc.details}"
-        path = state.path or path
-        if state.detail == "was not exported":
-            message = f"nothing was exported on {head}"
-        else:
-            message = f"unexported {path} on {head}"
-        if notes:
-            message += f" ({'; '.join(notes)})"
-        forced = share.forced_note(mounted, running) if force and state.detail != "was not exported" else ""
-        if forced:
-            message += f" (forced): {forced}"
-            self._incident(head, "export_forced", message)
-        else:
-            self._log.info("share_unexported", message, path=path)
-        return True, message
+            self._activity = Activity.IDLE
 
     def _wait_memory_back(self) -> None:
         """A restart must not stack a new rank on memory the old one has not returned yet."""
-        need = float(self.cfg["RANK_MEMORY_GIB"]) * GIB
+        need = int(float(self.cfg["RANK_MEMORY_GIB"]) * GIB)
         end = self._monotonic() + float(self.cfg["MEMORY_RECOVERY_TIMEOUT_S"])
-        pending = set(self.clients)
-        while pending and self._monotonic() < end:
-            for node in sorted(pending):
+        short = sorted(self.clients)
+        while short and self._monotonic() < end:
+            def available(node: str) -> int | None:
                 try:
-                    if self.clients[node].status().memory.available_bytes >= need:
-                        pending.discard(node)
+                    return self.clients[node].status().memory.available_bytes
                 except AgentUnavailable:
-                    pass
-            if pending:
-                self._sleep(1.0)
-        for node in sorted(pending):
+                    return None
+            answers = self._call(lambda nodes=tuple(short): {n: available(n) for n in nodes})
+            short = policy.memory_short(answers, need)
+            if short:
+                self._pump(MEMORY_POLL_S)
+        for node in short:
             self._log.warning("memory_not_back", f"{node}: available memory still below RANK_MEMORY_GIB after the "
                               "stop", node_name=node)
+
+    # ------------------------------------------------------------------ adoption
+
+    def _adopt(self) -> bool:
+        """A restarted coordinator takes over ranks that run the current plans instead of restarting them."""
+        ctx = self._context("adopt")
+        found = adopt.find_running(ctx)
+        if found is None:
+            return False
+        self._bring = BringUp(plans=found.plans, generation=generation_of(found.plans), launched=found.launched)
+        with self._lock:
+            self._snapshot = replace(self._snapshot, ranks=dict(found.ranks), generation=self._bring.generation,
+                                     fingerprints={p.node: p.fingerprint for p in found.plans})
+        self._set(phase="health", detail="re-adopting running ranks")
+        if not adopt.answers(ctx):
+            return False
+        ranks = len(found.plans)
+        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {ranks}/{ranks} ranks (re-adopted)",
+                  serving_since=self._clock())
+        self._log.info("adopted", f"re-adopted a serving cluster ({ranks} ranks, generation "
+                       f"{self._bring.generation}) without restarting it")
+        self._recover_due = bool(self._exits)  # a rank that exited while rank 0 was being asked
+        return True
+
+    # ------------------------------------------------------------------ jobs
+
+    def _run_job(self, job) -> None:
+        if not job.reply.set_running_or_notify_cancel():
+            return  # its caller stopped waiting
+        try:
+            if isinstance(job, UnexportJob):
+                result = unexport_mod.unexport(self.clients, self.cfg.head.name, self._log, self.snapshot().phase,
+                                               self._incident, job.force, job.unmount)
+            elif isinstance(job, PackStartJob):
+                result = self._start_packs()
+            else:
+                result = self._reset_autotune()
+        except Exception as exc:  # the operator gets the error; the cluster's phase is untouched
+            if not isinstance(exc, AgentUnavailable):
+                self._log.error("job_error", f"{type(job).__name__} failed unexpectedly: {exc!r}")
+            job.reply.set_exception(exc)
+            return
+        job.reply.set_result(result)
+
+    def _start_packs(self) -> list[str]:
+        started = []
+        for node_plan in plan_mod.render_cluster(self.cfg):
+            client = self.clients[node_plan.node]
+            if incomplete(client.pack_state(node_plan)):
+                client.start_pack(node_plan)
+                started.append(node_plan.node)
+        return started
+
+    def _reset_autotune(self) -> tuple[bool, str]:
+        removed, problems = 0, []
+        for node, client in self.clients.items():
+            try:
+                removed += client.clear_caches("autotune").removed_files
+            except AgentUnavailable as exc:
+                problems.append(f"{node}: {exc.details}")
+        if problems:
+            return False, "; ".join(problems)
+        return True, (f"removed {removed} autotune cache file(s) on {len(self.clients)} nodes: the next boot "
+                      "retunes")

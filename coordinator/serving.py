@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+
+from .parallel import on_each
 
 
 @dataclass(frozen=True)
@@ -40,29 +39,17 @@ def _request(url: str, body: dict | None, timeout: float, api_key: str | None = 
         return status, text[:500]
 
 
-def health(base: str, timeout: float = 20.0) -> CheckResult:
+# SGLang's /health answers 503 after 20 s without a generation; a hung TP group shows as a client
+# timeout, so waiting longer for one answer learns nothing more.
+HEALTH_TIMEOUT_S = 20.0
+
+
+def health(base: str, timeout: float = HEALTH_TIMEOUT_S) -> CheckResult:
     try:
         status, body = _request(f"{base}/health", None, timeout)
     except (OSError, urllib.error.URLError) as exc:
         return CheckResult(False, f"{base}/health: {getattr(exc, 'reason', exc)}")
     return CheckResult(status == 200, f"{base}/health answered {status}")
-
-
-def wait_healthy(base: str, deadline_s: float, abort: Callable[[], str | None],
-                 sleep: Callable[[float], None] = time.sleep, monotonic: Callable[[], float] = time.monotonic,
-                 interval_s: float = 1.0) -> CheckResult:
-    """Polls /health until 200, the deadline, or `abort()` names a reason (e.g. a rank exited)."""
-    end = monotonic() + deadline_s
-    last = CheckResult(False, "not asked yet")
-    while monotonic() < end:
-        reason = abort()
-        if reason:
-            return CheckResult(False, reason)
-        last = health(base, timeout=min(20.0, max(1.0, end - monotonic())))
-        if last.ok:
-            return last
-        sleep(interval_s)
-    return CheckResult(False, f"rank 0 not healthy after {deadline_s:g} s (last: {last.detail})")
 
 
 def _chat(base: str, model: str, messages: list, timeout: float, api_key: str | None = None, **extra) -> dict:
@@ -148,10 +135,8 @@ def smoke(base: str, model: str, quick: bool, batch: int, timeout: float, api_ke
         if not calls or calls[0].get("function", {}).get("name") != "add":
             return CheckResult(False, f"no tool call in the answer (finish_reason {finish!r})")
         prompts = [f"Write one sentence about the number {n}." for n in range(batch)]
-        with ThreadPoolExecutor(max_workers=batch) as pool:
-            replies = list(pool.map(lambda p: _chat(base, model, [{"role": "user", "content": p}], timeout, api_key),
-                                    prompts))
-        for prompt, reply in zip(prompts, replies):
+        replies = on_each(lambda p: _chat(base, model, [{"role": "user", "content": p}], timeout, api_key), prompts)
+        for prompt, reply in replies.items():
             text = str(_choice(reply)[0].get("content") or "")
             why = looks_like_garbage(text)
             if why:

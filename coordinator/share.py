@@ -13,6 +13,8 @@ from typing import Mapping
 
 from dsv41.v1 import agent_pb2 as pb
 
+from .bringup import PHASES
+
 # A mount in these states holds the export: mounting may complete any moment, wrong content is
 # still mounted, and a stale mount is the one an unexport wedges for good.
 PINNING = {pb.MountState.MOUNTING: "mounting", pb.MountState.HEALTHY: "healthy",
@@ -20,7 +22,9 @@ PINNING = {pb.MountState.MOUNTING: "mounting", pb.MountState.HEALTHY: "healthy",
 # Nothing of dsv41's is mounted: never requested or unmounted, or the mount unit failed.
 NOT_MOUNTED = (pb.MountState.ABSENT, pb.MountState.FAILED)
 RANK_RUNNING = ("active", "activating", "deactivating", "reloading")
-BUSY_PHASES = ("preflight", "share", "fabric", "pack", "launch", "health", "smoke", "restarting", "stopping")
+# The cluster is starting (a bring-up step, a restart's backoff, waiting for a node) or stopping:
+# unexporting is refused unless forced.
+BUSY_PHASES = PHASES + ("restarting", "stopping", "waiting")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,13 @@ class Asked:
     """One agent's answer, or why there is none."""
     answer: object | None = None   # pb.MountState (workers' mounts) or pb.NodeStatus
     error: str = ""
+
+
+def export_removed(state: pb.ExportState) -> bool:
+    """Whether RemoveExport took an export down (False: there was none)."""
+    if state.outcome != pb.ExportState.OUTCOME_UNSPECIFIED:
+        return state.outcome != pb.ExportState.WAS_NOT_EXPORTED
+    return bool(state.path)  # an agent older than the outcome names the path only of what it removed
 
 
 def holders(mounts: Mapping[str, Asked]) -> list[tuple[str, str]]:

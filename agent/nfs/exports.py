@@ -8,6 +8,7 @@ RemoveExport is refused while any worker is known to have it mounted, unless for
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 from dataclasses import dataclass
@@ -19,15 +20,26 @@ from .paths import check_path, resolve_in
 from .spec import Export
 
 
+class Outcome(str, enum.Enum):
+    """What the last request did to the export (the wire's ExportState.Outcome, by name)."""
+    EXPORTED = "EXPORTED"
+    CONFIGURED = "CONFIGURED"  # configured, not checked since the agent started
+    NOT_EXPORTED = "NOT_EXPORTED"
+    REMOVED = "REMOVED"
+    REMOVED_FORCED = "REMOVED_FORCED"
+    WAS_NOT_EXPORTED = "WAS_NOT_EXPORTED"
+
+
 @dataclass(frozen=True)
 class ExportStatus:
     exported: bool
     path: str
     clients: tuple[str, ...]
     detail: str
+    outcome: Outcome
 
 
-NOT_EXPORTED = ExportStatus(False, "", (), "nothing exported")
+NOT_EXPORTED = ExportStatus(False, "", (), "nothing exported", Outcome.NOT_EXPORTED)
 
 
 class ExportManager:
@@ -49,7 +61,7 @@ class ExportManager:
             if current is None:
                 return NOT_EXPORTED
             return ExportStatus(True, current.path, current.clients, f"configured for {current.backend}; not "
-                                "checked since the agent started")
+                                "checked since the agent started", Outcome.CONFIGURED)
         return last
 
     def configured(self) -> Export | None:
@@ -76,7 +88,7 @@ class ExportManager:
                                       f"{export.backend}", backend=export.backend)
             before = self._backends[export.backend].configured()
             status = self._backends[export.backend].ensure(export)
-            result = ExportStatus(True, export.path, export.clients, status.detail + note)
+            result = ExportStatus(True, export.path, export.clients, status.detail + note, Outcome.EXPORTED)
             self._last = result
         if before != export:
             self._events.info("export_changed", f"exporting {export.path} over NFS ({export.backend}) to "
@@ -89,7 +101,7 @@ class ExportManager:
             current = self.configured()
             if current is None:
                 self._last = NOT_EXPORTED
-                return ExportStatus(False, "", (), "was not exported")
+                return ExportStatus(False, "", (), "was not exported", Outcome.WAS_NOT_EXPORTED)
             held = list(mounted_by)
             clients = self._backends["kernel"].active_clients() if current.backend == "kernel" else []
             if (held or clients) and not force:
@@ -99,7 +111,9 @@ class ExportManager:
                               "or force")
             for backend in self._backends.values():
                 backend.remove()
-            self._last = ExportStatus(False, current.path, (), "removed" + (" (forced)" if force else ""))
+            forced = bool(force and (held or clients))
+            self._last = ExportStatus(False, current.path, (), "removed" + (" (forced)" if force else ""),
+                                      Outcome.REMOVED_FORCED if forced else Outcome.REMOVED)
         if held or clients:
             self._events.warning("export_removed", f"unexported {current.path} although mounted by "
                                  f"{', '.join(held + clients)} (forced)", path=current.path, forced=1)

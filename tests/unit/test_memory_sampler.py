@@ -55,12 +55,28 @@ def test_gid_lookup_picks_the_roce_v2_entry_for_the_ipv4_mapped_address(tmp_path
     assert roce.find_roce_v2_gid("/sys", ["rocep1s0f0"], "10.0.0.2") is None  # this machine has no RDMA
 
 
-def test_parse_meminfo_finds_the_fields_wherever_they_are_and_reads_missing_ones_as_zero():
+def test_parse_meminfo_finds_the_fields_wherever_they_are_and_reads_a_missing_total_as_zero():
     assert memory.parse_meminfo(b"MemFree: 3 kB\nMemAvailable: 5 kB") == (0, 5120)
-    assert memory.parse_meminfo(b"MemTotal:  10 kB\n") == (10240, 0)
-    assert memory.parse_meminfo(b"") == (0, 0)
+    assert memory.parse_meminfo(b"MemAvailable: 5 kB\nMemTotal:  10 kB\n") == (10240, 5120)
     # a field whose name ends another field's name is not taken for it
-    assert memory.parse_meminfo(b"XMemTotal: 7 kB\nMemTotal: 9 kB\n") == (9216, 0)
+    assert memory.parse_meminfo(b"XMemTotal: 7 kB\nMemTotal: 9 kB\nMemAvailable: 1 kB\n") == (9216, 1024)
+
+
+@pytest.mark.parametrize("text", [b"", b"MemTotal:  10 kB\n", b"MemTotal: 10 kB\nXMemAvailable: 5 kB\n"])
+def test_meminfo_without_memavailable_is_refused_not_read_as_a_node_out_of_memory(text):
+    with pytest.raises(memory.MeminfoInvalid, match="no MemAvailable line"):
+        memory.parse_meminfo(text)
+
+
+def test_a_meminfo_read_without_memavailable_is_read_again_before_it_counts(tmp_path):
+    write(tmp_path, "proc/meminfo", "MemTotal: 100 kB\nMemAvailable: 40 kB\n")
+    sampler = memory.MemorySampler(proc_root=str(tmp_path / "proc"), cgroup_root=str(tmp_path / "cg"))
+    reads = iter([b"", b"MemTotal: 100 kB\n", b"MemTotal: 100 kB\nMemAvailable: 40 kB\n"])
+    sampler._meminfo.read = lambda: next(reads)  # two torn reads, then a whole one
+    assert sampler.sample().mem_available == 40 * 1024
+    sampler._meminfo.read = lambda: b""
+    with pytest.raises(memory.MeminfoInvalid):
+        sampler.sample()
 
 
 def test_the_cgroup_limit_is_reread_once_a_second_and_usage_only_while_there_is_a_limit(tmp_path):

@@ -3,6 +3,7 @@ nothing moved; the stream ends when the client goes away and leaves no listener 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -80,13 +81,26 @@ def test_without_psi_trigger_no_listener_is_added(tmp_path):
     stream.close()
 
 
+def rewrite_in_place(path, text):
+    """New content of the same length, written over the old in one write: a reader never sees the
+    file empty or cut short, as it could after a truncating write_text. Not os.replace: the sampler
+    keeps the file open, as it does /proc/meminfo, and would go on reading the old one."""
+    data = text.encode()
+    assert len(data) == path.stat().st_size
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        assert os.pwrite(fd, data, 0) == len(data)
+    finally:
+        os.close(fd)
+
+
 def test_seq_counts_the_samples_taken_so_a_client_sees_how_many_were_not_sent(tmp_path):
     triggers, context = Triggers(), Context()
     meminfo = tmp_path / "proc/meminfo"
     stream = service(tmp_path, triggers).WatchMemory(
         pb.WatchMemoryRequest(interval_ms=20, min_change_bytes=100 << 20, heartbeat_ms=60_000), context)
     assert next(stream).seq == 1  # the first sample is always sent
-    threading.Timer(0.2, meminfo.write_text, ["MemTotal: 1000000 kB\nMemAvailable: 300000 kB\n"]).start()
+    threading.Timer(0.2, rewrite_in_place, [meminfo, "MemTotal: 1000000 kB\nMemAvailable: 300000 kB\n"]).start()
     moved = next(stream)  # held back until available fell by 195 MiB, some ten ticks later
     assert moved.available_bytes == 300000 * 1024 and moved.seq > 5
     context.active = False

@@ -8,7 +8,8 @@ import pytest
 
 from coordinator import config
 from coordinator.agents import AgentUnavailable
-from coordinator.runtime import ClusterRuntime
+from coordinator.bringup import BringUp, StepContext, StepFailed
+from coordinator.bringup.preflight import statuses_once_reachable
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 from tests.configtext import HOME, SEED_TEXT
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 
 class Clock:
-    """Monotonic time that only the runtime's sleeps move."""
+    """Monotonic time that only the step's waits move."""
 
     def __init__(self):
         self.now = 100.0
@@ -48,13 +49,15 @@ class LateAgent:
         return pb.NodeStatus(node=self.node, agent_version="1")
 
 
-def runtime(agent):
+def context(*agents):
     cfg = config.parse(SEED_TEXT, "cluster.env", HOME)
     clock = Clock()
     stream = io.StringIO()
+    details = []
     log = EventLog("test", {}, stream=stream, use_journal=False)
-    rt = ClusterRuntime(cfg, {agent.node: agent}, log, sleep=clock.sleep, monotonic=clock.monotonic)
-    return rt, clock, stream
+    ctx = StepContext("preflight", cfg, {a.node: a for a in agents}, log, BringUp(), wait=clock.sleep,
+                      call=lambda fn, to_end=False: fn(), monotonic=clock.monotonic, set_detail=details.append)
+    return ctx, clock, stream, details
 
 
 REFUSED = RpcFailure(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; connection refused")
@@ -62,23 +65,30 @@ REFUSED = RpcFailure(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addr
 
 def test_an_agent_that_comes_up_within_the_deadline_is_waited_for():
     agent = LateAgent("spark3", failures=3, error=REFUSED)
-    rt, clock, stream = runtime(agent)
-    status = rt._status_once_reachable(agent, 30.0)
-    assert status.node == "spark3" and agent.calls == 4
+    ctx, clock, stream, details = context(agent)
+    statuses = statuses_once_reachable(ctx, 30.0)
+    assert statuses["spark3"].node == "spark3" and agent.calls == 4
     assert clock.sleeps == [1.0, 1.0, 1.0]
-    assert rt.snapshot().detail.startswith("waiting for the agent on spark3: failed to connect")
+    assert details == ["waiting for the agent on spark3: failed to connect to all addresses; connection refused"]
     assert stream.getvalue().count("not reachable yet, waiting up to 30 s") == 1  # one line, not one per try
+
+
+def test_only_the_agents_not_reachable_yet_are_asked_again():
+    late, ready = LateAgent("spark3", failures=2, error=REFUSED), LateAgent("spark2", failures=0, error=REFUSED)
+    ctx, clock, _, _ = context(ready, late)
+    statuses = statuses_once_reachable(ctx, 30.0)
+    assert list(statuses) == ["spark2", "spark3"]
+    assert (ready.calls, late.calls) == (1, 3) and clock.sleeps == [1.0, 1.0]
 
 
 def test_an_agent_still_unreachable_at_the_deadline_fails_saying_how_long_it_waited():
     agent = LateAgent("spark3", failures=10**6, error=REFUSED)
-    rt, clock, _ = runtime(agent)
-    with pytest.raises(AgentUnavailable) as info:
-        rt._status_once_reachable(agent, 5.0)
-    assert info.value.code == "UNAVAILABLE" and info.value.node == "spark3"
-    assert info.value.details == ("failed to connect to all addresses; connection refused "
-                                  "(still unreachable after 5 s)")
-    assert str(info.value).startswith("spark3: GetStatus: UNAVAILABLE: failed to connect")
+    ctx, clock, _, _ = context(agent)
+    with pytest.raises(StepFailed) as info:
+        statuses_once_reachable(ctx, 5.0)
+    assert info.value.step == "preflight" and info.value.node == "spark3" and not info.value.transient
+    assert info.value.reason == ("agent at spark3:7441: UNAVAILABLE: failed to connect to all addresses; "
+                                 "connection refused (still unreachable after 5 s)")
     assert 4 <= agent.calls <= 6 and clock.now - 100.0 <= 5.0
 
 
@@ -90,8 +100,9 @@ def test_an_agent_still_unreachable_at_the_deadline_fails_saying_how_long_it_wai
 ])
 def test_an_answer_that_waiting_cannot_change_fails_at_once(error, explanation):
     agent = LateAgent("spark3", failures=10**6, error=error, explanation=explanation)
-    rt, clock, stream = runtime(agent)
-    with pytest.raises(AgentUnavailable) as info:
-        rt._status_once_reachable(agent, 30.0)
+    ctx, clock, stream, _ = context(agent)
+    with pytest.raises(StepFailed) as info:
+        statuses_once_reachable(ctx, 30.0)
     assert agent.calls == 1 and clock.sleeps == []
-    assert "still unreachable" not in info.value.details and "waiting" not in stream.getvalue()
+    assert "still unreachable" not in info.value.reason and "waiting" not in stream.getvalue()
+    assert info.value.reason.startswith("agent at spark3:7441: ")

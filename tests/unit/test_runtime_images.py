@@ -2,7 +2,7 @@ import pytest
 
 from agent.images import ImageIds
 from coordinator import config, plan
-from coordinator.runtime import image_of, image_problems
+from coordinator.bringup.images import image_of, image_problems
 from tests.configtext import HOME, SEED_TEXT, edited
 
 pytestmark = pytest.mark.unit

@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from coordinator import config, ctl, share
+from coordinator import unexport as unexport_mod
 from coordinator.agents import AgentUnavailable
 from coordinator.runtime import ClusterRuntime
 from dsv41.journal import EventLog
@@ -64,6 +65,16 @@ def test_refusal_names_the_workers_and_what_to_do():
     assert share.refusal("/srv/m", [], [], phase="serving") == ""
 
 
+def test_whether_an_export_was_removed_is_read_from_the_outcome_not_the_detail():
+    E = pb.ExportState
+    assert share.export_removed(E(outcome=E.REMOVED, path="/srv/m", detail="anything"))
+    assert share.export_removed(E(outcome=E.REMOVED_FORCED, path="/srv/m"))
+    assert not share.export_removed(E(outcome=E.WAS_NOT_EXPORTED, detail="removed"))
+    # an agent older than the outcome field names a path only for an export it removed
+    assert share.export_removed(E(path="/srv/m", detail="was not exported"))
+    assert not share.export_removed(E(detail="removed"))
+
+
 # ----- the runtime's part, over fake agents
 
 class FakeAgent:
@@ -101,8 +112,16 @@ class FakeAgent:
                                                                    f"export /srv/m is mounted by {', '.join(mounted_by)}"))
         was = self.exported
         self.exported = False
-        return pb.ExportState(exported=False, path="/srv/m" if was else "",
+        outcome = ((pb.ExportState.REMOVED_FORCED if force and mounted_by else pb.ExportState.REMOVED) if was
+                   else pb.ExportState.WAS_NOT_EXPORTED)
+        return pb.ExportState(exported=False, path="/srv/m" if was else "", outcome=outcome,
                               detail=("removed" + (" (forced)" if force else "")) if was else "was not exported")
+
+    def watch_rank(self, on_event, on_lost, stop):
+        import threading
+        thread = threading.Thread(target=stop.wait, daemon=True)
+        thread.start()
+        return thread
 
 
 def runtime(rank="active", mounts=(M.HEALTHY, M.HEALTHY), down=()):
@@ -115,10 +134,14 @@ def runtime(rank="active", mounts=(M.HEALTHY, M.HEALTHY), down=()):
     return ClusterRuntime(cfg, clients, log), clients
 
 
+def unexport(rt, force, unmount, phase="stopped"):
+    """What the supervisor runs for `dsv41ctl share unexport`, in the given phase."""
+    return unexport_mod.unexport(rt.clients, rt.cfg.head.name, rt._log, phase, rt._incident, force, unmount)
+
+
 def test_while_serving_the_head_agent_is_asked_with_the_mounting_workers_and_refuses():
     rt, clients = runtime()
-    rt._set(phase="serving")
-    ok, message = rt._unexport(force=False, unmount=False)
+    ok, message = unexport(rt, force=False, unmount=False, phase="serving")
     assert not ok
     assert "mounted by spark2 (healthy), spark3 (healthy)" in message and "ranks run on spark1" in message
     assert ("remove_export", False, ("spark2", "spark3")) in clients["spark1"].calls
@@ -128,22 +151,22 @@ def test_while_serving_the_head_agent_is_asked_with_the_mounting_workers_and_ref
 
 def test_unmount_is_not_attempted_under_running_ranks():
     rt, clients = runtime()
-    ok, message = rt._unexport(force=False, unmount=True)
+    ok, message = unexport(rt, force=False, unmount=True)
     assert not ok and "remove_mount" not in clients["spark2"].calls and clients["spark1"].exported
 
 
 def test_ranks_running_without_mounts_are_refused_by_the_coordinator_itself():
     rt, clients = runtime(mounts=(M.ABSENT, M.ABSENT))
-    ok, message = rt._unexport(force=False, unmount=False)
+    ok, message = unexport(rt, force=False, unmount=False)
     assert not ok and "ranks run on spark1 (rank active)" in message
     assert not [c for c in clients["spark1"].calls if c[0] == "remove_export"]
 
 
 def test_stopped_cluster_with_mounts_left_needs_unmount_then_unexports():
     rt, clients = runtime(rank="inactive")
-    ok, message = rt._unexport(force=False, unmount=False)
+    ok, message = unexport(rt, force=False, unmount=False)
     assert not ok and "ranks run" not in message and "--unmount" in message
-    ok, message = rt._unexport(force=False, unmount=True)
+    ok, message = unexport(rt, force=False, unmount=True)
     assert ok, message
     assert message == "unexported /srv/m on spark1 (unmounted on spark2; unmounted on spark3)"
     assert clients["spark1"].calls[-1] == ("remove_export", False, ())
@@ -151,9 +174,9 @@ def test_stopped_cluster_with_mounts_left_needs_unmount_then_unexports():
 
 def test_an_unreachable_worker_blocks_unless_forced_and_force_is_recorded():
     rt, clients = runtime(rank="inactive", mounts=(M.ABSENT, M.ABSENT), down=("spark3",))
-    ok, message = rt._unexport(force=False, unmount=False)
+    ok, message = unexport(rt, force=False, unmount=False)
     assert not ok and "spark3 (agent unreachable" in message
-    ok, message = rt._unexport(force=True, unmount=False)
+    ok, message = unexport(rt, force=True, unmount=False)
     assert ok and "(forced): the mounts on spark3 are stale now" in message
     assert rt.incidents()[-1].kind == "export_forced"
 
@@ -164,7 +187,7 @@ def test_the_supervisor_runs_it_and_a_starting_cluster_is_refused_at_once():
     ok, message = rt.unexport(force=False, unmount=False, wait_s=5)
     assert not ok and "starting (phase health)" in message and clients["spark1"].calls == []
     rt._set(phase="stopped")
-    rt._worker.start()
+    rt.run(autostart=False)  # finds no running rank to adopt and waits for requests
     try:
         assert rt.unexport(force=False, unmount=False, wait_s=10) == (True, "unexported /srv/m on spark1")
         assert rt.unexport(force=False, unmount=False, wait_s=10) == (True, "nothing was exported on spark1")

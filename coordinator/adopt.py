@@ -1,0 +1,57 @@
+"""A restarted coordinator takes over ranks that run the current plans instead of restarting them:
+every node's rank runs, each from the plan the coordinator renders now, and rank 0 answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv41.v1 import agent_pb2 as pb
+
+from . import serving
+from .bringup.step import StepContext, StepFailed
+from .bringup.tables import render_plans
+from .plan import NodePlan
+
+RUNNING = ("active", "activating")
+
+
+@dataclass(frozen=True)
+class Adoption:
+    plans: tuple[NodePlan, ...]
+    ranks: dict[str, pb.RankState]  # node -> the rank found running
+
+    @property
+    def launched(self) -> dict[str, str]:
+        return {node: rank.invocation_id for node, rank in self.ranks.items()}
+
+
+def find_running(ctx: StepContext) -> Adoption | None:
+    """The running ranks when every node's matches its current plan; None (and why, in the
+    journal) when they do not, or when nothing runs."""
+    try:
+        statuses = ctx.each(lambda c: c.status())
+    except StepFailed as exc:
+        ctx.log.warning("adopt_skipped", f"cannot see every agent ({exc}); bringing the cluster up instead")
+        return None
+    running = {n for n, s in statuses.items() if s.rank.active_state in RUNNING}
+    if not running:
+        return None
+    try:
+        plans = render_plans(ctx, sync=False)
+    except StepFailed as exc:
+        ctx.log.warning("adopt_skipped", f"cannot render the plans ({exc}); bringing the cluster up instead")
+        return None
+    matches = all(statuses[p.node].rank.fingerprint == p.fingerprint for p in plans)
+    if running != set(ctx.clients) or not matches:
+        ctx.log.warning("adopt_refused", "ranks running do not match the current plans on every node "
+                        f"(running on {', '.join(sorted(running))}); restarting the cluster")
+        return None
+    return Adoption(plans, {n: s.rank for n, s in statuses.items()})
+
+
+def answers(ctx: StepContext) -> bool:
+    """Whether the adopted cluster's rank 0 answers /health."""
+    result = ctx.call(lambda: serving.health(ctx.base_url))
+    if not result.ok:
+        ctx.log.warning("adopt_refused", f"running ranks do not answer ({result.detail}); restarting")
+    return result.ok

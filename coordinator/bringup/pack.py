@@ -1,0 +1,58 @@
+"""pack: the packed Engram shards are complete for this TP size on every node that reads them
+(OFFLOAD_MODE=nvme), or the pack job runs (SKIP_PREPARE=0) and the step waits for it."""
+
+from __future__ import annotations
+
+from dsv41.v1 import agent_pb2 as pb
+
+from .step import Step, StepContext
+
+POLL_S = 2.0
+# An agent older than PackLayerState.state_kind sends only the state's value (the agent's fixed
+# vocabulary, agent/pack/state.py Status), which maps one to one.
+_STATE_VALUES = {"absent": pb.PackLayerState.ABSENT, "packing": pb.PackLayerState.PACKING,
+                 "complete": pb.PackLayerState.COMPLETE, "stale": pb.PackLayerState.STALE,
+                 "corrupt": pb.PackLayerState.CORRUPT}
+
+
+def layer_state(layer: pb.PackLayerState) -> int:
+    """The layer's PackLayerState.State."""
+    if layer.state_kind != pb.PackLayerState.STATE_UNSPECIFIED:
+        return layer.state_kind
+    return _STATE_VALUES.get(layer.state, pb.PackLayerState.STATE_UNSPECIFIED)
+
+
+def incomplete(state: pb.PackState) -> list[pb.PackLayerState]:
+    return [layer for layer in state.layers if layer_state(layer) != pb.PackLayerState.COMPLETE]
+
+
+def run(ctx: StepContext, deadline: float) -> None:
+    todo = {p.node: p for p in ctx.bring.plans if p.pack.required}
+    if not todo:
+        return
+    states = {node: ctx.ask(node, lambda c, p=p: c.pack_state(p)) for node, p in todo.items()}
+    missing = {node: incomplete(state) for node, state in states.items() if incomplete(state)}
+    if not missing:
+        return
+    node, layers = next(iter(missing.items()))
+    if not todo[node].pack.run_if_missing:
+        what = ", ".join(f"layer {l.layer} rank {l.rank}: {l.state}" + (f" ({l.detail})" if l.detail else "")
+                         for l in layers)
+        raise ctx.fail(node, f"packed Engram shards not complete ({what}); run `dsv41ctl pack` or set SKIP_PREPARE=0")
+    for node in missing:
+        ctx.ask(node, lambda c, p=todo[node]: c.start_pack(p), mutates=True)
+    end = ctx.monotonic() + deadline
+    while missing:
+        if ctx.monotonic() > end:
+            raise ctx.fail(sorted(missing)[0], f"pack not complete after {deadline:g} s")
+        ctx.wait(POLL_S)
+        for node in list(missing):
+            state = ctx.ask(node, lambda c, p=todo[node]: c.pack_state(p))
+            bad = incomplete(state)
+            if not bad:
+                del missing[node]
+            elif not state.running:
+                raise ctx.fail(node, f"pack job ended with {bad[0].state}: {bad[0].detail or state.status_text}")
+
+
+STEP = Step("pack", "PACK_TIMEOUT_S", retryable=False, run=run)

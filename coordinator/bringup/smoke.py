@@ -1,0 +1,18 @@
+"""smoke: a real completion through rank 0 (19+23 must come back as 42, finish_reason stop); the
+full smoke adds a JSON-schema answer, a tool call and one batch of MAX_RUNNING_REQUESTS."""
+
+from __future__ import annotations
+
+from .. import serving
+from .step import Step, StepContext
+
+
+def run(ctx: StepContext, deadline: float) -> None:
+    cfg = ctx.cfg
+    result = ctx.call(lambda: serving.smoke(ctx.base_url, str(cfg["SERVED_MODEL_NAME"]), bool(cfg["SMOKE_QUICK"]),
+                                            int(cfg["MAX_RUNNING_REQUESTS"]), timeout=deadline, api_key=ctx.api_key))
+    if not result.ok:
+        raise ctx.fail(ctx.head, result.detail)
+
+
+STEP = Step("smoke", "SMOKE_TIMEOUT_S", retryable=True, run=run, skip=lambda cfg: bool(cfg["SKIP_SMOKE"]))

@@ -1,0 +1,48 @@
+"""Stopping the ranks: rank 0 first (it drains in-flight requests, then tells the group to shut
+down), then the workers at once; then every agent is asked whether any rank unit or process is
+left, and the answer is logged per node. Used by every stop: an operator's, a shutdown, a
+recovery, and the clean-up after a failed or cancelled bring-up."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from dsv41.journal import EventLog
+from dsv41.v1 import agent_pb2 as pb
+
+from .agents import AgentClient, AgentUnavailable
+from .parallel import on_each
+
+STOPPED_STATES = ("absent", "inactive")
+
+
+def _stop_one(client: AgentClient, deadline_s: int) -> str:
+    try:
+        reply = client.stop_rank(deadline_s)
+        return pb.StopRankResponse.Outcome.Name(reply.outcome).lower()
+    except AgentUnavailable as exc:
+        return f"not confirmed: {exc.code}: {exc.details}"
+
+
+def _confirm(client: AgentClient) -> tuple[bool, str]:
+    try:
+        state = client.status().rank.active_state
+        return state in STOPPED_STATES, f"rank unit {state}"
+    except AgentUnavailable as exc:
+        return False, f"agent unreachable: {exc.details}"
+
+
+def stop_ranks(clients: dict[str, AgentClient], head: str, deadline_s: int, log: EventLog,
+               call: Callable[[Callable[[], Any]], Any] = lambda fn: fn()) -> dict[str, bool]:
+    """Stops every node's rank, head first; returns node -> confirmed stopped. `call` runs each
+    blocking part (the supervisor passes one that keeps its inbox moving)."""
+    outcomes = {head: call(lambda: _stop_one(clients[head], deadline_s))}
+    workers = [name for name in clients if name != head]
+
+    outcomes.update(call(lambda: on_each(lambda n: _stop_one(clients[n], deadline_s), workers)))
+    confirmations = call(lambda: on_each(lambda n: _confirm(clients[n]), clients))
+    for node in clients:
+        confirmed, detail = confirmations[node]
+        log.event("rank_stop_confirmed" if confirmed else "rank_stop_unconfirmed",
+                  f"{node}: stop {outcomes[node]}; {detail}", "info" if confirmed else "err", node_name=node)
+    return {node: confirmations[node][0] for node in clients}
