@@ -31,7 +31,7 @@ def _module_path() -> str:
 
 
 class PackRpcs:
-    """Mixin of AgentService: uses self._settings, self._systemd, self._events, self._rank."""
+    """Mixin of AgentService: uses self._settings, self._systemd, self._events, self._rank, self._host_root."""
 
     def _check_pack_spec(self, spec: pb.PackSpec, context) -> None:
         try:
@@ -55,11 +55,14 @@ class PackRpcs:
             return False, ""
         return props.get("ActiveState") in ("active", "activating"), str(props.get("StatusText", ""))
 
+    def _on_host(self, path: str) -> str:
+        return os.path.join(self._host_root, path.lstrip("/"))
+
     def _state(self, spec: pb.PackSpec) -> pb.PackState:
         running, text = self._pack_unit()
         layers = []
         for rank in spec.ranks:
-            for state in pack_state(spec.out_dir, rank, spec.tp, tuple(spec.layers)):
+            for state in pack_state(self._on_host(spec.out_dir), rank, spec.tp, tuple(spec.layers)):
                 layers.append(pb.PackLayerState(layer=state.layer, rank=rank, state=state.status.value,
                                                 state_kind=pb.PackLayerState.State.Value(state.status.name),
                                                 detail=state.detail, done_bytes=state.done_bytes,
@@ -89,7 +92,7 @@ class PackRpcs:
                  ("WorkingDirectory", "s", "/"), ("SyslogIdentifier", "s", "dsv41-pack"),
                  ("LogExtraFields", "aay", [f"DSV41_NODE={self._settings.node}".encode(), b"DSV41_UNIT=dsv41-pack"]),
                  ("IOSchedulingClass", "i", 3)]  # idle: a pack must not starve a serving node's disk
-        os.makedirs(spec.out_dir, exist_ok=True)
+        os.makedirs(self._on_host(spec.out_dir), exist_ok=True)
         try:
             job = self._systemd.start_transient(PACK_UNIT, props, 120.0)
         except SystemdError as exc:

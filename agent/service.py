@@ -25,7 +25,7 @@ from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
 from .rpc_files import FileRpcs
 from .rpc_journal import JournalRpcs
-from .rpc_nodechecks import NodeCheckRpcs
+from .rpc_nodechecks import NodeCheckRpcs, host_view
 from .rpc_pack import PackRpcs
 from .settings import AgentSettings
 from .systemd import Systemd
@@ -114,8 +114,11 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
 
     def __init__(self, settings: AgentSettings, systemd: Systemd, rank: RankManager, sampler: MemorySampler,
                  triggers: TriggerWatcher, events: EventHub, started_monotonic: float,
-                 monotonic: Callable[[], float] = time.monotonic):
+                 monotonic: Callable[[], float] = time.monotonic, host_root: str | None = None):
         self._settings = settings
+        # Paths the coordinator names (pack directories) as PID 1 sees them: this unit's PrivateTmp=
+        # hides /tmp and /var/tmp, where the pack job (its own unit) writes.
+        self._host_root = host_view() if host_root is None else host_root
         self._systemd = systemd
         self._rank = rank
         self._sampler = sampler

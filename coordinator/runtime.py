@@ -73,6 +73,7 @@ class ClusterRuntime:
         self._exits: dict[str, RankExit] = {}  # node -> how its rank of this generation ended
         self._recover_due = False
         self._deferred: list = []  # jobs that arrived during an activity
+        self._watch_lost: set[str] = set()  # nodes whose rank watch broke and has not answered since
         self._stop_watchers = threading.Event()
         self._watch_threads: list[threading.Thread] = []
         self._done = threading.Event()
@@ -249,8 +250,10 @@ class ClusterRuntime:
         if isinstance(message, RankObserved):
             self._observe(message, react)
         elif isinstance(message, WatchLost):
-            self._log.warning("agent_stream_lost", f"{message.node}: lost the rank watch ({message.why}); "
-                              "re-subscribing", node_name=message.node)
+            if message.node not in self._watch_lost:  # once per loss: the watcher retries every second
+                self._watch_lost.add(message.node)
+                self._log.warning("agent_stream_lost", f"{message.node}: lost the rank watch ({message.why}); "
+                                  "re-subscribing", node_name=message.node)
         elif isinstance(message, (UnexportJob, PackStartJob, AutotuneResetJob)):
             if self._activity is Activity.IDLE and react:
                 self._run_job(message)
@@ -261,6 +264,9 @@ class ClusterRuntime:
 
     def _observe(self, message: RankObserved, react: bool) -> None:
         node = message.node
+        if node in self._watch_lost:
+            self._watch_lost.discard(node)
+            self._log.info("agent_stream_back", f"{node}: the rank watch is back", node_name=node)
         self._record_rank(node, message.rank)
         found = policy.new_exit(node, message.rank, self._bring.launched.get(node), self._exits, self._clock())
         if found is None:

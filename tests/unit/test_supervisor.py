@@ -1,0 +1,317 @@
+"""The supervisor over fake agents and a stand-in rank 0 HTTP server on loopback: operator requests
+preempt a bring-up, the newer request wins, an agent lost in the middle of a step fails that step
+naming the node (an incident, and the restart policy goes on), a rank exit fails the bring-up.
+
+The real thing (agents in booted systemd nodes, the stand-in engine) is in
+tests/integration/test_supervisor_preemption.py; these pin the supervisor's own logic fast."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import pytest
+
+from coordinator import config
+from coordinator.agents import AgentUnavailable
+from coordinator.runtime import ClusterRuntime
+from dsv41.journal import EventLog
+from dsv41.v1 import agent_pb2 as pb
+from tests.configtext import HOME, SEED_TEXT, edited
+from tests.rpcfailure import RpcFailure
+
+pytestmark = pytest.mark.unit
+DOWN = RpcFailure(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; connection refused")
+
+
+class RankZero:
+    """/health and /v1/chat/completions of a rank 0; `healthy` switches /health from 503 to 200."""
+
+    def __init__(self):
+        self.healthy = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer(200 if outer.healthy.is_set() else 503, {})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._answer(200, {"choices": [{"message": {"content": "42"}, "finish_reason": "stop"}]})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeAgent:
+    """A node agent in memory: ranks start and stop at once; `down` makes every call fail like a
+    node that cannot be reached; `pack` is this node's pack layers' state."""
+
+    def __init__(self, node, journal):
+        self.node, self.target = node, f"{node}:7441"
+        self.journal = journal  # shared list of (node, call) in call order across nodes
+        self.down = False
+        self.running = ""
+        self.starts = 0
+        self.pack = pb.PackLayerState.COMPLETE
+        self.pack_running = False
+        self.mount = pb.MountState.HEALTHY
+        self.on_event = None
+
+    def _call(self, what):
+        self.journal.append((self.node, what))
+        if self.down:
+            raise AgentUnavailable(self.node, what, DOWN)
+
+    def rank(self):
+        return pb.RankState(active_state="active" if self.running else "inactive", invocation_id=self.running)
+
+    def status(self, timeout=None):
+        self._call("status")
+        return pb.NodeStatus(node=self.node, agent_version="1", rank=self.rank(),
+                             memory=pb.MemorySample(available_bytes=100 << 30))
+
+    def check_fabric(self, plan, timeout):
+        self._call("check_fabric")
+        return pb.FabricReport(ok=True)
+
+    def pack_state(self, plan, timeout=None):
+        self._call("pack_state")
+        return pb.PackState(layers=[pb.PackLayerState(layer=1, rank=0, state_kind=self.pack, state="x")],
+                            running=self.pack_running)
+
+    def start_pack(self, plan):
+        self._call("start_pack")
+        self.pack, self.pack_running = pb.PackLayerState.PACKING, True
+        return self.pack_state(plan)
+
+    def ensure_export(self, plan, timeout):
+        self._call("ensure_export")
+        return pb.ExportState(exported=True, outcome=pb.ExportState.EXPORTED)
+
+    def ensure_mount(self, plan, timeout):
+        self._call("ensure_mount")
+        return pb.MountState(state=pb.MountState.MOUNTING)
+
+    def get_mount(self, timeout=None):
+        self._call("get_mount")
+        return pb.MountState(state=self.mount)
+
+    def start_rank(self, plan, generation, replace, timeout_s):
+        self._call("start_rank")
+        self.starts += 1
+        self.running = f"{self.node}-run{self.starts}"
+        return pb.StartRankResponse(outcome=pb.StartRankResponse.STARTED, rank=self.rank())
+
+    def stop_rank(self, deadline_s):
+        self._call("stop_rank")
+        was, self.running = self.running, ""
+        return pb.StopRankResponse(outcome=pb.StopRankResponse.CLEAN if was else pb.StopRankResponse.WAS_NOT_RUNNING)
+
+    def watch_rank(self, on_event, on_lost, stop):
+        self.on_event = on_event
+        thread = threading.Thread(target=stop.wait, daemon=True)
+        thread.start()
+        return thread
+
+    def exit_rank(self, result="signal", code="killed", status=9, at=None):
+        """The rank process ends; the agent streams its unit's state."""
+        invocation, self.running = self.running, ""
+        info = pb.ExitInfo(result=result, code=code, status=status, at_unix_s=at or time.time(),
+                           invocation_id=invocation)
+        self.on_event(pb.RankEvent(rank=pb.RankState(active_state="failed", invocation_id=invocation,
+                                                     last_exit=info)))
+
+
+@pytest.fixture
+def cluster():
+    made = []
+
+    def make(**keys):
+        rank0 = RankZero()
+        text = edited(SEED_TEXT, **{"HEAD_IP": "127.0.0.1", "PORT": str(rank0.port), "RANK_RUNTIME": "host",
+                                    "NFS_SHARE": "0", "OFFLOAD_MODE": "host", "DSPARK_SPS_TABLE": "",
+                                    "DSPARK_STS_TABLE": "", "RESTART_BACKOFF_S": "0.1", "RANK_MEMORY_GIB": "0.05",
+                                    "MEMORY_RECOVERY_TIMEOUT_S": "1", **keys})
+        cfg = config.parse(text, "cluster.env", HOME)
+        journal = []
+        agents = {n.name: FakeAgent(n.name, journal) for n in cfg.nodes}
+        stream = io.StringIO()
+        rt = ClusterRuntime(cfg, agents, EventLog("test", {}, stream=stream, use_journal=False))
+        made.append((rt, rank0))
+        return rt, agents, rank0, journal, stream
+    yield make
+    for rt, rank0 in made:
+        if rt._worker.is_alive():
+            rt.shutdown(stop_cluster=False)
+        rank0.close()
+
+
+def wait_phase(rt, *phases, timeout=10.0, detail=""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = rt.snapshot()
+        if snap.phase in phases and detail in snap.detail:
+            return snap
+        time.sleep(0.01)
+    raise AssertionError(f"phase {rt.snapshot().phase} ({rt.snapshot().detail}), wanted {phases}")
+
+
+def calls(journal, what):
+    return [node for node, call in journal if call == what]
+
+
+def test_a_stop_during_health_cancels_the_bring_up_and_stops_the_ranks_head_first(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    rt.run()
+    wait_phase(rt, "health")
+    asked = time.monotonic()
+    rt.request("stop")
+    snap = wait_phase(rt, "stopped")
+    assert time.monotonic() - asked < 1.0
+    assert snap.detail == "requested by dsv41ctl stop"
+    assert calls(journal, "stop_rank")[0] == "spark1" and sorted(calls(journal, "stop_rank")) == ["spark1", "spark2",
+                                                                                                   "spark3"]
+    assert not any(a.running for a in agents.values())
+    time.sleep(0.3)
+    assert rt.snapshot().phase == "stopped" and sum(a.starts for a in agents.values()) == 3
+
+
+def test_a_restart_then_a_stop_queued_during_a_bring_up_ends_stopped_without_a_second_bring_up(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    rt.run()
+    wait_phase(rt, "health")
+    rt.request("restart")
+    rt.request("stop")
+    wait_phase(rt, "stopped")
+    time.sleep(0.5)
+    assert rt.snapshot().phase == "stopped"
+    assert sum(a.starts for a in agents.values()) == 3  # the first bring-up's ranks only
+    assert calls(journal, "check_fabric").count("spark1") == 1
+
+
+def test_a_restart_during_a_bring_up_stops_and_brings_up_once_more(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    rt.run()
+    wait_phase(rt, "health")
+    rt.request("restart")
+    deadline = time.monotonic() + 10
+    while sum(a.starts for a in agents.values()) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wait_phase(rt, "health")
+    assert all(a.starts == 2 for a in agents.values())
+    assert calls(journal, "stop_rank")[:1] == ["spark1"]
+    rank0.healthy.set()
+    wait_phase(rt, "serving")
+
+
+def test_a_shutdown_during_health_returns_at_once_with_every_rank_stopped(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    rt.run()
+    wait_phase(rt, "health")
+    asked = time.monotonic()
+    rt.shutdown(stop_cluster=True)
+    assert time.monotonic() - asked < 1.0
+    assert not any(a.running for a in agents.values())
+    assert calls(journal, "stop_rank")[0] == "spark1"
+
+
+def test_a_start_during_a_bring_up_is_that_bring_up(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    rt.run()
+    wait_phase(rt, "health")
+    rt.request("start")
+    rank0.healthy.set()
+    wait_phase(rt, "serving")
+    time.sleep(0.3)
+    assert rt.snapshot().phase == "serving" and all(a.starts == 1 for a in agents.values())
+
+
+def test_an_agent_lost_while_the_pack_job_runs_fails_the_pack_step_naming_it_and_the_restart_policy_goes_on(cluster):
+    rt, agents, rank0, journal, stream = cluster(OFFLOAD_MODE="nvme", SKIP_PREPARE="0", RESTART_BACKOFF_S="0.3")
+    for agent in agents.values():
+        agent.pack = pb.PackLayerState.ABSENT
+    rt.run()
+    wait_phase(rt, "pack")
+    deadline = time.monotonic() + 5
+    while "start_pack" not in [c for _, c in journal] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    agents["spark2"].down = True  # the pack step polls every 2 s: the next poll finds it gone
+    snap = wait_phase(rt, "restarting", timeout=10)
+    assert snap.detail.startswith("attempt 1/3 in 0.3 s after: pack: spark2: agent at spark2:7441 unreachable: "
+                                  "UNAVAILABLE: failed to connect"), snap.detail
+    incident = rt.incidents()[-1]
+    assert (incident.kind, incident.node) == ("pack_failed", "spark2")
+    assert "internal error" not in stream.getvalue()
+    agents["spark2"].down = False
+    for agent in agents.values():
+        agent.pack, agent.pack_running = pb.PackLayerState.COMPLETE, False
+    rank0.healthy.set()
+    wait_phase(rt, "serving", timeout=15)
+
+
+def test_an_agent_lost_while_the_share_polls_the_mounts_fails_the_share_step_naming_it(cluster):
+    rt, agents, rank0, journal, _ = cluster(NFS_SHARE="1", SHARE_TIMEOUT_S="30")
+    agents["spark3"].mount = pb.MountState.MOUNTING
+    rt.run()
+    wait_phase(rt, "share")
+    deadline = time.monotonic() + 5
+    while calls(journal, "get_mount").count("spark3") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    agents["spark3"].down = True
+    snap = wait_phase(rt, "restarting", "failed", timeout=10)
+    assert "share: spark3: agent at spark3:7441 unreachable: UNAVAILABLE" in snap.detail, snap.detail
+    assert (rt.incidents()[-1].kind, rt.incidents()[-1].node) == ("share_failed", "spark3")
+
+
+def test_a_rank_that_exits_during_health_fails_the_step_naming_its_node(cluster):
+    rt, agents, rank0, journal, _ = cluster(RESTART_BACKOFF_S="30")
+    rt.run()
+    wait_phase(rt, "health")
+    agents["spark3"].exit_rank(result="exit-code", code="exited", status=1)
+    snap = wait_phase(rt, "restarting", timeout=5)
+    assert "health: spark3: during bring-up, rank on spark3 died first: rank unit failed: result exit-code" in \
+        snap.detail, snap.detail
+    assert rt.incidents()[-1].kind == "health_failed" and rt.incidents()[-1].node == "spark3"
+    # the restart's backoff (30 s) gives way to an operator's start at once
+    rank0.healthy.set()
+    rt.request("start")
+    wait_phase(rt, "serving", timeout=5)
+
+
+def test_a_rank_exit_while_serving_is_blamed_and_recovered(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    now = time.time()
+    agents["spark1"].exit_rank(result="exit-code", code="exited", status=1, at=now)
+    agents["spark3"].exit_rank(result="signal", code="killed", status=9, at=now + 0.01)
+    deadline = time.monotonic() + 5
+    while not [i for i in rt.incidents() if i.kind == "rank_exit"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    incident = next(i for i in rt.incidents() if i.kind == "rank_exit")
+    assert incident.node == "spark3", incident.message  # ended from outside, within the blame window
+    assert incident.message.endswith("then spark1 (result exit-code, exited status 1)")
+    wait_phase(rt, "serving", timeout=10)
+    assert all(a.starts == 2 for a in agents.values())
