@@ -17,6 +17,9 @@ dir=${2:?DIR}
 server=${spec%%:*}
 path=${spec#*:}
 say() { echo "mount.nfs4 (test stand-in): $*" >&2; }
+# A test holds the mount "in progress" (as a slow NFS server would) while this file exists.
+HOLD=/run/dsv41-test-hold-mount
+while [ -e "$HOLD" ]; do sleep 0.2; done
 if ! listing=$(nfs-ls "nfs://$server$path?version=4" 2>&1); then
     say "$spec is not served to this client: $listing"
     exit 32

@@ -46,6 +46,20 @@ def head_of(sparks):
     return sparks["spark1"]
 
 
+def shared_weights_env(sparks, **extra: str) -> str:
+    """cluster.env with the weights exported by the head (nfs-ganesha) and mounted by the workers."""
+    head, workers = head_of(sparks), [sparks["spark2"], sparks["spark3"]]
+    return cluster_env(sparks, SIM_RANK_COMMAND=SIM, NFS_SHARE="1", NFS_BACKEND="ganesha",
+                       NFS_CLIENTS=",".join(w.address for w in workers), NFS_SERVER_IP_1=head.address,
+                       NFS_SERVER_IP_2=head.address, MODEL_DIR=MODEL_DIR, COMMON_MODEL=COMMON_MODEL,
+                       EXPECTED_SHARDS=str(SHARDS), **{**GUARD_ENV, **extra})
+
+
+def coordinator_events(head, incident: str | None = None) -> list[dict]:
+    matches = ["DSV41_EVENT=incident"] + ([f"DSV41_INCIDENT={incident}"] if incident else [])
+    return head.journal(unit="dsv41-coordinator.service", fields=None, matches=matches)
+
+
 def test_1_start_brings_the_cluster_to_serving(sparks):
     head = head_of(sparks)
     head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
@@ -157,11 +171,7 @@ def test_8_unexporting_the_weights_while_workers_have_them_mounted_is_refused(sp
     (HeadMemory(head).dir / "memory.limit_in_bytes").write_text("-1")  # scenario 7's limit
     for worker in workers:
         install_nfs_client_standin(worker)
-    env = cluster_env(sparks, SIM_RANK_COMMAND=SIM, NFS_SHARE="1", NFS_BACKEND="ganesha",
-                      NFS_CLIENTS=",".join(w.address for w in workers), NFS_SERVER_IP_1=head.address,
-                      NFS_SERVER_IP_2=head.address, MODEL_DIR=MODEL_DIR, COMMON_MODEL=COMMON_MODEL,
-                      EXPECTED_SHARDS=str(SHARDS), **GUARD_ENV)
-    head.write_file("/etc/dsv41/cluster.env", env, mode=0o640)
+    head.write_file("/etc/dsv41/cluster.env", shared_weights_env(sparks), mode=0o640)
     assert ctl(head, "config", "check").returncode == 0
     head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
     body = wait_serving(head)
@@ -221,3 +231,57 @@ def test_8_unexporting_the_weights_while_workers_have_them_mounted_is_refused(sp
     events = ctl(head, "events").stdout.splitlines()
     assert any(f" spark1 export_forced: unexported {MODEL_DIR} on spark1 (forced): {left}" in e for e in events), events
 
+
+
+def test_9_an_agent_lost_while_the_share_step_waits_for_a_mount_fails_that_step_and_the_restart_goes_on(sparks):
+    head, spark3 = head_of(sparks), sparks["spark3"]
+    assert ctl(head, "share", "unexport", "--unmount").returncode == 0  # scenario 8 left stale mounts
+    spark3.write_file("/run/dsv41-test-hold-mount", "")  # its mount stays in progress, as with a slow server
+    try:
+        assert ctl(head, "start").returncode == 0
+
+        def spark3_mounting() -> bool:
+            body = status(head)
+            mount = {n["name"]: n.get("status", {}).get("mount", {}) for n in body.get("nodes", [])}["spark3"]
+            return body.get("phase") == "share" and mount.get("state") == "MOUNTING"
+        deadline = time.monotonic() + 60
+        while not spark3_mounting():
+            assert time.monotonic() < deadline, status(head)
+            time.sleep(0.2)
+        spark3.run(["systemctl", "stop", "dsv41-agent.service"], timeout=60)
+        deadline = time.monotonic() + 30
+        while not coordinator_events(head, "share_failed"):
+            assert time.monotonic() < deadline, status(head)
+            time.sleep(0.2)
+        failed = coordinator_events(head, "share_failed")[-1]
+        assert failed["DSV41_NODE_NAME"] == "spark3"
+        assert " unreachable: UNAVAILABLE" in failed["MESSAGE"] and "agent at " in failed["MESSAGE"]
+        attempts = head.journal(unit="dsv41-coordinator.service", fields=None,
+                                matches=["DSV41_EVENT=restart_attempt"])
+        assert attempts and "share: spark3: agent at" in attempts[-1]["MESSAGE"]
+        assert "spark3 share_failed" in ctl(head, "events").stdout
+    finally:
+        spark3.run(["rm", "-f", "/run/dsv41-test-hold-mount"])
+        spark3.run(["systemctl", "start", "dsv41-agent.service"], timeout=60)
+    body = wait_serving(head, timeout=120)  # the next attempt's preflight waited for spark3's agent
+    assert body["restart_attempt"] >= 1
+
+
+def test_10_systemctl_stop_during_a_long_model_load_returns_within_20_s_and_leaves_no_rank(sparks):
+    head = head_of(sparks)
+    assert ctl(head, "stop", "--wait", "45").returncode == 0
+    head.write_file("/etc/dsv41/cluster.env", shared_weights_env(sparks, DSV41_SIM_LOAD_S="90",
+                                                                 HEALTH_TIMEOUT_S="600"), mode=0o640)
+    head.run(["systemctl", "restart", "dsv41-coordinator.service"], timeout=60)
+    deadline = time.monotonic() + 60
+    while status(head).get("phase") != "health":
+        assert time.monotonic() < deadline, status(head)
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    head.run(["systemctl", "stop", "dsv41-coordinator.service"], timeout=120)
+    took = time.monotonic() - t0
+    assert took < 20, f"systemctl stop took {took:.1f} s"
+    assert head.show("dsv41-coordinator.service", "Result")["Result"] == "success"  # not killed at TimeoutStopSec
+    for node in sparks.values():
+        assert node.show("dsv41-rank.service", "ActiveState")["ActiveState"] in ("inactive", "failed")
+        assert node.run(["pgrep", "-f", "dsv41-sim-rank"], check=False).stdout.strip() == ""
