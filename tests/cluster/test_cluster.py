@@ -236,7 +236,7 @@ def test_8_unexporting_the_weights_while_workers_have_them_mounted_is_refused(sp
 def test_9_an_agent_lost_while_the_share_step_waits_for_a_mount_fails_that_step_and_the_restart_goes_on(sparks):
     head, spark3 = head_of(sparks), sparks["spark3"]
     assert ctl(head, "share", "unexport", "--unmount").returncode == 0  # scenario 8 left stale mounts
-    spark3.write_file("/run/dsv41-test-hold-mount", "")  # its mount stays in progress, as with a slow server
+    spark3.run(["touch", "/run/dsv41-test-hold-mount"])  # its mount stays in progress, as with a slow server
     try:
         assert ctl(head, "start").returncode == 0
 
