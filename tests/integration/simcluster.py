@@ -3,10 +3,12 @@ that uses the stand-in engine; the coordinator runs on the host (the test machin
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -116,3 +118,29 @@ class Coordinator:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
+
+
+def rank_pids(nodes) -> dict[str, int]:
+    return {name: int(node.show("dsv41-rank.service", "MainPID")["MainPID"]) for name, node in nodes.items()}
+
+
+def no_rank_anywhere(nodes) -> bool:
+    for node in nodes.values():
+        if node.show("dsv41-rank.service", "ActiveState")["ActiveState"] not in ("inactive", "failed"):
+            return False
+        if node.run(["pgrep", "-f", "dsv41-sim-rank"], check=False).stdout.strip():
+            return False
+    return True
+
+
+def chat(address: str, port: int = 8888) -> dict:
+    body = json.dumps({"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "What is 19+23?"}]})
+    request = urllib.request.Request(f"http://{address}:{port}/v1/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=20) as reply:
+        return json.loads(reply.read())
+
+
+def ctl(c: Coordinator, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coordinator.ctl", *args, "--socket", c.socket, "--config",
+                           str(c.config)], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -4,70 +4,14 @@ stand-in engine: bring-up, failure paths, rank death, re-adoption, stop."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 
-from dsv41.v1 import control_pb2 as cpb
-from tests.configtext import REPO
-from tests.integration.simcluster import Coordinator, boot, cluster_env
+from tests.integration.simcluster import chat, ctl, no_rank_anywhere, rank_pids
+from tests.integration.simfixtures import coordinator, nodes  # noqa: F401
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def nodes(rootfs):
-    cluster = boot(rootfs)
-    try:
-        yield cluster.nodes
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture
-def coordinator(nodes, tmp_path):
-    made = []
-
-    def start(**extra) -> Coordinator:
-        c = Coordinator(tmp_path, cluster_env(nodes, **extra)).start()
-        made.append(c)
-        return c
-    yield start
-    for c in made:
-        if c.proc.poll() is None:
-            c.terminate()
-    for node in nodes.values():  # whatever a test did, leave no rank behind for the next
-        node.run(["systemctl", "stop", "dsv41-rank.service"], check=False)
-        node.run(["systemctl", "reset-failed"], check=False)
-
-
-def rank_pids(nodes) -> dict[str, int]:
-    return {name: int(node.show("dsv41-rank.service", "MainPID")["MainPID"]) for name, node in nodes.items()}
-
-
-def no_rank_anywhere(nodes) -> bool:
-    for node in nodes.values():
-        if node.show("dsv41-rank.service", "ActiveState")["ActiveState"] not in ("inactive", "failed"):
-            return False
-        if node.run(["pgrep", "-f", "dsv41-sim-rank"], check=False).stdout.strip():
-            return False
-    return True
-
-
-def chat(address: str, port: int = 8888) -> dict:
-    body = json.dumps({"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "What is 19+23?"}]})
-    request = urllib.request.Request(f"http://{address}:{port}/v1/chat/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=20) as reply:
-        return json.loads(reply.read())
-
-
-def ctl(c: Coordinator, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coordinator.ctl", *args, "--socket", c.socket, "--config",
-                           str(c.config)], cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
 def test_bring_up_to_serving_and_status_json_field_by_field(nodes, coordinator):

@@ -11,41 +11,14 @@ from pathlib import Path
 import pytest
 
 from dsv41.v1 import control_pb2 as cpb
-from tests.integration.simcluster import Coordinator, boot, cluster_env
-from tests.integration.test_coordinator import chat, ctl, no_rank_anywhere
+from tests.integration.simcluster import Coordinator, chat, ctl, no_rank_anywhere
+from tests.integration.simfixtures import coordinator, nodes  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_pack_checkpoint import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.integration
 SLOW_LOAD = {"DSV41_SIM_LOAD_S": "90", "HEALTH_TIMEOUT_S": "300"}
-
-
-@pytest.fixture(scope="module")
-def nodes(rootfs):
-    cluster = boot(rootfs)
-    try:
-        yield cluster.nodes
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture
-def coordinator(nodes, tmp_path):
-    made = []
-
-    def start(**extra) -> Coordinator:
-        c = Coordinator(tmp_path, cluster_env(nodes, **extra)).start()
-        made.append(c)
-        return c
-    yield start
-    for c in made:
-        if c.proc.poll() is None:
-            c.terminate()
-    for node in nodes.values():
-        node.run(["systemctl", "start", "dsv41-agent.service"], check=False)
-        node.run(["systemctl", "stop", "dsv41-rank.service"], check=False)
-        node.run(["systemctl", "reset-failed"], check=False)
 
 
 def wait_until(predicate, timeout: float, step: float = 0.05) -> float:
