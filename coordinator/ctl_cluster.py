@@ -245,8 +245,10 @@ def _logs(args, out: TextIO, err: TextIO) -> int:
 
 def progress_line(node: str, state: apb.PackState, width: int = 24) -> str:
     total = sum(layer.total_bytes for layer in state.layers)
-    done = sum(layer.done_bytes if layer.state != "complete" else layer.total_bytes for layer in state.layers)
-    fraction = done / total if total else (1.0 if all(l.state == "complete" for l in state.layers) else 0.0)
+    from .bringup.pack import incomplete as pack_incomplete, layer_state  # the pack path only
+    done = sum(layer.done_bytes if layer_state(layer) != apb.PackLayerState.COMPLETE else layer.total_bytes
+               for layer in state.layers)
+    fraction = done / total if total else (0.0 if pack_incomplete(state) else 1.0)
     bar = "#" * int(fraction * width) + "." * (width - int(fraction * width))
     states = ",".join(sorted({layer.state for layer in state.layers})) or "-"
     text = state.status_text if state.running else states
@@ -267,7 +269,8 @@ def _pack(args, out: TextIO, err: TextIO) -> int:
             print(progress_line(progress.node, progress.state), file=out, flush=True)
     if tty:
         out.write("\n")
-    incomplete = [n for n, s in last.items() if not all(l.state == "complete" for l in s.layers)]
+    from .bringup.pack import incomplete as pack_incomplete
+    incomplete = [n for n, s in last.items() if pack_incomplete(s)]
     if incomplete:
         print(f"not complete on: {', '.join(incomplete)}", file=err)
         return 1
