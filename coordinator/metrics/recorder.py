@@ -7,6 +7,8 @@ import bisect
 import threading
 from dataclasses import dataclass, field
 
+from prometheus_client.utils import floatToGoString
+
 from .events import Count, Observe, updates_of
 
 # Bring-up steps last from milliseconds (fabric) to hours (pack); health waits for a 12-minute load.
@@ -32,7 +34,7 @@ class Histogram:
         out, running = [], 0
         for bound, count in zip((*self.buckets, float("inf")), self.counts):
             running += count
-            out.append(("+Inf" if bound == float("inf") else f"{bound:g}", running))
+            out.append((floatToGoString(bound), running))  # "30.0", "+Inf": as prometheus_client's own
         return out
 
 
