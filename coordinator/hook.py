@@ -80,14 +80,25 @@ class Outcome:
 
 
 def run_once(path: str, alert: Alert, timeout_s: float, environ: Mapping[str, str],
-             monotonic: Callable[[], float] = time.monotonic) -> Outcome:
-    """Runs the hook for one alert, waits at most timeout_s, kills its process group after that."""
+             monotonic: Callable[[], float] = time.monotonic,
+             started_pid: Callable[[int | None], None] = lambda pid: None) -> Outcome:
+    """Runs the hook for one alert, waits at most timeout_s, kills its process group after that.
+    `started_pid(pid)` is told the hook's process group while it runs, and None after."""
     started = monotonic()
     try:
         proc = subprocess.Popen([path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=alert.environment(environ), cwd="/", start_new_session=True, close_fds=True)
     except OSError as exc:
         return Outcome(False, f"cannot run: {exc.strerror or exc}", monotonic() - started)
+    started_pid(proc.pid)
+    try:
+        return _wait(proc, alert, timeout_s, monotonic, started)
+    finally:
+        started_pid(None)
+
+
+def _wait(proc: subprocess.Popen, alert: Alert, timeout_s: float, monotonic: Callable[[], float],
+          started: float) -> Outcome:
     body = (json.dumps(alert.payload(), sort_keys=True) + "\n").encode()
     try:
         out, _ = proc.communicate(body, timeout=timeout_s)
@@ -129,6 +140,7 @@ class IncidentHook:
         self._runner = runner
         self._thread = threading.Thread(target=self._work, name="incident-hook", daemon=True)
         self._stopping = threading.Event()
+        self._running: int | None = None  # process group of the run in progress
 
     def start(self) -> "IncidentHook":
         self._thread.start()
@@ -147,8 +159,11 @@ class IncidentHook:
             return False
 
     def stop(self, wait_s: float = 0.0) -> None:
-        """Ends the worker after the run in progress (a daemon thread: it never holds up an exit)."""
+        """Ends the worker and kills a run in progress (a coordinator that exits leaves no hook behind)."""
         self._stopping.set()
+        running = self._running
+        if running is not None:
+            _kill_group(running)
         try:
             self._queue.put_nowait(None)
         except queue.Full:
@@ -162,7 +177,8 @@ class IncidentHook:
             if alert is None:
                 break
             try:
-                outcome = self._runner(self.path, alert, self._timeout, self._environ)
+                outcome = self._runner(self.path, alert, self._timeout, self._environ,
+                                       started_pid=lambda pid: setattr(self, "_running", pid))
             except Exception as exc:  # the worker must outlive anything one run throws
                 outcome = Outcome(False, f"cannot run: {exc!r}", 0.0)
             self._report(alert, outcome)

@@ -88,7 +88,7 @@ def test_offer_never_blocks_and_a_full_queue_drops_with_a_warning(tmp_path):
     log, stream = _log()
     gate = threading.Event()
 
-    def slow(path, alert, timeout, environ):
+    def slow(path, alert, timeout, environ, started_pid):
         gate.wait(10)
         from coordinator.hook import Outcome
         return Outcome(True, "exit 0", 0.0)
@@ -114,3 +114,16 @@ def test_each_outcome_is_one_journal_event_with_its_numbers(tmp_path):
     assert "it said: no route" in line
     assert "DSV41_OUTCOME=exit 7" in line and "DSV41_DURATION_S=" in line and "DSV41_NODE_NAME=spark1" in line
     worker.stop(2.0)
+
+
+def test_stop_kills_a_hook_in_progress(tmp_path):
+    log, stream = _log()
+    pidfile = tmp_path / "pid"
+    worker = IncidentHook(script(tmp_path, f"echo $$ > {pidfile}\nexec sleep 60\n"), 120.0, log,
+                          environ={"PATH": "/usr/bin:/bin"}).start()
+    worker.offer(Incident(2.0, "spark1", "rank_exit", "gone"))
+    _wait_for(lambda: pidfile.exists() and pidfile.read_text().strip())
+    pid = int(pidfile.read_text())
+    worker.stop(5.0)
+    _wait_for(lambda: not _alive(pid))
+    assert "incident_hook_failed" in stream.getvalue() and "killed by signal 9" in stream.getvalue()
