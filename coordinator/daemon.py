@@ -66,15 +66,18 @@ def status_line(runtime: ClusterRuntime, clock=time.time) -> str:
     return f"{snap.phase}" + (f": {snap.detail}" if snap.detail else "")
 
 
-def start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: EventLog, guard):
+def start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: EventLog, guard, tls: Tls | None):
     """The metrics endpoint, or None (METRICS_LISTEN empty, or it cannot listen: the cluster is kept
     serving without it, and a scrape target that is down is what Prometheus alerts on)."""
     if not cfg["METRICS_LISTEN"]:
         return None
     from .metrics.exporter import Metrics  # prometheus_client only when metrics are on
+    clients = make_clients(cfg, tls)
     try:
-        return Metrics(cfg, runtime, log, guard).start()
+        return Metrics(cfg, runtime, log, guard, clients=clients).start()
     except OSError as exc:
+        for client in clients.values():
+            client.close()
         log.error("metrics_failed", f"metrics: cannot listen on {cfg['METRICS_LISTEN']}: {exc.strerror or exc}; "
                   "serving without metrics", listen=str(cfg["METRICS_LISTEN"]))
         return None
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         hook = IncidentHook(str(cfg["INCIDENT_HOOK"]), float(cfg["INCIDENT_HOOK_TIMEOUT_S"]), log).start()
         runtime.on_incident(hook.offer)  # only queues: the hook runs in its own thread
     guard = MemoryGuard.for_runtime(runtime, log, api_key)  # watches memory whenever the cluster serves
-    metrics = start_metrics(cfg, runtime, log, guard)  # before run(): it counts the first bring-up's steps
+    metrics = start_metrics(cfg, runtime, log, guard, tls)  # before run(): it counts the first bring-up's steps
     server = serve(cfg, runtime, args.control_socket, api_key=api_key)
     notify = SdNotify.from_env()
     runtime.run(autostart=not args.no_autostart)

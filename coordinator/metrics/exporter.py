@@ -18,8 +18,10 @@ GUARD_WINDOW_S = 60.0
 
 
 class Metrics:
-    def __init__(self, cfg, runtime, log: EventLog, guard=None):
-        """Subscribes at once (so no event is missed); serves only after start()."""
+    def __init__(self, cfg, runtime, log: EventLog, guard=None, clients: dict | None = None):
+        """Subscribes at once (so no event is missed); serves only after start(). `clients`: agent
+        clients of the metrics' own (default the runtime's), so that polling an agent that is down
+        never puts the supervisor's channel into reconnect backoff."""
         listen = cfg["METRICS_LISTEN"]
         self.registry = CollectorRegistry(auto_describe=False)
         self.server = MetricsServer(listen.host, listen.port, self.registry)  # binds first: nothing to undo
@@ -27,7 +29,8 @@ class Metrics:
         self._unsubscribe = log.subscribe(self.recorder.on_event)
         runtime.on_incident(self.recorder.on_incident)
         plans = plan_mod.render_cluster(cfg)
-        self.poller = NodePoller(runtime.clients, {p.node: p for p in plans if p.pack.required},
+        self._own_clients = clients
+        self.poller = NodePoller(clients or runtime.clients, {p.node: p for p in plans if p.pack.required},
                                  float(cfg["METRICS_POLL_S"]), log)
         low = None
         self.guard_window = None
@@ -52,3 +55,5 @@ class Metrics:
         self.server.stop()
         self.poller.stop()
         self._unsubscribe()
+        for client in (self._own_clients or {}).values():
+            client.close()
