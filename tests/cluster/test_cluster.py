@@ -215,7 +215,10 @@ def test_7b_the_bundle_holds_every_node_and_no_secret(sparks):
     text = head.run(["cat", "/etc/dsv41/cluster.env"]).stdout
     head.write_file("/etc/dsv41/cluster.env", text + "API_KEY_FILE=/etc/dsv41/api-key\n", mode=0o640)
     head.run(["systemctl", "restart", "dsv41-coordinator.service"], timeout=120)
-    wait_serving(head)
+    pids = rank_pids(wait_serving(head))
+    spark3 = sparks["spark3"]  # an incident for this coordinator's events (a restart starts them afresh)
+    spark3.run(["kill", "-9", str(unit_pid(spark3, "dsv41-rank.service"))])
+    wait_serving(head, changed_from=pids)
     assert head.host_path("/var/lib/dsv41/state/sglang-api-key").read_text().strip() == API_KEY
     keys = {}
     for name, directory in (("spark1", "/etc/dsv41/pki"), ("spark2", "/etc/dsv41/tls"), ("spark3", "/etc/dsv41/tls")):
@@ -243,7 +246,8 @@ def test_7b_the_bundle_holds_every_node_and_no_secret(sparks):
         assert json.loads(content[f"cluster/plans/{name}.json"])["node"] == name
     assert "nodes/spark1/journal/dsv41-coordinator.service.log" in content
     assert json.loads(content["cluster/status.json"])["phase"] == "serving"
-    assert b"rank_exit" in content["cluster/events.txt"]
+    assert b"spark3 rank_exit: rank on spark3 died first" in content["cluster/events.txt"]
+    assert json.loads(content["cluster/events.json"])[-1]["kind"] == "rank_exit"
     prints = json.loads(content["cluster/fingerprints.json"])
     assert prints["launched"] == prints["running"] and set(prints["running"]) == set(sparks)
     everything = b"\n".join(content.values())
@@ -263,6 +267,19 @@ def test_6_stop_leaves_no_rank_on_any_node(sparks):
     confirmed = head.journal(unit="dsv41-coordinator.service", fields=None,
                              matches=["DSV41_EVENT=rank_stop_confirmed"])
     assert {e["DSV41_NODE_NAME"] for e in confirmed} >= {"spark1", "spark2", "spark3"}
+
+
+def test_6a_the_bundle_is_made_from_the_agents_when_the_coordinator_is_not_running(sparks):
+    head = head_of(sparks)
+    assert head.show("dsv41-coordinator.service", "ActiveState")["ActiveState"] == "inactive"  # scenario 6
+    made = ctl(head, "bundle", "-o", "/root/down.tar")
+    assert made.returncode == 0, made.stderr
+    assert "from the agents (the coordinator is not running)" in made.stdout
+    with tarfile.open(fileobj=io.BytesIO(head.host_path("/root/down.tar").read_bytes())) as tar:
+        content = {m.name.split("/", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    assert all(f"nodes/{name}/journal/dsv41-agent.service.log" in content for name in sparks)
+    assert json.loads(content["cluster/status.json"])["coordinator_running"] is False
+    assert API_KEY.encode() not in b"\n".join(content.values())
 
 
 def test_8_unexporting_the_weights_while_workers_have_them_mounted_is_refused(sparks):
