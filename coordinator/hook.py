@@ -39,7 +39,8 @@ class Alert:
                 "at_unix_s": round(self.at_unix_s, 6)}
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in base.items() if not k.startswith("DSV41_INCIDENT_")}
+        # The coordinator's own service protocol stays its own: a hook must not notify systemd for it.
+        env = {k: v for k, v in base.items() if not k.startswith(("DSV41_INCIDENT_", "NOTIFY_", "WATCHDOG_", "LISTEN_"))}
         env.update({"DSV41_INCIDENT_KIND": self.kind, "DSV41_INCIDENT_NODE": self.node,
                     "DSV41_INCIDENT_MESSAGE": self.message, "DSV41_INCIDENT_AT": iso_utc(self.at_unix_s),
                     "DSV41_INCIDENT_AT_UNIX_S": f"{self.at_unix_s:.6f}"})

@@ -127,3 +127,10 @@ def test_stop_kills_a_hook_in_progress(tmp_path):
     worker.stop(5.0)
     _wait_for(lambda: not _alive(pid))
     assert "incident_hook_failed" in stream.getvalue() and "killed by signal 9" in stream.getvalue()
+
+
+def test_the_hook_does_not_inherit_the_service_protocol_of_the_coordinator():
+    env = ALERT.environment({"PATH": "/usr/bin", "NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "30000000",
+                             "WATCHDOG_PID": "1", "DSV41_INCIDENT_KIND": "stale"})
+    assert env["PATH"] == "/usr/bin" and env["DSV41_INCIDENT_KIND"] == "rank_exit"
+    assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(env)
