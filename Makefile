@@ -23,7 +23,7 @@ check-protos:
 # Debian packages (packaging/README.md): built from the last commit (DEBS_SOURCE=worktree: from
 # the working tree as it is) into packaging/out/, reproducibly; `make debs VERSION_SUFFIX=+1` builds
 # a higher version for upgrades; `make debs-lintian` checks them (exit 1 on any lintian error).
-.PHONY: debs debs-lintian
+.PHONY: debs debs-lintian debs-lintian-trixie
 VERSION_SUFFIX ?=
 DEBS_OUT ?= packaging/out
 DEBS_SOURCE ?= HEAD
@@ -32,6 +32,10 @@ debs:
 
 debs-lintian:
 	$(PYTHON) packaging/debs.py lintian --out $(DEBS_OUT)
+
+# Debian 13's lintian on the same files, in a cached trixie tree (root; tools/lintian-trixie.sh).
+debs-lintian-trixie:
+	tools/lintian-trixie.sh $(DEBS_OUT)
 
 # The local demo: three systemd nodes with the packages and the stand-in engine (root).
 .PHONY: demo demo-down

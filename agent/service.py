@@ -23,6 +23,8 @@ from .memory import ChangeFilter, MeminfoInvalid, MemorySampler, Sample, SendPol
 from .rank import ExitRecord, RankError, RankManager, RankStatus
 from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
+from .pressure import NodePressure
+from .rpc_diagnostics import DiagnosticsRpcs
 from .rpc_files import FileRpcs
 from .rpc_journal import JournalRpcs
 from .rpc_nodechecks import NodeCheckRpcs, host_view
@@ -100,6 +102,10 @@ def send_policy(request: pb.WatchMemoryRequest, interval_ms: int) -> SendPolicy 
                       request.follow_samples)
 
 
+def pressure_pb(p) -> pb.Pressure:
+    return pb.Pressure(avg10=p.avg10, avg60=p.avg60, avg300=p.avg300, total_us=p.total_us)
+
+
 def sample_pb(s: Sample) -> pb.MemorySample:
     return pb.MemorySample(
         at_monotonic_s=s.at_monotonic_s, mem_total_bytes=s.mem_total, mem_available_bytes=s.mem_available,
@@ -109,12 +115,13 @@ def sample_pb(s: Sample) -> pb.MemorySample:
         rank_memory_bytes=s.rank_memory, psi_triggered=s.psi_triggered, seq=s.seq)
 
 
-class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grpc.AgentServicer):
+class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRpcs, agent_pb2_grpc.AgentServicer):
     """The RPCs; groups of them live in mixins (rpc_*.py) that use the attributes set here."""
 
     def __init__(self, settings: AgentSettings, systemd: Systemd, rank: RankManager, sampler: MemorySampler,
                  triggers: TriggerWatcher, events: EventHub, started_monotonic: float,
-                 monotonic: Callable[[], float] = time.monotonic, host_root: str | None = None):
+                 monotonic: Callable[[], float] = time.monotonic, pressure: NodePressure | None = None,
+                 host_root: str | None = None):
         self._settings = settings
         # Paths the coordinator names (pack directories) as PID 1 sees them: this unit's PrivateTmp=
         # hides /tmp and /var/tmp, where the pack job (its own unit) writes.
@@ -130,6 +137,7 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
         self._cert_expiry: tuple[float, int] = (-1.0, 0)  # (certificate mtime, notAfter)
         self._digest_lock = threading.Lock()
         self._digest: tuple[float, str] = (0.0, "")
+        self._pressure = pressure or NodePressure()
 
     def _adapter_digest(self) -> str:
         with self._digest_lock:
@@ -162,7 +170,9 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, agent_pb2_grp
             agent_up_s=self._monotonic() - self._started, rank=rank_pb(self._settled_rank()),
             memory=sample_pb(memory), allowed_runtimes=list(self._settings.allowed_runtimes),
             mount=self.mount_snapshot_pb(), export=self.export_snapshot_pb(), images=self._images.get(),
-            cert_not_after_unix_s=self._cert_not_after())
+            cert_not_after_unix_s=self._cert_not_after(), pressure=[
+                pb.ResourcePressure(resource=resource, some=pressure_pb(some), full=pressure_pb(full))
+                for resource, (some, full) in self._pressure.read().items()])
 
     def _settled_rank(self):
         self._rank.refresh()

@@ -169,6 +169,14 @@ class AgentClient:
         return self._stub.ReadJournal(pb.ReadJournalRequest(lines=lines, follow=follow),
                                       timeout=None if follow else 30)
 
+    def collect_diagnostics(self, journal_max_bytes: int, timeout: float) -> Iterator[pb.DiagnosticChunk]:
+        """The node's files for dsv41ctl bundle, in chunks (AgentUnavailable when the stream fails)."""
+        request = pb.CollectDiagnosticsRequest(journal_max_bytes=journal_max_bytes)
+        try:
+            yield from self._stub.CollectDiagnostics(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise AgentUnavailable(self.node, "CollectDiagnostics", exc, self._tls_problem(exc)) from None
+
     def watch_rank(self, on_event: Callable[[pb.RankEvent], None], on_lost: Callable[[str], None],
                    stop: threading.Event) -> threading.Thread:
         """Follows the rank unit's state in a thread; re-subscribes when the stream breaks."""

@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from dsv41 import envfile
 
@@ -79,20 +79,33 @@ class ClusterConfig:
         raise KeyError(f"no node {name!r} in {self.path}; nodes: {', '.join(n.name for n in self.nodes)}")
 
 
-def load(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> ClusterConfig:
-    """Reads and validates a file; raises ConfigInvalid listing every error."""
+# Under systemd the coordinator runs as root: $HOME is not the home of the user whose paths the
+# recipe's file names, so a file that relies on the environment's HOME must define it itself.
+HOME_FIX = ("define HOME=/home/USER as the first line of the file (dsv41-coordinator runs as root under systemd, "
+            "where HOME is not that user's)")
+
+
+def load(path: str | os.PathLike, environ: Mapping[str, str] | None = None,
+         file_problem: Callable[[str], str | None] | None = None) -> ClusterConfig:
+    """Reads and validates a file; raises ConfigInvalid listing every error. `file_problem(path)`
+    says what is wrong with INCIDENT_HOOK's file (default: coordinator.hook.file_problem)."""
     path = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigInvalid([ConfigError(path, None, None, None, f"cannot read: {exc}")]) from None
-    return parse(text, path, os.environ if environ is None else environ)
+    if file_problem is None:
+        from .hook import file_problem
+    return parse(text, path, os.environ if environ is None else environ, file_problem)
 
 
-def parse(text: str, path: str, environ: Mapping[str, str]) -> ClusterConfig:
+def parse(text: str, path: str, environ: Mapping[str, str],
+          file_problem: Callable[[str], str | None] | None = None) -> ClusterConfig:
+    """`file_problem`: checks INCIDENT_HOOK's file (None: not checked, for pure parsing)."""
     label = os.path.basename(path)
     entries, syntax = envfile.parse(text, environ)
-    errors = [ConfigError(label, e.line, e.key, None, e.message) for e in syntax]
+    errors = [ConfigError(label, e.line, e.key, None, e.message + ("; " + HOME_FIX if "$HOME " in e.message else ""))
+              for e in syntax]
     lines = {e.key: e.line for e in entries}
     given = {e.key: e.value for e in entries}
 
@@ -133,9 +146,23 @@ def parse(text: str, path: str, environ: Mapping[str, str]) -> ClusterConfig:
 
     nodes = _nodes(settings, worker_given, err)
     _cross_checks(settings, raw, nodes, err)
+    if file_problem is not None and settings.get("INCIDENT_HOOK"):
+        problem = file_problem(str(settings["INCIDENT_HOOK"]))
+        if problem:
+            err("INCIDENT_HOOK", problem, raw["INCIDENT_HOOK"])
     if errors:
         raise ConfigInvalid(sorted(errors, key=lambda e: (e.line is None, e.line or 0)))
-    return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(_warnings(settings)))
+    warnings = [*_home_warnings(entries, environ), *_warnings(settings)]
+    return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(warnings))
+
+
+def _home_warnings(entries: list[envfile.Entry], environ: Mapping[str, str]) -> list[str]:
+    lines = [e.line for e in entries if "HOME" in e.from_environ]
+    if not lines:
+        return []
+    where = ", ".join(str(n) for n in lines[:5]) + (" ..." if len(lines) > 5 else "")
+    return [f"$HOME on line(s) {where} comes from the environment of the process reading the file "
+            f"(here {environ.get('HOME', '')!r}), not from the file: {HOME_FIX}"]
 
 
 def _nodes(settings: Mapping[str, object], given: Mapping[str, str], err) -> list[Node]:
@@ -202,6 +229,12 @@ def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[N
         err("MODEL_DIR", "must not be / when it is exported", raw["MODEL_DIR"])
     if have("RANK_ENGINE", "RANK_RUNTIME") and s["RANK_ENGINE"] == "sim" and s["RANK_RUNTIME"] != "host":
         err("RANK_ENGINE", "sim runs only with RANK_RUNTIME=host (the stand-in is not in the image)", "sim")
+    if have("METRICS_LISTEN") and s["METRICS_LISTEN"]:
+        taken = {k: s[k] for k in ("PORT", "DIST_PORT", "AGENT_PORT") if k in s}
+        clash = [k for k, port in taken.items() if port == s["METRICS_LISTEN"].port]
+        if clash:
+            err("METRICS_LISTEN", f"port {s['METRICS_LISTEN'].port} is already {' and '.join(clash)} on the head; "
+                "choose another (default 9441)", raw["METRICS_LISTEN"])
     if have("EXTRA_SGLANG_ARGS"):
         _check_extra_args(s["EXTRA_SGLANG_ARGS"], raw["EXTRA_SGLANG_ARGS"], s, err)
 

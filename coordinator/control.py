@@ -5,6 +5,7 @@ from __future__ import annotations
 import grp
 import os
 import queue
+import tempfile
 import threading
 import time
 from concurrent import futures
@@ -62,10 +63,25 @@ def cluster_status(cfg: ClusterConfig, snap: Snapshot, views: list[pb.NodeView],
         generation=snap.generation)
 
 
+BUNDLE_CHUNK = 1 << 20
+
+
+def bundle_sources(cfg: ClusterConfig, status: pb.ClusterStatus, incidents: list, launched: dict,
+                   made_by: str):
+    from .bundle import Sources
+    try:
+        with open(cfg.path, "rb") as f:
+            text = f.read(1 << 20)
+    except OSError as exc:
+        text = f"cannot read {cfg.path}: {exc.strerror}\n".encode()
+    return Sources(status, incidents, launched, text, made_by)
+
+
 class ControlService(control_pb2_grpc.ControlServicer):
-    def __init__(self, cfg: ClusterConfig, runtime: ClusterRuntime):
+    def __init__(self, cfg: ClusterConfig, runtime: ClusterRuntime, api_key: str | None = None):
         self._cfg = cfg
         self._runtime = runtime
+        self._api_key = api_key  # removed from every file of a bundle
         self._event_lock = threading.Lock()
         self._subscribers: list[queue.Queue] = []
         runtime.on_incident(self._publish)
@@ -179,6 +195,25 @@ class ControlService(control_pb2_grpc.ControlServicer):
         ok, message = self._runtime.autotune_reset()
         return pb.ActionReply(ok=ok, message=message)
 
+    def Bundle(self, request, context):
+        from .bundle import BundleWriter
+        if request.journal_max_bytes > 64 << 20:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "journal_max_bytes: at most 64 MiB")
+        snap = self._runtime.snapshot()
+        sources = bundle_sources(self._cfg, self._status(), self._runtime.incidents(), dict(snap.fingerprints),
+                                 f"the running dsv41-coordinator {VERSION}")
+        writer = BundleWriter(self._cfg, self._runtime.clients, [self._api_key] if self._api_key else [])
+        # A bundle can hold tens of MiB of journals: spooled to the coordinator's private /tmp, not held in memory.
+        with tempfile.TemporaryFile(prefix="dsv41-bundle.") as spool:
+            notes = writer.write(spool, sources, request.journal_max_bytes)
+            spool.seek(0)
+            while context.is_active():
+                data = spool.read(BUNDLE_CHUNK)
+                if not data:
+                    break
+                yield pb.BundleChunk(data=data)
+            yield pb.BundleChunk(notes=notes)
+
     def UnexportShare(self, request, context):
         ok, message = self._runtime.unexport(bool(request.force), bool(request.unmount))
         return pb.ActionReply(ok=ok, message=message, status=self._status())
@@ -189,14 +224,15 @@ def _event(incident: Incident) -> apb.Event:
                      message=incident.message)
 
 
-def serve(cfg: ClusterConfig, runtime: ClusterRuntime, socket_path: str = CONTROL_SOCKET) -> grpc.Server:
+def serve(cfg: ClusterConfig, runtime: ClusterRuntime, socket_path: str = CONTROL_SOCKET,
+          api_key: str | None = None) -> grpc.Server:
     os.makedirs(os.path.dirname(socket_path), mode=0o755, exist_ok=True)
     try:
         os.unlink(socket_path)
     except FileNotFoundError:
         pass
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="control"))
-    control_pb2_grpc.add_ControlServicer_to_server(ControlService(cfg, runtime), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlService(cfg, runtime, api_key), server)
     old = os.umask(0o117)  # the socket is born 0660: no window where others could connect
     try:
         server.add_insecure_port(f"unix:{socket_path}")

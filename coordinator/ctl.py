@@ -9,6 +9,7 @@ import sys
 import textwrap
 from typing import Sequence, TextIO
 
+from . import ctl_bundle
 from . import ctl_cluster
 from . import ctl_pki
 
@@ -47,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     keys.set_defaults(handler=_config_keys)
     ctl_cluster.add_commands(sub, DEFAULT_CONFIG)
     ctl_pki.add_commands(sub, DEFAULT_CONFIG)
+    ctl_bundle.add_commands(sub, DEFAULT_CONFIG)
     return parser
 
 

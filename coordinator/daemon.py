@@ -24,6 +24,7 @@ from . import pki
 from .agents import AgentClient, Tls
 from .control import serve
 from .guard.runner import MemoryGuard
+from .hook import IncidentHook
 from .runtime import ClusterRuntime
 from .sockets import CONTROL_SOCKET
 
@@ -65,6 +66,23 @@ def status_line(runtime: ClusterRuntime, clock=time.time) -> str:
     return f"{snap.phase}" + (f": {snap.detail}" if snap.detail else "")
 
 
+def start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: EventLog, guard, tls: Tls | None):
+    """The metrics endpoint, or None (METRICS_LISTEN empty, or it cannot listen: the cluster is kept
+    serving without it, and a scrape target that is down is what Prometheus alerts on)."""
+    if not cfg["METRICS_LISTEN"]:
+        return None
+    from .metrics.exporter import Metrics  # prometheus_client only when metrics are on
+    clients = make_clients(cfg, tls)
+    try:
+        return Metrics(cfg, runtime, log, guard, clients=clients).start()
+    except OSError as exc:
+        for client in clients.values():
+            client.close()
+        log.error("metrics_failed", f"metrics: cannot listen on {cfg['METRICS_LISTEN']}: {exc.strerror or exc}; "
+                  "serving without metrics", listen=str(cfg["METRICS_LISTEN"]))
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv41-coordinator", description="dsv41 cluster coordinator")
     parser.add_argument("--config", default=DEFAULT_CONFIG)
@@ -94,10 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    server = serve(cfg, runtime, args.control_socket)
+    hook = None
+    if cfg["INCIDENT_HOOK"]:
+        hook = IncidentHook(str(cfg["INCIDENT_HOOK"]), float(cfg["INCIDENT_HOOK_TIMEOUT_S"]), log).start()
+        runtime.on_incident(hook.offer)  # only queues: the hook runs in its own thread
+    guard = MemoryGuard.for_runtime(runtime, log, api_key)  # watches memory whenever the cluster serves
+    metrics = start_metrics(cfg, runtime, log, guard, tls)  # before run(): it counts the first bring-up's steps
+    server = serve(cfg, runtime, args.control_socket, api_key=api_key)
     notify = SdNotify.from_env()
     runtime.run(autostart=not args.no_autostart)
-    guard = MemoryGuard.for_runtime(runtime, log, api_key)  # watches memory whenever the cluster serves
     if guard is not None:
         guard.start()
     log.info("coordinator_started", f"dsv41-coordinator {VERSION}: {len(cfg.nodes)} nodes, control socket "
@@ -120,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         guard.stop()  # before the stop, so that it cannot act on a cluster going down
     runtime.shutdown(stop_cluster=True)
     server.stop(grace=1.0).wait(3.0)
+    if metrics is not None:
+        metrics.stop()
+    if hook is not None:
+        hook.stop()
     log.info("coordinator_stopped", "cluster stopped; coordinator exiting")
     return 0
 

@@ -197,6 +197,19 @@ KEYS: tuple[Key, ...] = (
        "more since the last action"),
     _k("MEMORY_GUARD_STOP_AFTER_S", v.real(0.05, 600.0), "1",
        "after abort_all, memory still falling this long (or running out within the lead): stop the ranks cleanly"),
+    # metrics and alerts
+    _k("METRICS_LISTEN", v.optional(v.listen), "0.0.0.0:9441",
+       "address the coordinator serves Prometheus metrics on (http://ADDRESS:PORT/metrics); empty: no metrics"),
+    _k("METRICS_POLL_S", v.real(0.5, 300.0), "5",
+       "how often the coordinator asks every agent for its status for the node metrics (memory, PSI, mount, "
+       "packs, agent up)"),
+    _k("INCIDENT_HOOK", v.optional(v.abspath), "",
+       "executable run once per incident (rank exit, failed step, forced unexport, ...) with DSV41_INCIDENT_KIND, "
+       "_NODE, _MESSAGE, _AT (ISO 8601 UTC) and _AT_UNIX_S in its environment and the same as JSON on stdin; it "
+       "must be owned by root and writable by nobody else; empty: none"),
+    _k("INCIDENT_HOOK_TIMEOUT_S", v.real(0.1, 600.0), "10",
+       "how long one run of INCIDENT_HOOK may take before it is killed (its process group); a failure is logged, "
+       "never retried"),
     # security
     _k("API_KEY_FILE", v.optional(v.abspath), "",
        "file on the head holding SGLang's API key (one line, mode 0600, owned by root); empty: no key. The key "

@@ -85,6 +85,31 @@ def ipv4_or_network(raw: str) -> str:
         raise Invalid("must be an IPv4 address or network like 10.0.22.0/24 (host bits zero)") from None
 
 
+@dataclass(frozen=True)
+class Listen:
+    host: str  # an IP address literal, without brackets
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def listen(raw: str) -> Listen:
+    """ADDRESS:PORT with an IPv4 address, or [IPv6]:PORT."""
+    allowed = "must be ADDRESS:PORT with an IP address and a port 1-65535, e.g. 0.0.0.0:9441 or [::]:9441"
+    host, sep, port = raw.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise Invalid(allowed)
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        address = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        raise Invalid(allowed) from None
+    if address.version == 6 and not bracketed:
+        raise Invalid(allowed)
+    return Listen(str(address), int(port))
+
+
 def ifname(raw: str) -> str:
     if not _IFNAME.fullmatch(raw):
         raise Invalid("must be a network interface name (1-15 characters: letters, digits, _ . : @ -)")

@@ -23,6 +23,7 @@ class Entry:
     key: str
     value: str
     line: int
+    from_environ: tuple[str, ...] = ()  # names the value expanded from the environment, not the file
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,9 @@ def parse(text: str, environ: Mapping[str, str]) -> tuple[list[Entry], list[Pars
             errors.append(ParseError(number, None, f"expected KEY=VALUE, got {raw.strip()!r}"))
             continue
         key = match.group(0)
+        used: list[str] = []
         try:
-            value = _value(line[match.end() + 1:], defined, environ)
+            value = _value(line[match.end() + 1:], defined, _Recording(environ, used))
         except _Syntax as exc:
             errors.append(ParseError(number, key, str(exc)))
             continue
@@ -63,8 +65,29 @@ def parse(text: str, environ: Mapping[str, str]) -> tuple[list[Entry], list[Pars
             continue
         seen[key] = number
         defined[key] = value
-        entries.append(Entry(key, value, number))
+        entries.append(Entry(key, value, number, tuple(dict.fromkeys(used))))
     return entries, errors
+
+
+class _Recording(Mapping[str, str]):
+    """The environment, noting each name a value took from it."""
+
+    def __init__(self, environ: Mapping[str, str], used: list[str]):
+        self._environ, self._used = environ, used
+
+    def __getitem__(self, name: str) -> str:
+        value = self._environ[name]
+        self._used.append(name)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._environ
+
+    def __iter__(self):
+        return iter(self._environ)
+
+    def __len__(self) -> int:
+        return len(self._environ)
 
 
 def _value(text: str, defined: Mapping[str, str], environ: Mapping[str, str]) -> str:

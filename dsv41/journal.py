@@ -12,6 +12,10 @@ import sys
 import threading
 from typing import Callable, TextIO
 
+# A listener gets (kind, priority, fields) of every event after it was written; fields hold the
+# DSV41_* names as they went to the journal (DSV41_EVENT included), all as text.
+Listener = Callable[[str, str, dict], None]
+
 PRIORITIES = {"emerg": 0, "alert": 1, "crit": 2, "err": 3, "warning": 4, "notice": 5, "info": 6, "debug": 7}
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
@@ -37,6 +41,19 @@ class EventLog:
         self._stream = stream or sys.stderr
         self._sender = sender if sender is not None else (_journal_sender() if use_journal else None)
         self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Calls listener for every later event, in the thread that logs it (so it must be quick
+        and must not block); returns the function that unsubscribes it."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+        return unsubscribe
 
     def event(self, kind: str, message: str, priority: str = "info", **fields: object) -> dict[str, str]:
         """Logs one event and returns its fields (DSV41_EVENT included)."""
@@ -51,7 +68,19 @@ class EventLog:
             with self._lock:
                 self._stream.write(f"<{PRIORITIES[priority]}>{message} [{extras}]\n")
                 self._stream.flush()
+        self._notify(kind, priority, entry)
         return entry
+
+    def _notify(self, kind: str, priority: str, entry: dict[str, str]) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(kind, priority, dict(entry))
+            except Exception as exc:  # a listener's bug must not cost the caller its event or its thread
+                with self._lock:
+                    self._stream.write(f"<4>{self._identifier}: event listener failed on {kind}: {exc!r}\n")
+                    self._stream.flush()
 
     def info(self, kind: str, message: str, **fields: object) -> dict[str, str]:
         return self.event(kind, message, "info", **fields)

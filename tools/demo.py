@@ -98,7 +98,9 @@ def up() -> int:
   sudo tools/demo.py sh spark1 journalctl -u dsv41-coordinator DSV41_EVENT=serving
   curl -s http://{head}:8888/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "deepseek-v4.1-flash", "messages": [{{"role": "user", "content": "19+23?"}}]}}'
+  curl -s http://{head}:9441/metrics | grep -E '^dsv41_(phase|incidents_total|restarts_total)'
   sudo tools/demo.py sh spark3 sh -c 'kill -9 $(systemctl show -p MainPID --value dsv41-rank)'
+  sudo tools/demo.py sh spark1 dsv41ctl bundle -o /root/bundle.tar
 Tear it down:
   sudo tools/demo.py down""")
     return 0

@@ -8,7 +8,7 @@ apt-get update -qq
 apt-get install -y -qq --no-install-recommends \
     make python3 python3-venv python3-pip python3-pytest python3-hypothesis \
     python3-pydbus python3-gi python3-pyroute2 python3-psutil python3-grpcio python3-protobuf \
-    python3-systemd python3-cryptography \
+    python3-systemd python3-cryptography python3-prometheus-client \
     protobuf-compiler protobuf-compiler-grpc \
     systemd-container mmdebstrap iproute2 fio \
     debhelper dh-python pybuild-plugin-pyproject python3-setuptools lintian >/dev/null

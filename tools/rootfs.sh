@@ -14,7 +14,7 @@ set -euo pipefail
 PACKAGES=(
     systemd systemd-sysv dbus libpam-systemd python3 iproute2 procps
     python3-pydbus python3-gi python3-pyroute2 python3-psutil python3-grpcio
-    python3-protobuf python3-systemd python3-cryptography
+    python3-protobuf python3-systemd python3-cryptography python3-prometheus-client
     fuse3 python3-fusepy
     nfs-ganesha nfs-ganesha-vfs libnfs-utils
     apt ca-certificates

@@ -68,6 +68,12 @@ class MemoryGuard:
         self._session: _Session | None = None
         self._thread = threading.Thread(target=self._supervise, name="memory-guard", daemon=True)
         self.stats = GuardStats()
+        self._sample_listeners: list[Callable[[str, int], None]] = []
+
+    def on_sample(self, listener: Callable[[str, int], None]) -> None:
+        """listener(node, available_bytes) for every sample the guard reads (from its reader threads:
+        it must be quick; the metrics keep the lowest)."""
+        self._sample_listeners.append(listener)
 
     @classmethod
     def for_runtime(cls, runtime, log: EventLog, api_key: str | None = None) -> MemoryGuard | None:
@@ -180,6 +186,8 @@ class MemoryGuard:
             if session.stopped.is_set():
                 return
             self.stats.samples += 1
+            for listener in self._sample_listeners:
+                listener(node, int(sample.available_bytes))
             d = session.guard.observe(node, sample.at_monotonic_s, int(sample.available_bytes), self._monotonic(),
                                       self._engine.inflight)
             if d.kind in ACTIONS:

@@ -114,6 +114,11 @@ class AgentStub(object):
                 request_serializer=dsv41_dot_v1_dot_agent__pb2.ClearCachesRequest.SerializeToString,
                 response_deserializer=dsv41_dot_v1_dot_agent__pb2.ClearCachesResponse.FromString,
                 )
+        self.CollectDiagnostics = channel.unary_stream(
+                '/dsv41.v1.Agent/CollectDiagnostics',
+                request_serializer=dsv41_dot_v1_dot_agent__pb2.CollectDiagnosticsRequest.SerializeToString,
+                response_deserializer=dsv41_dot_v1_dot_agent__pb2.DiagnosticChunk.FromString,
+                )
 
 
 class AgentServicer(object):
@@ -239,6 +244,12 @@ class AgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CollectDiagnostics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -341,6 +352,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.ClearCaches,
                     request_deserializer=dsv41_dot_v1_dot_agent__pb2.ClearCachesRequest.FromString,
                     response_serializer=dsv41_dot_v1_dot_agent__pb2.ClearCachesResponse.SerializeToString,
+            ),
+            'CollectDiagnostics': grpc.unary_stream_rpc_method_handler(
+                    servicer.CollectDiagnostics,
+                    request_deserializer=dsv41_dot_v1_dot_agent__pb2.CollectDiagnosticsRequest.FromString,
+                    response_serializer=dsv41_dot_v1_dot_agent__pb2.DiagnosticChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -689,5 +705,22 @@ class Agent(object):
         return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Agent/ClearCaches',
             dsv41_dot_v1_dot_agent__pb2.ClearCachesRequest.SerializeToString,
             dsv41_dot_v1_dot_agent__pb2.ClearCachesResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CollectDiagnostics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/dsv41.v1.Agent/CollectDiagnostics',
+            dsv41_dot_v1_dot_agent__pb2.CollectDiagnosticsRequest.SerializeToString,
+            dsv41_dot_v1_dot_agent__pb2.DiagnosticChunk.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

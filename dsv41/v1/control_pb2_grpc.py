@@ -60,6 +60,11 @@ class ControlStub(object):
                 request_serializer=dsv41_dot_v1_dot_control__pb2.UnexportRequest.SerializeToString,
                 response_deserializer=dsv41_dot_v1_dot_control__pb2.ActionReply.FromString,
                 )
+        self.Bundle = channel.unary_stream(
+                '/dsv41.v1.Control/Bundle',
+                request_serializer=dsv41_dot_v1_dot_control__pb2.BundleRequest.SerializeToString,
+                response_deserializer=dsv41_dot_v1_dot_control__pb2.BundleChunk.FromString,
+                )
 
 
 class ControlServicer(object):
@@ -119,6 +124,12 @@ class ControlServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Bundle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +177,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.UnexportShare,
                     request_deserializer=dsv41_dot_v1_dot_control__pb2.UnexportRequest.FromString,
                     response_serializer=dsv41_dot_v1_dot_control__pb2.ActionReply.SerializeToString,
+            ),
+            'Bundle': grpc.unary_stream_rpc_method_handler(
+                    servicer.Bundle,
+                    request_deserializer=dsv41_dot_v1_dot_control__pb2.BundleRequest.FromString,
+                    response_serializer=dsv41_dot_v1_dot_control__pb2.BundleChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -327,5 +343,22 @@ class Control(object):
         return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Control/UnexportShare',
             dsv41_dot_v1_dot_control__pb2.UnexportRequest.SerializeToString,
             dsv41_dot_v1_dot_control__pb2.ActionReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Bundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/dsv41.v1.Control/Bundle',
+            dsv41_dot_v1_dot_control__pb2.BundleRequest.SerializeToString,
+            dsv41_dot_v1_dot_control__pb2.BundleChunk.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -59,7 +59,8 @@ def boot_sparks(rootfs, debs: Path, node_options: dict | None = None, **extra_en
             node.write_file("/etc/dsv41/agent.env", agent_env(node))
             node.run(["mkdir", "-p", "/var/tmp/model", "/var/tmp/engram"])
             node.run(["systemctl", "restart", "dsv41-agent.service"], timeout=60)
-        env = cluster_env(cluster.nodes, SIM_RANK_COMMAND=SIM, **extra_env)
+        # METRICS_LISTEN: the packaged default (0.0.0.0:9441), inside the head's own network namespace
+        env = cluster_env(cluster.nodes, SIM_RANK_COMMAND=SIM, **{"METRICS_LISTEN": None, **extra_env})
         cluster.nodes["spark1"].write_file("/etc/dsv41/cluster.env", env, mode=0o640)
     except BaseException:
         cluster.stop()

@@ -23,7 +23,7 @@ SIM = f"{SRC}/bin/dsv41-sim-rank"
 ADAPTER = "/usr/share/dsv41/rank"
 
 
-def cluster_env(nodes: dict, port: int = 8888, **extra: str) -> str:
+def cluster_env(nodes: dict, port: int = 8888, **extra: str | None) -> str:
     names = list(nodes)
     head, workers = nodes[names[0]], [nodes[n] for n in names[1:]]
     lines = {
@@ -38,12 +38,15 @@ def cluster_env(nodes: dict, port: int = 8888, **extra: str) -> str:
         "RANK_RUNTIME": "host", "RANK_ENGINE": "sim", "SIM_RANK_COMMAND": SIM, "RANK_MEMORY_GIB": "0.05",
         "INSECURE_NO_TLS": "1", "RESTART_BACKOFF_S": "0.2", "RANK_STOP_TIMEOUT_S": "10",
         "HEALTH_TIMEOUT_S": "60", "MEMORY_RECOVERY_TIMEOUT_S": "10", "DSV41_SIM_PEER_TIMEOUT_S": "1",
+        # Off by default: these coordinators run on the test machine itself, where concurrent runs
+        # would race for the one default port. A test that wants metrics names a port.
+        "METRICS_LISTEN": "",
     }
     for k, worker in enumerate(workers, start=1):
         lines[f"WORKER{k}_IP"] = worker.address
         lines[f"WORKER{k}_HOST"] = names[k]
     lines.update(extra)
-    return "".join(f"{k}={v}\n" for k, v in lines.items())
+    return "".join(f"{k}={v}\n" for k, v in lines.items() if v is not None)  # None: the key's default
 
 
 def boot(rootfs, names=("spark1", "spark2", "spark3"), **options) -> Cluster:

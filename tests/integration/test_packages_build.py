@@ -68,3 +68,33 @@ def test_lintian_reports_no_errors_and_only_explained_warnings(tmp_path: Path, c
         match = re.match(r"W: (\S+?): (\S+)", line)
         if match:
             assert f"`{match.group(2)}`" in explained, f"not explained in packaging/LINTIAN.md: {line}"
+
+
+def test_files_are_where_debian_13_wants_them(tmp_path: Path, commit: str) -> None:
+    """Nothing under the aliased /lib, /bin or /sbin (trixie's lintian: aliased-location errors); the
+    units in /usr/lib/systemd/system; the Grafana dashboard under /usr/share/dsv41."""
+    _build(tmp_path, commit)
+    listing = {}
+    for deb in tmp_path.glob("*.deb"):
+        out = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
+        listing[deb.name.split("_")[0]] = [line.split()[-1].removeprefix(".") for line in out.splitlines()]
+    aliased = [f"{p}: {f}" for p, files in listing.items() for f in files if f.startswith(("/lib", "/bin", "/sbin"))]
+    assert not aliased, aliased
+    assert "/usr/lib/systemd/system/dsv41-agent.service" in listing["dsv41-agent"]
+    assert "/usr/lib/systemd/system/dsv41-coordinator.service" in listing["dsv41-coordinator"]
+    assert "/usr/share/dsv41/grafana/dsv41-cluster.json" in listing["dsv41-coordinator"]
+    postinst = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(next(tmp_path.glob("dsv41-agent_*.deb")))],
+                              capture_output=True, check=True).stdout
+    assert b"deb-systemd-helper" in postinst  # dh_installsystemd still wrote the enable/start snippets
+
+
+def test_debian_13_lintian_reports_no_errors(tmp_path: Path, commit: str) -> None:
+    """tools/lintian-trixie.sh: trixie's lintian in a cached mmdebstrap tree (root only)."""
+    import os
+    if os.geteuid() != 0:
+        pytest.skip("tools/lintian-trixie.sh needs root (mmdebstrap, systemd-nspawn)")
+    _build(tmp_path, commit)
+    proc = subprocess.run([str(REPO / "tools" / "lintian-trixie.sh"), str(tmp_path)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(Debian 13 trixie)" in proc.stdout and "lintian (trixie): 0 error(s), 0 warning(s)" in proc.stdout

@@ -108,8 +108,9 @@ def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
         "/etc/dsv41/agent.env", "/etc/dsv41/cluster.env"}
     modes = _sh(n, "stat -c '%n %a %U:%G' /usr/bin/dsv41-agent /usr/bin/dsv41-pack /usr/bin/dsv41ctl "
                    "/usr/bin/dsv41-coordinator /usr/bin/dsv41-sim-rank /etc/dsv41/agent.env "
-                   "/etc/dsv41/cluster.env /lib/systemd/system/dsv41-agent.service "
-                   "/lib/systemd/system/dsv41-coordinator.service /usr/lib/sysusers.d/dsv41.conf").stdout
+                   "/etc/dsv41/cluster.env /usr/lib/systemd/system/dsv41-agent.service "
+                   "/usr/lib/systemd/system/dsv41-coordinator.service /usr/lib/sysusers.d/dsv41.conf "
+                   "/usr/share/dsv41/grafana/dsv41-cluster.json").stdout
     for line in modes.splitlines():
         path, mode, owner = line.split()
         assert owner == "root:root", line
@@ -197,7 +198,8 @@ def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
     for p in PACKAGES:
         assert _status(n, p) in ("unknown", "un "), p
     left = _sh(n, "ls -d /etc/dsv41 /var/cache/dsv41 /usr/share/dsv41 /usr/share/dsv41-* /usr/bin/dsv41* "
-                  "/lib/systemd/system/dsv41* /etc/systemd/system/*/dsv41* /usr/lib/sysusers.d/dsv41.conf "
+                  "/lib/systemd/system/dsv41* /usr/lib/systemd/system/dsv41* /etc/systemd/system/*/dsv41* "
+                  "/usr/lib/sysusers.d/dsv41.conf "
                   "/var/lib/systemd/deb-systemd-helper-enabled/*dsv41* "
                   "/var/lib/systemd/deb-systemd-helper-enabled/*/dsv41* 2>/dev/null", check=False).stdout
     assert left == "", left

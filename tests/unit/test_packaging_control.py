@@ -20,7 +20,7 @@ PYTHON_PACKAGES = ("dsv41-agent", "dsv41-coordinator", "dsv41-sim")
 DISTRIBUTION_MODULES = {
     "grpc": "python3-grpcio", "google": "python3-protobuf", "pydbus": "python3-pydbus", "gi": "python3-gi",
     "psutil": "python3-psutil", "pyroute2": "python3-pyroute2", "systemd": "python3-systemd",
-    "cryptography": "python3-cryptography",
+    "cryptography": "python3-cryptography", "prometheus_client": "python3-prometheus-client",
 }
 # What the launchers put on sys.path besides the package's own directory: the directory of
 # another package this one depends on.
@@ -115,8 +115,11 @@ def test_required_distribution_dependencies() -> None:
     for name in ("python3-pydbus", "python3-gi", "python3-psutil", "python3-pyroute2", "python3-grpcio",
                  "python3-protobuf", "python3-systemd"):
         assert name in agent, name
-    for name in ("python3-grpcio", "python3-protobuf", "python3-cryptography", "python3-systemd"):
+    for name in ("python3-grpcio", "python3-protobuf", "python3-cryptography", "python3-systemd",
+                 "python3-prometheus-client"):
         assert name in coordinator, name
+    # Debian 12 has 0.16 (Ubuntu 24.04 0.19): the collector keeps to the API both have.
+    assert coordinator["python3-prometheus-client"] == "(>= 0.16)"
     # The agent writes the pack format the installed adapter reads: always the same build.
     assert agent["dsv41-adapter"] == "(= ${binary:Version})"
     # The adapter's files run in the rank's own Python, never the host's.
@@ -200,6 +203,7 @@ def test_units_are_installed_with_the_launcher_they_start() -> None:
     owners = launchers()
     for package, unit in (("dsv41-agent", "dsv41-agent.service"),
                           ("dsv41-coordinator", "dsv41-coordinator.service")):
+        # installed where Debian 12's dh_installsystemd looks; debian/rules moves it to /usr/lib
         assert (f"units/{unit}", "lib/systemd/system") in install_entries(package)
         parser = configparser.ConfigParser(strict=False, interpolation=None)
         parser.read_string((REPO / "units" / unit).read_text())

@@ -14,6 +14,7 @@ import pytest
 
 from agent import settings as agent_settings
 from coordinator import config as cluster_config
+from coordinator import schema as cluster_schema
 from dsv41.version import VERSION
 from tests.debs import debs_module
 
@@ -115,15 +116,29 @@ def test_agent_env_as_shipped_is_refused_clearly() -> None:
     assert "NODE_NAME" in str(e.value) and "TLS_CA/TLS_CERT/TLS_KEY" in str(e.value)
 
 
-def test_cluster_env_is_the_recipe_example_with_a_comment_header() -> None:
+def test_cluster_env_is_the_recipe_example_with_a_comment_header_and_trailer() -> None:
     shipped = (ETC / "cluster.env").read_text()
     seed = SEED.read_text()
-    assert shipped.endswith(seed)
-    header = shipped[:-len(seed)]
-    assert "MUST BE EDITED" in header
-    assert all(line.startswith("#") or not line.strip() for line in header.splitlines())
+    header, found, trailer = shipped.partition(seed)
+    assert found and "MUST BE EDITED" in header
+    assert all(line.startswith("#") or not line.strip() for line in (header + trailer).splitlines())
     cfg = cluster_config.parse(shipped, "/etc/dsv41/cluster.env", {"HOME": "/home/spark"})
     assert [n.name for n in cfg.nodes] == ["spark1", "spark2", "spark3"]
+    # The trailer documents keys beyond the recipe's, each with its default.
+    documented = dict(re.findall(r"^#([A-Z_]+)=(.*)$", trailer, re.MULTILINE))
+    assert set(documented) >= {"METRICS_LISTEN", "METRICS_POLL_S", "INCIDENT_HOOK", "INCIDENT_HOOK_TIMEOUT_S"}
+    assert {k: cluster_schema.BY_NAME[k].default for k in documented} == documented
+
+
+def test_cluster_env_ends_with_a_newline_so_an_appended_key_is_its_own_line() -> None:
+    shipped = (ETC / "cluster.env").read_text()
+    assert shipped.endswith("\n")
+    last_key = [line for line in shipped.splitlines() if line and not line.startswith("#")][-1]
+    key, _, value = last_key.partition("=")
+    with open(ETC / "cluster.env") as f:
+        appended = f.read() + "METRICS_POLL_S=7\n"  # what `echo KEY=VALUE >> cluster.env` does
+    cfg = cluster_config.parse(appended, "/etc/dsv41/cluster.env", {"HOME": "/home/spark"})
+    assert cfg.raw[key] == value and cfg["METRICS_POLL_S"] == 7.0
 
 
 # ----- man pages -----

@@ -1,0 +1,59 @@
+"""Puts the metrics together for the daemon: a recorder fed by the event log and the runtime's
+incidents, a node poller, the guard's margin window, a collector on a private registry and the
+HTTP server on METRICS_LISTEN."""
+
+from __future__ import annotations
+
+from dsv41.journal import EventLog
+from prometheus_client import CollectorRegistry
+
+from .. import plan as plan_mod
+from .collector import ClusterCollector
+from .low import WindowLow
+from .nodes import NodePoller
+from .recorder import Recorder
+from .server import MetricsServer
+
+GUARD_WINDOW_S = 60.0
+
+
+class Metrics:
+    def __init__(self, cfg, runtime, log: EventLog, guard=None, clients: dict | None = None):
+        """Subscribes at once (so no event is missed); serves only after start(). `clients`: agent
+        clients of the metrics' own (default the runtime's), so that polling an agent that is down
+        never puts the supervisor's channel into reconnect backoff."""
+        listen = cfg["METRICS_LISTEN"]
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.server = MetricsServer(listen.host, listen.port, self.registry)  # binds first: nothing to undo
+        self.recorder = Recorder()
+        self._unsubscribe = log.subscribe(self.recorder.on_event)
+        runtime.on_incident(self.recorder.on_incident)
+        plans = plan_mod.render_cluster(cfg)
+        self._own_clients = clients
+        self.poller = NodePoller(clients or runtime.clients, {p.node: p for p in plans if p.pack.required},
+                                 float(cfg["METRICS_POLL_S"]), log)
+        low = None
+        self.guard_window = None
+        if guard is not None:
+            self.guard_window = WindowLow(GUARD_WINDOW_S)
+            guard.on_sample(lambda node, available: self.guard_window.add(available))
+            low = self.guard_window.lowest
+        mounts = tuple(n.name for n in cfg.nodes if not n.is_head) if cfg["NFS_SHARE"] else ()
+        self.registry.register(ClusterCollector(runtime.snapshot, [n.name for n in cfg.nodes], self.recorder,
+                                                self.poller.views, low,
+                                                guard.settings.guard_bytes if guard is not None else 0, mounts))
+        self._log = log
+        self._listen = listen
+
+    def start(self) -> "Metrics":
+        self.poller.start()
+        self.server.start()
+        self._log.info("metrics_started", f"metrics on http://{self._listen}/metrics", listen=str(self._listen))
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.poller.stop()
+        self._unsubscribe()
+        for client in (self._own_clients or {}).values():
+            client.close()
