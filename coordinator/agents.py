@@ -178,11 +178,12 @@ class AgentClient:
             raise AgentUnavailable(self.node, "CollectDiagnostics", exc, self._tls_problem(exc)) from None
 
     def watch_rank(self, on_event: Callable[[pb.RankEvent], None], on_lost: Callable[[str], None],
-                   stop: threading.Event) -> threading.Thread:
-        """Follows the rank unit's state in a thread; re-subscribes when the stream breaks."""
+                   stop: threading.Event, heartbeat_ms: int = 0) -> threading.Thread:
+        """Follows the rank unit's state in a thread (with heartbeat_ms, also a heartbeat that often:
+        the node's lease); re-subscribes when the stream breaks."""
         def run() -> None:
             while not stop.is_set():
-                stream = self._stub.WatchRank(pb.WatchRankRequest())
+                stream = self._stub.WatchRank(pb.WatchRankRequest(heartbeat_ms=heartbeat_ms))
                 try:
                     for event in stream:
                         if stop.is_set():
