@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -57,6 +58,10 @@ ENV_KEYS = ("OFFLOAD_MODE", "DSV41_PACKED_DIR", "DSV41_ENGRAM_PREFETCH", "DSV41_
             *STORE_ENV_KEYS, *CONFLICTS)
 TABLE_SUFFIXES = (".engram.embed.weight", ".engram.embed.scale")
 DEFAULT_PACKED_DIR = "/engram"
+# The host functions that read rows run on the CUDA driver's thread and need the GIL: with the
+# default switch interval (5 ms) a scheduler thread busy in Python holds a read back by up to that
+# long (bench/engram_lookup measures the prefetch with such a thread at both intervals).
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -294,6 +299,11 @@ class EngramOffload:
             table.buffers("sync", device, 1)
             if self.settings.prefetch:
                 table.buffers("prefetch", device, 1)
+            if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+                self._log.line(f"{NAME}: interpreter switch interval {sys.getswitchinterval() * 1000:g} ms -> "
+                               f"{SWITCH_INTERVAL_S * 1000:g} ms (the row reads run on the CUDA driver's thread "
+                               "and wait for the GIL)")
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
         module.row_start, module.rows = store.header.row_lo, store.header.rows
         module.dsv41_table = table
         with self._lock:
