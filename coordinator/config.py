@@ -14,7 +14,7 @@ from typing import Mapping
 
 from dsv41 import envfile
 
-from . import schema
+from . import adapterkeys, schema
 from . import values as v
 
 _WORKER_KEY = re.compile(r"(WORKER(\d+)_(IP|HOST)|NFS_SERVER_IP_(\d+))")
@@ -64,6 +64,8 @@ class ClusterConfig:
     passthrough: Mapping[str, str]  # prefixed keys the schema does not know, passed to the rank
     unused: tuple[tuple[str, str], ...]  # (key, why it is no longer needed)
     warnings: tuple[str, ...] = field(default=())
+    # Rank-side keys set in the file that no adapter reads (adapterkeys): valid, but doing nothing.
+    no_effect: tuple[ConfigError, ...] = field(default=())
 
     def __getitem__(self, key: str) -> object:
         return self.settings[key]
@@ -89,7 +91,9 @@ def load(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> C
     return parse(text, path, os.environ if environ is None else environ)
 
 
-def parse(text: str, path: str, environ: Mapping[str, str]) -> ClusterConfig:
+def parse(text: str, path: str, environ: Mapping[str, str],
+          implemented: frozenset[str] | None = None) -> ClusterConfig:
+    """``implemented``: the variables the adapters read (default: their declarations)."""
     label = os.path.basename(path)
     entries, syntax = envfile.parse(text, environ)
     errors = [ConfigError(label, e.line, e.key, None, e.message) for e in syntax]
@@ -135,7 +139,11 @@ def parse(text: str, path: str, environ: Mapping[str, str]) -> ClusterConfig:
     _cross_checks(settings, raw, nodes, err)
     if errors:
         raise ConfigInvalid(sorted(errors, key=lambda e: (e.line is None, e.line or 0)))
-    return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(_warnings(settings)))
+    readers = adapterkeys.implemented() if implemented is None else implemented
+    idle = [ConfigError(label, lines[k], k, given[k], adapterkeys.NO_EFFECT)
+            for k in adapterkeys.without_effect(schema.KEYS, readers) if k in given]
+    return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(_warnings(settings)),
+                         tuple(sorted(idle, key=lambda e: e.line or 0)))
 
 
 def _nodes(settings: Mapping[str, object], given: Mapping[str, str], err) -> list[Node]:
