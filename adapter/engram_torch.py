@@ -24,7 +24,6 @@ import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from adapter.engram import format as fmt
@@ -122,23 +121,21 @@ def _class_rows(n: int) -> int:
     return max(MIN_CLASS_ROWS, 1 << max(0, n - 1).bit_length())
 
 
-def _raise(error: BaseException) -> None:
-    raise error
-
-
 class PackedTable:
     """One Engram layer's rows of this rank: lookups, prefetches and staged rows from its shard."""
 
     def __init__(self, store: RowStore, *, on_read: Callable[[], None] = lambda: None,
-                 on_error: Callable[[BaseException], None] = _raise,
+                 on_error: Callable[[BaseException], None] = lambda _error: None,
                  host_functions: HostFunctions | None = None) -> None:
         self.store = store
         self.layer = store.header.layer
         self.lo, self.hi = store.header.row_lo, store.header.row_hi
         self._on_read = on_read  # after every read (statistics)
         # Called on the driver's thread when a read fails there: nothing can be raised to the
-        # forward, so the adapter stops the process rather than let it use unread rows.
+        # forward, so the adapter stops the process rather than let it use unread rows. The first
+        # failure is also kept and raised by the next lookup on a Python thread.
         self._on_error = on_error
+        self.failed: BaseException | None = None
         self._host_functions = host_functions
         self._classes: dict[tuple[str, torch.device, int], _Buffers] = {}
         self.checked = None  # prefetch check counters (tensors on the lookup's device)
@@ -148,6 +145,7 @@ class PackedTable:
 
     def lookup(self, indices: torch.Tensor) -> torch.Tensor:
         """[..., 256] bfloat16 rows of ``indices`` on their device, in the current stream's order."""
+        self._raise_failed()
         flat = indices.reshape(-1)
         if flat.numel() == 0:
             return torch.zeros(*indices.shape, DIM, dtype=torch.bfloat16, device=indices.device)
@@ -159,6 +157,7 @@ class PackedTable:
 
     def prefetch(self, indices: torch.Tensor, side: torch.cuda.Stream | None) -> Pending:
         """Start fetching the rows of ``indices`` (on ``side``, after the work queued so far)."""
+        self._raise_failed()
         if indices.device.type != "cuda":
             return Pending(self._read(indices.reshape(-1)), None, tuple(indices.shape), _identity(indices))
         assert side is not None, "a CUDA prefetch needs a side stream"
@@ -171,6 +170,7 @@ class PackedTable:
 
     def take(self, pending: Pending) -> torch.Tensor:
         """The prefetched rows, once the current stream has waited for them."""
+        self._raise_failed()
         self.join(pending)
         if pending.rows.shape[0] == 0:
             return torch.zeros(*pending.shape, DIM, dtype=torch.bfloat16, device=pending.rows.device)
@@ -263,12 +263,15 @@ class PackedTable:
         try:
             self._read_into(bufs.ids_np[:n].tolist(), bufs.host_bytes[:n * fmt.ROW_BYTES])
         except BaseException as e:  # noqa: BLE001 - see on_error
+            if self.failed is None:
+                self.failed = e
             self._on_error(e)
+
+    def _raise_failed(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"reading Engram rows of layer {self.layer} failed on the CUDA driver's thread: "
+                               f"{type(self.failed).__name__}: {self.failed}") from self.failed
 
     def close(self) -> None:
         self.store.close()
 
-
-def int64_ids(values: np.ndarray | list[int]) -> torch.Tensor:
-    """Host ids as the int64 tensor lookups take (bench and tests)."""
-    return torch.as_tensor(np.asarray(values, dtype=np.int64))
