@@ -157,7 +157,7 @@ def rank_line(label: str, seconds: float, layers: Mapping[int, Interval], cache_
     else:
         hit = f"{100.0 * hits / (hits + misses):.1f} %" if hits + misses else "n/a"
     per_layer = ", ".join(
-        f"layer {layer} {i.lookups / seconds:.0f} rows/s, lookup p50 "
+        f"layer {layer} {i.lookups / seconds:.0f} rows/s, read per lookup p50 "
         f"{format_duration(i.batch_latency.percentile(0.5))} p99 "
         f"{format_duration(i.batch_latency.percentile(0.99))}" for layer, i in sorted(layers.items()))
     return (f"{label}: {batches / seconds:.1f} lookups/s, {rows / seconds:.0f} rows/s over "

@@ -74,7 +74,7 @@ def test_rank_line_covers_both_layers_once_per_interval() -> None:
     line = lines[0]
     assert line.startswith("engram_offload: rank 1/3: 0.1 lookups/s, 58 rows/s over 60.0 s, cache hit off "
                            "(0 hits, 2700 rows read), row read p50 "), line
-    assert "layer 1 29 rows/s, lookup p50 " in line and "layer 14 29 rows/s" in line
+    assert "layer 1 29 rows/s, read per lookup p50 " in line and "layer 14 29 rows/s" in line
     rank.maybe_report()
     assert len(lines) == 1  # the next interval has only begun
 
