@@ -32,6 +32,8 @@ from adapter.log import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch, Refused
 
 NAME = "api_key"
+# The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
+ENV_KEYS = (VARIABLE,)
 ARGS_MODULE = "sglang.srt.server_args"
 LOGGING_MODULE = "sglang.srt.entrypoints.engine"
 DUMP_MODULE = "sglang.srt.managers.tokenizer_manager"

@@ -36,6 +36,8 @@ from adapter.patching import AFTER, AdapterSpec, Patch
 from adapter.settings import env_flag
 
 NAME = "autotune_keep"
+# The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
+ENV_KEYS = ("DSV41_AUTOTUNE_KEEP",)
 MODULE = "sglang.srt.model_executor.runner.flashinfer_autotune"
 ENV_PREFIXES = ("SGLANG_", "DSV41_", "FLASHINFER_", "TORCH_", "PYTORCH_", "CUDA_", "TRITON_", "NVIDIA_")
 # Set per boot (or per systemd invocation) without changing what the kernels do.

@@ -8,11 +8,13 @@ nothing. Only DSV41_SOURCE (the model path the coordinator always sets for a ran
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable, Mapping
 
 from adapter import (
     api_key,
     autotune_keep,
+    engram_offload,
     inflight,
     loop_abort,
     max_new_tokens,
@@ -29,18 +31,31 @@ ARM_VARIABLE = "DSV41_SOURCE"
 
 Builder = Callable[[Mapping[str, str], AdapterLog], AdapterSpec | None]
 
-# Order matters only for the order of the "installed" lines.
-BUILDERS: tuple[tuple[str, Builder], ...] = (
-    (tp3_pad.NAME, tp3_pad.build),
-    (mxfp8_b12x.NAME, mxfp8_b12x.build),
-    (autotune_keep.NAME, lambda env, log: autotune_keep.build(env, log=log)),
-    (prefill_empty_cache.NAME, lambda env, log: prefill_empty_cache.build(env)),
-    (loop_abort.NAME, lambda env, log: loop_abort.build(env)),
-    (max_new_tokens.NAME, lambda env, log: max_new_tokens.build(env)),
-    (reasoning_effort.NAME, lambda env, log: reasoning_effort.build(env)),
-    (inflight.NAME, lambda env, log: inflight.build(env)),
-    (api_key.NAME, api_key.build),
+# Every adapter module with its builder. Order matters only for the order of the "installed" lines.
+ADAPTERS: tuple[tuple[types.ModuleType, Builder], ...] = (
+    (tp3_pad, tp3_pad.build),
+    (mxfp8_b12x, mxfp8_b12x.build),
+    (autotune_keep, lambda env, log: autotune_keep.build(env, log=log)),
+    (prefill_empty_cache, lambda env, log: prefill_empty_cache.build(env)),
+    (loop_abort, lambda env, log: loop_abort.build(env)),
+    (max_new_tokens, lambda env, log: max_new_tokens.build(env)),
+    (reasoning_effort, lambda env, log: reasoning_effort.build(env)),
+    (inflight, lambda env, log: inflight.build(env)),
+    (api_key, api_key.build),
+    (engram_offload, engram_offload.build),
 )
+BUILDERS: tuple[tuple[str, Builder], ...] = tuple((module.NAME, build) for module, build in ADAPTERS)
+
+
+def env_keys() -> dict[str, tuple[str, ...]]:
+    """{variable: the adapters that read it}, from each adapter module's ENV_KEYS declaration
+    (and DSV41_SOURCE, which arms them all). Importable without SGLang or torch: the coordinator
+    derives from it which rank-side keys have an effect."""
+    readers: dict[str, tuple[str, ...]] = {ARM_VARIABLE: ("boot",)}
+    for module, _build in ADAPTERS:
+        for key in module.ENV_KEYS:
+            readers[key] = readers.get(key, ()) + (module.NAME,)
+    return readers
 
 
 def armed(env: Mapping[str, str]) -> bool:

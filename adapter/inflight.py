@@ -46,6 +46,8 @@ from adapter.patching import BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
 from adapter.settings import env_flag
 
 NAME = "inflight"
+# The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
+ENV_KEYS = ("DSV41_INFLIGHT_ROUTE",)
 PATH = "/dsv41/inflight"
 SOURCE = "tokenizer_manager"
 HTTP_SERVER = "sglang.srt.entrypoints.http_server"

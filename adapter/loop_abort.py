@@ -23,6 +23,8 @@ from adapter.patching import AFTER, ON_IMPORT, AdapterSpec, Patch, PatchError
 from adapter.settings import env_flag, env_int
 
 NAME = "loop_abort"
+# The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
+ENV_KEYS = ("DSV41_LOOP_ABORT", "DSV41_LOOP_NGRAM", "DSV41_LOOP_REPEATS", "DSV41_LOOP_LINE_REPEATS")
 MODULE = "sglang.srt.managers.schedule_batch"
 DETECTOR_ATTR = "_dsv41_loop_detector"
 SAME_TOKENS = 64

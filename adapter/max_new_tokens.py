@@ -17,6 +17,8 @@ from adapter.patching import BEFORE, AdapterSpec, Patch
 from adapter.settings import env_int
 
 NAME = "max_new_tokens"
+# The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
+ENV_KEYS = ("DSV41_MAX_NEW_TOKENS",)
 MODULE = "sglang.srt.entrypoints.openai.serving_chat"
 DEFAULT = 32768
 MAXIMUM = 1 << 24

@@ -31,6 +31,8 @@ from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, Patch
 from adapter.settings import env_choice
 
 NAME = "mxfp8_b12x"
+# The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
+ENV_KEYS = ("DSV41_MXFP8_BACKEND",)
 UTILS = "sglang.srt.layers.quantization.fp8_utils"
 FP8 = "sglang.srt.layers.quantization.fp8"
 BACKENDS = ("b12x", "cudnn", "cutlass")

@@ -19,6 +19,8 @@ from adapter.patching import AFTER, AdapterSpec, Patch
 from adapter.settings import env_int
 
 NAME = "prefill_empty_cache"
+# The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
+ENV_KEYS = ("DSV41_PREFILL_EMPTY_CACHE_TOKENS",)
 MODULE = "sglang.srt.managers.scheduler"
 DEFAULT = 8192
 MAXIMUM = 1 << 24

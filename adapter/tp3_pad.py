@@ -30,6 +30,8 @@ from adapter.settings import env_flag
 from adapter.tp_padding import ModelDims, PadPlan, plan_padding
 
 NAME = "tp3_pad"
+# The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
+ENV_KEYS = ("DSV41_TP_PAD",)
 CONFIG = "sglang.srt.configs.model_config"
 PARAMETER = "sglang.srt.layers.parameter"
 LINEAR = "sglang.srt.layers.linear"

@@ -66,7 +66,8 @@ class PackRpcs:
                 layers.append(pb.PackLayerState(layer=state.layer, rank=rank, state=state.status.value,
                                                 state_kind=pb.PackLayerState.State.Value(state.status.name),
                                                 detail=state.detail, done_bytes=state.done_bytes,
-                                                total_bytes=state.total_bytes))
+                                                total_bytes=state.total_bytes, row_lo=state.row_lo,
+                                                row_hi=state.row_hi, total_rows=state.total_rows))
         return pb.PackState(layers=layers, running=running, status_text=text)
 
     def GetPackState(self, request, context):

@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 
 from dsv41 import envfile
 
-from . import schema
+from . import adapterkeys, schema
 from . import values as v
 
 _WORKER_KEY = re.compile(r"(WORKER(\d+)_(IP|HOST)|NFS_SERVER_IP_(\d+))")
@@ -64,6 +64,8 @@ class ClusterConfig:
     passthrough: Mapping[str, str]  # prefixed keys the schema does not know, passed to the rank
     unused: tuple[tuple[str, str], ...]  # (key, why it is no longer needed)
     warnings: tuple[str, ...] = field(default=())
+    # Rank-side keys set in the file that no adapter reads (adapterkeys): valid, but doing nothing.
+    no_effect: tuple[ConfigError, ...] = field(default=())
 
     def __getitem__(self, key: str) -> object:
         return self.settings[key]
@@ -100,8 +102,10 @@ def load(path: str | os.PathLike, environ: Mapping[str, str] | None = None,
 
 
 def parse(text: str, path: str, environ: Mapping[str, str],
-          file_problem: Callable[[str], str | None] | None = None) -> ClusterConfig:
-    """`file_problem`: checks INCIDENT_HOOK's file (None: not checked, for pure parsing)."""
+          file_problem: Callable[[str], str | None] | None = None,
+          implemented: frozenset[str] | None = None) -> ClusterConfig:
+    """`file_problem`: checks INCIDENT_HOOK's file (None: not checked, for pure parsing).
+    `implemented`: the variables the adapters read (default: their declarations)."""
     label = os.path.basename(path)
     entries, syntax = envfile.parse(text, environ)
     errors = [ConfigError(label, e.line, e.key, None, e.message + ("; " + HOME_FIX if "$HOME " in e.message else ""))
@@ -153,7 +157,11 @@ def parse(text: str, path: str, environ: Mapping[str, str],
     if errors:
         raise ConfigInvalid(sorted(errors, key=lambda e: (e.line is None, e.line or 0)))
     warnings = [*_home_warnings(entries, environ), *_warnings(settings)]
-    return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(warnings))
+    readers = adapterkeys.implemented() if implemented is None else implemented
+    idle = [ConfigError(label, lines[k], k, given[k], adapterkeys.NO_EFFECT)
+            for k in adapterkeys.without_effect(schema.KEYS, readers) if k in given]
+    return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(warnings),
+                         tuple(sorted(idle, key=lambda e: e.line or 0)))
 
 
 def _home_warnings(entries: list[envfile.Entry], environ: Mapping[str, str]) -> list[str]:

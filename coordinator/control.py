@@ -20,7 +20,7 @@ from dsv41.version import VERSION
 
 from . import plan as plan_mod
 from .agents import AgentClient, AgentUnavailable
-from .bringup.pack import incomplete
+from .packstate import incomplete
 from .config import ClusterConfig
 from .runtime import ClusterRuntime, Incident, Snapshot
 from .sockets import CONTROL_GROUP, CONTROL_SOCKET

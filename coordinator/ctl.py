@@ -75,6 +75,8 @@ def _config_check(args, out: TextIO, err: TextIO) -> int:
         print(f"  passed to the rank as is: {key}", file=out)
     for warning in cfg.warnings:
         print(f"  warning: {warning}", file=out)
+    for idle in cfg.no_effect:
+        print(f"  no effect: {idle}", file=out)
     return 0
 
 
@@ -115,10 +117,13 @@ def _print_plan(body: dict, out: TextIO) -> None:
 
 
 def _config_keys(args, out: TextIO, err: TextIO) -> int:
-    from . import schema
+    from . import adapterkeys, schema
+    idle = set(adapterkeys.without_effect(schema.KEYS, adapterkeys.implemented()))
     for key in schema.KEYS:
         default = "(required)" if key.default is None else f"default {key.default!r}"
         print(f"{key.name}  {default}\n    {key.doc}", file=out)
+        if key.name in idle:
+            print(f"    {adapterkeys.NO_EFFECT}", file=out)
     for pattern, (_, doc) in schema.WORKER_KEYS.items():
         print(f"{pattern.format(k='k')}  (one per worker, k = 1..NNODES-1)\n    {doc}", file=out)
     for key, reason in schema.UNUSED.items():

@@ -261,7 +261,7 @@ def _logs(args, out: TextIO, err: TextIO) -> int:
 
 def progress_line(node: str, state: apb.PackState, width: int = 24) -> str:
     total = sum(layer.total_bytes for layer in state.layers)
-    from .bringup.pack import incomplete as pack_incomplete, layer_state  # the pack path only
+    from .packstate import incomplete as pack_incomplete, layer_state
     done = sum(layer.done_bytes if layer_state(layer) != apb.PackLayerState.COMPLETE else layer.total_bytes
                for layer in state.layers)
     fraction = done / total if total else (0.0 if pack_incomplete(state) else 1.0)
@@ -285,7 +285,7 @@ def _pack(args, out: TextIO, err: TextIO) -> int:
             print(progress_line(progress.node, progress.state), file=out, flush=True)
     if tty:
         out.write("\n")
-    from .bringup.pack import incomplete as pack_incomplete
+    from .packstate import incomplete as pack_incomplete
     incomplete = [n for n, s in last.items() if pack_incomplete(s)]
     if incomplete:
         print(f"not complete on: {', '.join(incomplete)}", file=err)

@@ -28,7 +28,7 @@ from . import plan as plan_mod
 from . import unexport as unexport_mod
 from .agents import AgentClient, AgentUnavailable
 from .bringup import BringUp, Preempted, StepContext, StepFailed
-from .bringup.pack import incomplete
+from .packstate import incomplete
 from .config import ClusterConfig
 from .messages import (AutotuneResetJob, CanaryDone, CanarySent, PackStartJob, RankObserved, UnexportJob, Wake,
                        WatchLost, WorkSeen)

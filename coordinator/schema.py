@@ -128,7 +128,9 @@ KEYS: tuple[Key, ...] = (
     _k("DIST_PORT", v.integer(1, 65535), "20000", "torch.distributed rendezvous port on the head"),
     # serving
     _k("OFFLOAD_MODE", v.choice("nvme", "host"), "nvme",
-       "Engram tables: nvme reads packed local shards (required on GB10), host keeps them in RAM", env=True),
+       "Engram tables: nvme serves them from this node's packed shards (required on GB10; the rank refuses to "
+       "start without them); host leaves them to SGLang (device memory, or host RAM with "
+       "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1)", env=True),
     _k("CONTEXT_LENGTH", v.integer(1, MAX_CONTEXT), None, "per-request context limit (model max 1,048,576)"),
     _k("MEM_FRACTION_STATIC", v.real(0.0, 1.0, lo_open=True, hi_open=True), None, "workers' --mem-fraction-static"),
     _k("HEAD_MEM_FRACTION_STATIC", v.optional(v.real(0.0, 1.0, lo_open=True, hi_open=True)), "",
@@ -143,7 +145,8 @@ KEYS: tuple[Key, ...] = (
     _k("DSPARK_STS_TABLE", v.optional(v.abspath), "", "STS calibration table; same rules as DSPARK_SPS_TABLE"),
     # engram
     _k("ENGRAM_DIR", v.abspath, None, "node-local NVMe directory holding the packed Engram shards (same path on every node)"),
-    _k("DSV41_PACKED_DIR", v.abspath, "/engram", "where the rank sees ENGRAM_DIR", env=True),
+    _k("DSV41_PACKED_DIR", v.abspath, "/engram",
+       "where the rank sees ENGRAM_DIR (it opens engram-l{L}-r{R}of{TP}.bin there)", env=True),
     _k("SKIP_PREPARE", v.flag, "1", "1: bring-up never runs the pack job (an absent pack fails with the fix); "
        "0: bring-up packs what is missing"),
     _k("SKIP_VERIFY", v.flag, "1", "0: hash the checkpoint against its index before launch (cached receipts)"),
@@ -152,9 +155,13 @@ KEYS: tuple[Key, ...] = (
     # Engram row store in the rank
     _k("DSV41_CACHE_GIB", v.real(0.0, 64.0), "0", "Engram row cache per host in GiB (0 disables)", env=True),
     _k("DSV41_IO_THREADS", v.integer(1, 1024), "96", "Engram miss reader threads", env=True),
-    _k("DSV41_RESIDENT_SCALES", v.flag, "0", "pin owned scale rows in host RAM (~1 GiB/layer/rank)", env=True),
+    _k("DSV41_RESIDENT_SCALES", v.flag, "0",
+       "hold the owned rows' scale bytes in host RAM (~1 GiB/layer/rank, one pass over the shard at start); "
+       "a miss then reads 256 instead of 264 bytes, one read either way", env=True),
     _k("DSV41_CACHE_WAYS", v.integer(1, 16), "4", "Engram cache associativity", env=True),
-    _k("DSV41_STATS_SECONDS", v.integer(0, 86400), "60", "Engram statistics interval (0: off)", env=True),
+    _k("DSV41_STATS_SECONDS", v.integer(0, 86400), "60",
+       "one Engram statistics line per rank this often (lookups/s, rows/s, hit rate, read latency; 0: off)",
+       env=True),
     # kernels and decode adapters
     _k("EXTRA_SGLANG_ARGS", v.shell_words, "", "more SGLang flags, split like a shell would"),
     _k("DSV41_MXFP8_BACKEND", v.choice("b12x", "cudnn", "cutlass"), "b12x", "FlashInfer MXFP8 dense kernel", env=True),
@@ -166,8 +173,11 @@ KEYS: tuple[Key, ...] = (
     _k("DSV41_VERIFY_CAP", v.verify_cap, "conf:0.1", "confidence cap: 0 or conf:<x>", env=True),
     _k("DSV41_DRAFT_TAU", v.real(0.0, 1.0, lo_open=True), "1", "draft temperature factor (1: off)", env=True),
     _k("DSV41_BLOCK_VERIFY", v.flag, "1", "block verification of sampled rows", env=True),
-    _k("DSV41_ENGRAM_PREFETCH", v.flag, "1", "fetch Engram rows on a side stream", env=True),
-    _k("DSV41_ENGRAM_PREFETCH_CHECK", v.flag, "0", "validate prefetch against a synchronous lookup (slow)", env=True),
+    _k("DSV41_ENGRAM_PREFETCH", v.flag, "1",
+       "fetch Engram rows ahead on a side stream: extend batches staged by the scheduler, other batches right "
+       "after the hasher", env=True),
+    _k("DSV41_ENGRAM_PREFETCH_CHECK", v.flag, "0",
+       "also run the synchronous lookup and log rows that differ from the prefetched ones (slow)", env=True),
     _k("DSV41_FOLDED_FENCE", v.flag, "0", "folded fence experiment", env=True),
     _k("DSV41_AUTOTUNE_KEEP", v.flag, "1", "keep FlashInfer autotune caches across boots of the same launch", env=True),
     _k("SGLANG_FLASHINFER_MOE_FUSED_FINALIZE", v.flag, "0",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # On disk the u64 reads b"DSV1EN41"; the recipes call it "DSV41EN1". The number is what counts.
@@ -27,7 +28,7 @@ ROW_BYTES = WEIGHT_BYTES + SCALE_BYTES
 VALUES_PER_SCALE = WEIGHT_BYTES // SCALE_BYTES
 LAYERS = (1, 14)
 PARTIAL_SUFFIX = ".partial"
-REPACK_HINT = "re-pack with `dsv41ctl pack`"
+REPACK_HINT = "re-pack with `dsv41ctl pack --start`"
 
 _FIELDS = struct.Struct("<6Q")
 _PARTIAL_FIELDS = struct.Struct("<7Q")
@@ -180,6 +181,41 @@ def owner_of(header: Header, max_tp: int = 64) -> tuple[int, int] | None:
         if rank < tp and row_range(n, rank, tp) == (header.row_lo, header.row_hi):
             return rank, tp
     return None
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Rows [lo, hi) that no range covers (gap), that two ranges cover (overlap), or that a range
+    claims past the end of the table (beyond)."""
+
+    kind: str  # "gap", "overlap" or "beyond" (rows past the end of the table)
+    lo: int
+    hi: int
+    ranges: tuple[int, ...]  # indexes into the ranges given: a gap's neighbours, an overlap's owners
+
+
+def coverage_faults(ranges: Sequence[tuple[int, int]], total_rows: int) -> list[Fault]:
+    """How the row ranges fail to partition ``[0, total_rows)`` exactly; [] when they do. Every
+    rank looks up every row and the TP all-reduce sums them, so a gap reads as zeros and an
+    overlap doubles a row: both are silent wrong results."""
+    order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1]))
+    faults: list[Fault] = []
+    cursor, last = 0, None  # rows below cursor are covered; last: the range that reached it
+    for i in order:
+        lo, hi = ranges[i]
+        if lo >= hi:
+            continue  # an empty range (more ranks than rows) owns nothing
+        if lo > cursor:
+            faults.append(Fault("gap", cursor, lo, tuple(x for x in (last, i) if x is not None)))
+        elif lo < cursor and last is not None:
+            faults.append(Fault("overlap", lo, min(hi, cursor), (last, i)))
+        if hi > cursor:
+            cursor, last = hi, i
+    if cursor < total_rows:
+        faults.append(Fault("gap", cursor, total_rows, (last,) if last is not None else ()))
+    elif cursor > total_rows:
+        faults.append(Fault("beyond", total_rows, cursor, (last,) if last is not None else ()))
+    return faults
 
 
 def _magic(buf: bytes) -> int:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 MAX_IO_THREADS = 1024
 MAX_CACHE_WAYS = 64
+# The variables from_env reads (the engram_offload adapter declares them as its own).
+ENV_KEYS = ("DSV41_IO_THREADS", "DSV41_CACHE_GIB", "DSV41_CACHE_WAYS", "DSV41_STATS_SECONDS",
+            "DSV41_RESIDENT_SCALES")
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,8 @@ class StoreSettings:
     cache_gib: float = 0.0  # 0 disables the cache
     cache_ways: int = 4
     stats_seconds: float = 60.0  # 0 disables the statistics line
+    # The owned rows' 8 scale bytes held in memory (read once at open): a miss reads 256 bytes.
+    resident_scales: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
@@ -33,7 +38,8 @@ class StoreSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
-        """From DSV41_IO_THREADS, DSV41_CACHE_GIB, DSV41_CACHE_WAYS and DSV41_STATS_SECONDS."""
+        """From DSV41_IO_THREADS, DSV41_CACHE_GIB, DSV41_CACHE_WAYS, DSV41_STATS_SECONDS and
+        DSV41_RESIDENT_SCALES."""
         env = os.environ if environ is None else environ
         default = cls()
         values = {
@@ -41,6 +47,7 @@ class StoreSettings:
             "cache_gib": _number(env, "DSV41_CACHE_GIB", float, default.cache_gib),
             "cache_ways": _number(env, "DSV41_CACHE_WAYS", int, default.cache_ways),
             "stats_seconds": _number(env, "DSV41_STATS_SECONDS", float, default.stats_seconds),
+            "resident_scales": _flag(env, "DSV41_RESIDENT_SCALES", default.resident_scales),
         }
         try:
             return cls(**values)
@@ -57,3 +64,14 @@ def _number(env: Mapping[str, str], key: str, kind: type, default: float) -> flo
     except ValueError:
         what = "an integer" if kind is int else "a number"
         raise ValueError(f"{key}={raw!r}: expected {what}") from None
+
+
+def _flag(env: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{key}={raw!r}: expected 1 or 0")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 _BUCKETS = 65 * 4  # quarter-octave buckets over the whole u64 nanosecond range
 
@@ -36,6 +37,13 @@ class LatencyHistogram:
             if ns > self.max_ns:
                 self.max_ns = ns
 
+    def add(self, other: LatencyHistogram) -> None:
+        for b, count in enumerate(other.counts):
+            if count:
+                self.counts[b] += count
+        self.total += other.total
+        self.max_ns = max(self.max_ns, other.max_ns)
+
     def percentile(self, q: float) -> int:
         """Upper edge of the bucket holding the q-quantile (0 when empty)."""
         if not self.total:
@@ -55,6 +63,19 @@ def format_duration(ns: float) -> str:
     if ns < 1_000_000_000:
         return f"{ns / 1e6:.2f} ms"
     return f"{ns / 1e9:.2f} s"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One store's counters over one statistics interval (RowStats.take)."""
+
+    seconds: float
+    lookups: int  # rows asked for, owned or not
+    hits: int
+    misses: int  # rows read from the shard
+    batches: int
+    read_latency: LatencyHistogram
+    batch_latency: LatencyHistogram
 
 
 class RowStats:
@@ -97,6 +118,14 @@ class RowStats:
         if line is not None:
             self._log(line)
 
+    def take(self, now: float) -> Interval:
+        """The counters since the last take (or line), and start the next interval."""
+        with self._lock:
+            taken = Interval(max(now - self._start, 1e-9), self.lookups, self.hits, self.misses,
+                             self.batches, self.read_latency, self.batch_latency)
+            self._reset(now)
+        return taken
+
     def line(self, now: float) -> str:
         elapsed = max(now - self._start, 1e-9)
         cached = self.hits + self.misses
@@ -111,3 +140,59 @@ class RowStats:
                 f"p99 {format_duration(r.percentile(0.99))} max {format_duration(r.max_ns)}, "
                 f"batch p50 {format_duration(b.percentile(0.5))} "
                 f"p99 {format_duration(b.percentile(0.99))}")
+
+
+def rank_line(label: str, seconds: float, layers: Mapping[int, Interval], cache_enabled: bool) -> str:
+    """One statistics line for a rank over its layers' intervals (the engram_offload adapter)."""
+    seconds = max(seconds, 1e-9)
+    rows = sum(i.lookups for i in layers.values())
+    batches = sum(i.batches for i in layers.values())
+    hits = sum(i.hits for i in layers.values())
+    misses = sum(i.misses for i in layers.values())
+    reads = LatencyHistogram()
+    for i in layers.values():
+        reads.add(i.read_latency)
+    if not cache_enabled:
+        hit = "off"
+    else:
+        hit = f"{100.0 * hits / (hits + misses):.1f} %" if hits + misses else "n/a"
+    per_layer = ", ".join(
+        f"layer {layer} {i.lookups / seconds:.0f} rows/s, read per lookup p50 "
+        f"{format_duration(i.batch_latency.percentile(0.5))} p99 "
+        f"{format_duration(i.batch_latency.percentile(0.99))}" for layer, i in sorted(layers.items()))
+    return (f"{label}: {batches / seconds:.1f} lookups/s, {rows / seconds:.0f} rows/s over "
+            f"{seconds:.1f} s, cache hit {hit} ({hits} hits, {misses} rows read), row read p50 "
+            f"{format_duration(reads.percentile(0.5))} p99 {format_duration(reads.percentile(0.99))} "
+            f"max {format_duration(reads.max_ns)}; {per_layer}")
+
+
+class RankStats:
+    """One line per interval for all of a rank's stores (their own RowStats lines stay off)."""
+
+    def __init__(self, label: str, interval_s: float, clock: Callable[[], float],
+                 log: Callable[[str], None], cache_enabled: bool) -> None:
+        self.label = label
+        self.interval_s = interval_s
+        self.cache_enabled = cache_enabled
+        self._clock = clock
+        self._log = log
+        self._lock = threading.Lock()
+        self._stores: dict[int, RowStats] = {}
+        self._start = clock()
+
+    def add(self, layer: int, stats: RowStats) -> None:
+        with self._lock:
+            self._stores[layer] = stats
+            stats.take(self._start)  # the store's interval starts with the rank's
+
+    def maybe_report(self) -> None:
+        """Log the line once the interval has passed (called after every read)."""
+        if self.interval_s <= 0:
+            return
+        now = self._clock()
+        with self._lock:
+            if now - self._start < self.interval_s:
+                return
+            intervals = {layer: stats.take(now) for layer, stats in self._stores.items()}
+            seconds, self._start = now - self._start, now
+        self._log(rank_line(self.label, seconds, intervals, self.cache_enabled))

@@ -27,6 +27,8 @@ _ZERO_ROW = bytes(fmt.ROW_BYTES)
 # ones cost more in switching than they gain (measured: bench/row_store). A batch of up to this
 # many rows is read on the caller's thread; larger ones are split into tasks of about this size.
 _ROWS_PER_TASK = 512
+# Rows per read while loading the resident scales: one sequential pass over the shard.
+_SCAN_ROWS = 32768
 _log = logging.getLogger("dsv41.engram")
 
 
@@ -71,6 +73,7 @@ class RowStore:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._cache = RowCache(settings.cache_bytes, settings.cache_ways) \
                 if settings.cache_bytes > 0 else None
+            self._scales = self._load_scales() if settings.resident_scales else None
         except BaseException:
             os.close(self._fd)
             raise
@@ -149,21 +152,49 @@ class RowStore:
     def _read_some(self, rows: list[int], positions: list[int], out: memoryview) -> list[int]:
         fd, lo, size = self._fd, self.header.row_lo, fmt.ROW_BYTES
         base = fmt.HEADER_BYTES - lo * size
+        scales = self._scales
+        length = fmt.WEIGHT_BYTES if scales is not None else size  # resident: weights only
         if len(rows) > 1:
             # Queue every row's page read first (asynchronous readahead of exactly that range),
             # so the drive sees the whole batch at once instead of one read per thread.
             for row in rows:
-                os.posix_fadvise(fd, base + row * size, size, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(fd, base + row * size, length, os.POSIX_FADV_WILLNEED)
         latencies = []
         clock = time.perf_counter_ns
         for row, pos in zip(rows, positions):
+            at = pos * size
             t0 = clock()
-            n = os.preadv(fd, [out[pos * size:(pos + 1) * size]], base + row * size)
+            n = os.preadv(fd, [out[at:at + length]], base + row * size)
             latencies.append(clock() - t0)
-            if n != size:
-                raise StoreError(f"{self.path}: short read of row {row} ({n} of {size} bytes): "
+            if n != length:
+                raise StoreError(f"{self.path}: short read of row {row} ({n} of {length} bytes): "
                                  f"the file changed under the rank; {fmt.REPACK_HINT}")
+            if scales is not None:
+                k = (row - lo) * fmt.SCALE_BYTES
+                out[at + length:at + size] = scales[k:k + fmt.SCALE_BYTES]
         return latencies
+
+    def _load_scales(self) -> memoryview:
+        """The 8 scale bytes of every owned row, in row order, from one sequential pass."""
+        rows = self.header.rows
+        scales = bytearray(rows * fmt.SCALE_BYTES)
+        buf = bytearray(min(rows, _SCAN_ROWS) * fmt.ROW_BYTES)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for first in range(0, rows, _SCAN_ROWS):
+            count = min(_SCAN_ROWS, rows - first)
+            view = memoryview(buf)[:count * fmt.ROW_BYTES]
+            n = os.preadv(self._fd, [view], fmt.HEADER_BYTES + first * fmt.ROW_BYTES)
+            if n != len(view):
+                raise StoreError(f"{self.path}: short read at row {self.header.row_lo + first} "
+                                 f"while loading the resident scales; {fmt.REPACK_HINT}")
+            at = first * fmt.SCALE_BYTES
+            for k in range(fmt.SCALE_BYTES):  # strided copies: byte k of every row's scales
+                scales[at + k:at + count * fmt.SCALE_BYTES:fmt.SCALE_BYTES] = \
+                    buf[fmt.WEIGHT_BYTES + k:count * fmt.ROW_BYTES:fmt.ROW_BYTES]
+        # The pass must not leave the whole shard in the page cache, nor readahead switched on.
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return memoryview(scales)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -31,6 +31,16 @@ class LayerState:
     detail: str  # one line for people: what was found and why this status
     done_bytes: int = 0  # row bytes known to be written (packing) or present (complete)
     total_bytes: int = 0  # row bytes of the complete shard, 0 when unknown
+    # The header's global rows [row_lo, row_hi) of a table of total_rows (packing: the partial
+    # pack's target); all 0 when no header could be read. The coordinator checks that the ranks'
+    # ranges partition each table.
+    row_lo: int = 0
+    row_hi: int = 0
+    total_rows: int = 0
+
+
+def _rows(header: fmt.Header) -> dict[str, int]:
+    return {"row_lo": header.row_lo, "row_hi": header.row_hi, "total_rows": header.total_rows}
 
 
 def pack_state(out_dir: str | Path, rank: int, tp: int, layers: tuple[int, ...] = fmt.LAYERS,
@@ -94,27 +104,28 @@ def _final_state(path: Path, layer: int, rank: int, tp: int, expected: fmt.Heade
             found = fmt.decode_header(os.pread(fd, fmt.HEADER_BYTES, 0))
         except fmt.HeaderError as e:
             return LayerState(layer, Status.CORRUPT, path, f"{path.name}: {e}")
+        rows = _rows(found)
         if found.layer != layer:
             return LayerState(layer, Status.CORRUPT, path,
-                              f"{path.name}: header is for layer {found.layer}")
+                              f"{path.name}: header is for layer {found.layer}", **rows)
         want = expected or fmt.expected_header(layer, found.total_rows, rank, tp)
         total = want.rows * fmt.ROW_BYTES
         why = fmt.mismatch(found, want)
         if why:
-            return LayerState(layer, Status.STALE, path, f"{path.name}: {why}", total_bytes=total)
+            return LayerState(layer, Status.STALE, path, f"{path.name}: {why}", total_bytes=total, **rows)
         if size != found.file_bytes:
             return LayerState(layer, Status.CORRUPT, path,
                               f"{path.name}: size is {size} bytes, {found.describe()} needs "
-                              f"{found.file_bytes}", total_bytes=total)
+                              f"{found.file_bytes}", total_bytes=total, **rows)
         if source is not None:
             bad = first_mismatch(fd, found, source, sample_rows(found.row_lo, found.row_hi, sample))
             if bad is not None:
                 return LayerState(layer, Status.CORRUPT, path,
                                   f"{path.name}: row {bad} differs from the checkpoint",
-                                  total_bytes=total)
+                                  total_bytes=total, **rows)
         checked = "sampled rows match the checkpoint" if source else "header and size match"
         return LayerState(layer, Status.COMPLETE, path,
-                          f"{path.name}: {found.describe()}, {checked}", total, total)
+                          f"{path.name}: {found.describe()}, {checked}", total, total, **rows)
     finally:
         os.close(fd)
 
@@ -136,8 +147,8 @@ def _partial_state(path: Path, partial: Path, layer: int, rank: int, tp: int,
         return LayerState(layer, Status.PACKING, path,
                           f"{partial.name}: partial pack of {ph.target.describe()} is not the "
                           f"range wanted; a pack restarts it from row 0{note}",
-                          total_bytes=want.rows * fmt.ROW_BYTES)
+                          total_bytes=want.rows * fmt.ROW_BYTES, **_rows(want))
     done = ph.rows_done * fmt.ROW_BYTES
     return LayerState(layer, Status.PACKING, path,
                       f"{partial.name}: {ph.rows_done} of {ph.target.rows} rows of "
-                      f"{ph.target.describe()} written{note}", done, total)
+                      f"{ph.target.describe()} written{note}", done, total, **_rows(ph.target))

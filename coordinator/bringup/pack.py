@@ -5,25 +5,21 @@ from __future__ import annotations
 
 from dsv41.v1 import agent_pb2 as pb
 
+from ..packcheck import partition_problems
+from ..packstate import incomplete
 from .step import Step, StepContext
 
 POLL_S = 2.0
-# An agent older than PackLayerState.state_kind sends only the state's value (the agent's fixed
-# vocabulary, agent/pack/state.py Status), which maps one to one.
-_STATE_VALUES = {"absent": pb.PackLayerState.ABSENT, "packing": pb.PackLayerState.PACKING,
-                 "complete": pb.PackLayerState.COMPLETE, "stale": pb.PackLayerState.STALE,
-                 "corrupt": pb.PackLayerState.CORRUPT}
 
 
-def layer_state(layer: pb.PackLayerState) -> int:
-    """The layer's PackLayerState.State."""
-    if layer.state_kind != pb.PackLayerState.STATE_UNSPECIFIED:
-        return layer.state_kind
-    return _STATE_VALUES.get(layer.state, pb.PackLayerState.STATE_UNSPECIFIED)
-
-
-def incomplete(state: pb.PackState) -> list[pb.PackLayerState]:
-    return [layer for layer in state.layers if layer_state(layer) != pb.PackLayerState.COMPLETE]
+def check_partition(ctx: StepContext, states: dict[str, pb.PackState]) -> None:
+    """Every row of each table in exactly one rank's shard: ranks whose shards overlap or leave a gap
+    would all-reduce wrong Engram rows without any error."""
+    problems = partition_problems(states)
+    if problems:
+        first = problems[0].node
+        raise ctx.fail(first, "; ".join(f"layer {p.layer}: {p.message}" if p.node == first else str(p)
+                                        for p in problems))
 
 
 def run(ctx: StepContext, deadline: float) -> None:
@@ -33,6 +29,7 @@ def run(ctx: StepContext, deadline: float) -> None:
     states = {node: ctx.ask(node, lambda c, p=p: c.pack_state(p)) for node, p in todo.items()}
     missing = {node: incomplete(state) for node, state in states.items() if incomplete(state)}
     if not missing:
+        check_partition(ctx, states)
         return
     node, layers = next(iter(missing.items()))
     if not todo[node].pack.run_if_missing:
@@ -51,8 +48,10 @@ def run(ctx: StepContext, deadline: float) -> None:
             bad = incomplete(state)
             if not bad:
                 del missing[node]
+                states[node] = state
             elif not state.running:
                 raise ctx.fail(node, f"pack job ended with {bad[0].state}: {bad[0].detail or state.status_text}")
+    check_partition(ctx, states)
 
 
 STEP = Step("pack", "PACK_TIMEOUT_S", retryable=False, run=run)

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from dsv41.version import VERSION
 from dsv41.v1 import agent_pb2 as pb
 
-from ..bringup.pack import layer_state
+from ..packstate import layer_state
 from .nodes import NodeView
 from .recorder import Recorder
 

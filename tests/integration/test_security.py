@@ -259,6 +259,7 @@ def test_pki_init_on_the_head_the_coordinator_over_tls_and_the_control_socket(ro
         node.write_file("/etc/dsv41/cluster.env", cluster_env(nodes, AGENT_PORT=str(port), INSECURE_NO_TLS="0",
                                                               PKI_DIR="/etc/dsv41/pki"))
         node.copy_in(REPO / "dsv41", f"{SRC}/dsv41")
+        node.copy_in(REPO / "adapter", f"{SRC}/adapter")  # dsv41-coordinator depends on dsv41-adapter
         r = ctl(node, "pki", "init")
         assert r.returncode == 0, r.stderr
         listing = node.run(["find", "/etc/dsv41/pki", "-printf", "%m %u %g %P\n"]).stdout.splitlines()

@@ -26,6 +26,7 @@ EVERY_ADAPTER = [
     "reasoning_effort",
     "inflight",
     "api_key",
+    "engram_offload",
 ]
 
 

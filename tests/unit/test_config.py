@@ -181,3 +181,32 @@ def test_unreadable_file_is_one_clear_error(tmp_path):
 def test_warnings_for_settings_that_do_nothing():
     cfg = load(edited(DSV41_BLOCK_VERIFY="0"))
     assert any("DSV41_BLOCK_VERIFY=0" in w for w in cfg.warnings)
+
+
+DECODE_KEYS = ["DSV41_WO_A_W8", "DSV41_WO_A_W8_MID", "DSV41_WO_A_W8_DROP", "DSV41_WO_A_W8_DRAFT",
+               "DSV41_DRAFT_HEAD_FP8", "DSV41_VERIFY_CAP", "DSV41_DRAFT_TAU", "DSV41_BLOCK_VERIFY",
+               "DSV41_FOLDED_FENCE"]
+
+
+def test_rank_keys_no_adapter_reads_are_reported_with_their_line():
+    cfg = load(SEED_TEXT)
+    assert [e.key for e in cfg.no_effect] == DECODE_KEYS
+    first = cfg.no_effect[0]
+    assert str(first) == (f"cluster.env:{line_of(SEED_TEXT, 'DSV41_WO_A_W8')}: DSV41_WO_A_W8=1: no adapter implements "
+                          "this yet; it has no effect")
+    # The Engram keys now have their adapter; SGLang's and NCCL's own keys are not the adapters' to read.
+    reported = {e.key for e in cfg.no_effect}
+    assert not reported & {"OFFLOAD_MODE", "DSV41_ENGRAM_PREFETCH", "DSV41_RESIDENT_SCALES", "DSV41_PACKED_DIR",
+                           "SGLANG_FLASHINFER_MOE_FUSED_FINALIZE", "NCCL_BUFFSIZE", "PYTORCH_CUDA_ALLOC_CONF"}
+
+
+def test_what_takes_effect_follows_the_adapters_declarations():
+    from adapter import boot
+
+    declared = frozenset(boot.env_keys())
+    more = config.parse(SEED_TEXT, "cluster.env", HOME, implemented=declared | {"DSV41_WO_A_W8"})
+    assert [e.key for e in more.no_effect] == DECODE_KEYS[1:]
+    fewer = config.parse(SEED_TEXT, "cluster.env", HOME, implemented=declared - {"DSV41_ENGRAM_PREFETCH"})
+    assert "DSV41_ENGRAM_PREFETCH" in [e.key for e in fewer.no_effect]
+    # A key left at its default is not the file's claim: only keys written in the file are reported.
+    assert [e.key for e in load(edited(DSV41_FOLDED_FENCE=None)).no_effect] == DECODE_KEYS[:-1]

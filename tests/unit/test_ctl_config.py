@@ -1,5 +1,6 @@
 import io
 import json
+import re
 import os
 import subprocess
 import sys
@@ -85,3 +86,16 @@ def test_module_entry_point_runs_under_the_distribution_python(env_file):
                           cwd=REPO, capture_output=True, text=True, env={**os.environ, "HOME": "/home/op"})
     assert proc.returncode == 0, proc.stderr
     assert "valid" in proc.stdout
+
+
+def test_check_and_keys_say_which_rank_keys_have_no_effect(env_file):
+    code, out, _ = run("config", "check", env_file())
+    assert code == 0
+    idle = [line for line in out.splitlines() if line.startswith("  no effect: ")]
+    assert len(idle) == 9 and all(line.endswith(": no adapter implements this yet; it has no effect") for line in idle)
+    assert any(": DSV41_WO_A_W8=1: " in line for line in idle) and not any("ENGRAM" in line for line in idle)
+    code, out, _ = run("config", "keys")
+    blocks = {b.split()[0]: b for b in re.split(r"\n(?=\S)", out)}
+    assert "no adapter implements this yet; it has no effect" in blocks["DSV41_DRAFT_TAU"]
+    assert "no effect" not in blocks["DSV41_ENGRAM_PREFETCH"] and "no effect" not in blocks["OFFLOAD_MODE"]
+    assert sum("no adapter implements this yet" in b for b in blocks.values()) == 9

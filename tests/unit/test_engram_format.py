@@ -78,3 +78,25 @@ def test_names() -> None:
         fmt.file_name(1, 3, 3)
     with pytest.raises(ValueError, match=r"one of \(1, 14\), got 2"):
         fmt.file_name(2, 0, 3)
+
+
+def test_floor_split_ranges_partition_any_table() -> None:
+    from adapter.engram.format import coverage_faults
+
+    for n in (0, 1, 2, 1001, 384016682):
+        for tp in (1, 2, 3, 4, 8):
+            assert coverage_faults([fmt.row_range(n, r, tp) for r in range(tp)], n) == [], (n, tp)
+    # SGLang's column split at TP 3 is just as exact, and order does not matter.
+    assert coverage_faults([(700, 1001), (0, 300), (300, 700)], 1001) == []
+
+
+def test_gaps_overlaps_and_rows_past_the_end_are_named() -> None:
+    from adapter.engram.format import Fault, coverage_faults
+
+    assert coverage_faults([(0, 333), (334, 667), (667, 1001)], 1001) == [Fault("gap", 333, 334, (0, 1))]
+    assert coverage_faults([(0, 334), (333, 667), (667, 1001)], 1001) == [Fault("overlap", 333, 334, (0, 1))]
+    assert coverage_faults([(0, 333), (333, 667)], 1001) == [Fault("gap", 667, 1001, (1,))]
+    assert coverage_faults([(0, 500), (500, 1002)], 1001) == [Fault("beyond", 1001, 1002, (1,))]
+    assert coverage_faults([], 5) == [Fault("gap", 0, 5, ())]
+    # A range inside another: the overlap is the inner range, owned by both.
+    assert coverage_faults([(0, 1001), (10, 20)], 1001) == [Fault("overlap", 10, 20, (0, 1))]

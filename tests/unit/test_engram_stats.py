@@ -32,3 +32,57 @@ def test_durations_have_units() -> None:
     assert format_duration(85_000) == "85 µs"
     assert format_duration(1_200_000) == "1.20 ms"
     assert format_duration(2_500_000_000) == "2.50 s"
+
+
+def _stats(clock, lines, label="engram layer 1 rank 0/3"):
+    from adapter.engram.stats import RowStats
+
+    return RowStats(label, 0, clock, lines.append, cache_enabled=False)
+
+
+def test_take_returns_the_interval_and_starts_the_next() -> None:
+    now = [10.0]
+    lines: list[str] = []
+    stats = _stats(lambda: now[0], lines)
+    stats.record(24, 0, 20, [1000] * 20, 50_000)
+    now[0] = 12.5
+    first = stats.take(now[0])
+    assert (first.seconds, first.lookups, first.misses, first.batches) == (2.5, 24, 20, 1)
+    second = stats.take(13.0)
+    assert (second.seconds, second.lookups, second.batches, second.read_latency.total) == (0.5, 0, 0, 0)
+    assert lines == []  # an interval of 0 never logs on its own
+
+
+def test_rank_line_covers_both_layers_once_per_interval() -> None:
+    from adapter.engram.stats import RankStats
+
+    now = [100.0]
+    lines: list[str] = []
+    l1, l14 = _stats(lambda: now[0], []), _stats(lambda: now[0], [])
+    rank = RankStats("engram_offload: rank 1/3", 60, lambda: now[0], lines.append, cache_enabled=False)
+    rank.add(1, l1)
+    rank.add(14, l14)
+    for _ in range(3):
+        l1.record(576, 0, 500, [20_000] * 500, 900_000)
+        l14.record(576, 0, 400, [40_000] * 400, 800_000)
+        now[0] += 10
+        rank.maybe_report()
+    assert lines == []
+    now[0] += 30
+    rank.maybe_report()
+    assert len(lines) == 1
+    line = lines[0]
+    assert line.startswith("engram_offload: rank 1/3: 0.1 lookups/s, 58 rows/s over 60.0 s, cache hit off "
+                           "(0 hits, 2700 rows read), row read p50 "), line
+    assert "layer 1 29 rows/s, read per lookup p50 " in line and "layer 14 29 rows/s" in line
+    rank.maybe_report()
+    assert len(lines) == 1  # the next interval has only begun
+
+
+def test_merged_histograms_keep_every_sample() -> None:
+    a, b = LatencyHistogram(), LatencyHistogram()
+    a.add_all([1000] * 10)
+    b.add_all([900_000] * 10)
+    a.add(b)
+    assert a.total == 20 and a.max_ns == 900_000
+    assert a.percentile(0.25) <= 1250 and a.percentile(0.99) >= 900_000

@@ -69,7 +69,7 @@ def test_reused_buffer_gets_zeros_for_foreign_ids(shard: Path) -> None:
 
 def test_shard_for_another_tp_is_refused_naming_the_fix(tmp_path: Path) -> None:
     path = write_shard(tmp_path / "engram-l1-r1of3.bin", *rank_range(1, 4))
-    with pytest.raises(StoreError, match=r"rank 1 of tp 4.*re-pack with `dsv41ctl pack`"):
+    with pytest.raises(StoreError, match=r"rank 1 of tp 4.*re-pack with `dsv41ctl pack --start`"):
         RowStore(path, layer=1, rank=1, tp=3, settings=quiet())
 
 
@@ -140,3 +140,40 @@ def test_settings_from_env() -> None:
         StoreSettings.from_env({"DSV41_IO_THREADS": "many"})
     with pytest.raises(ValueError, match=r"io_threads must be in \[1, 1024\], got 0"):
         StoreSettings.from_env({"DSV41_IO_THREADS": "0"})
+
+
+def test_settings_read_resident_scales() -> None:
+    assert StoreSettings.from_env({"DSV41_RESIDENT_SCALES": "1"}).resident_scales is True
+    assert StoreSettings.from_env({"DSV41_RESIDENT_SCALES": "0"}).resident_scales is False
+    with pytest.raises(ValueError, match=r"DSV41_RESIDENT_SCALES='2': expected 1 or 0"):
+        StoreSettings.from_env({"DSV41_RESIDENT_SCALES": "2"})
+
+
+@pytest.mark.parametrize("threads", [1, 8])
+def test_resident_scales_serve_the_same_rows_reading_weights_only(tmp_path: Path, threads: int) -> None:
+    lo, hi = rank_range(1, 3)
+    path = write_shard(tmp_path / "engram-l1-r1of3.bin", lo, hi)
+    ids = list(range(hi + 5, lo - 5, -1)) + [lo, lo]
+    resident = quiet(io_threads=threads, resident_scales=True)
+    with RowStore(path, layer=1, rank=1, tp=3, total_rows=N, settings=resident) as store:
+        # The scale bytes now come from memory: scribble over them on disk, the rows stay right.
+        with open(path, "r+b") as f:
+            for row in range(lo, hi):
+                f.seek(4096 + (row - lo) * 264 + 256)
+                f.write(b"\xee" * 8)
+        got = store.read_rows(ids)
+    for k, row in enumerate(ids):
+        want = row_bytes(row) if lo <= row < hi else bytes(264)
+        assert got[k * 264:(k + 1) * 264] == want, row
+    with RowStore(path, layer=1, rank=1, tp=3, total_rows=N, settings=quiet()) as plain:
+        assert plain.read_rows([lo])[256:] == b"\xee" * 8  # without them the disk's bytes are read
+
+
+def test_resident_scales_over_several_scan_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import adapter.engram.store as store_mod
+
+    monkeypatch.setattr(store_mod, "_SCAN_ROWS", 7)  # 334 rows: 47 full chunks and a short one
+    lo, hi = rank_range(1, 3)
+    path = write_shard(tmp_path / "engram-l1-r1of3.bin", lo, hi)
+    with RowStore(path, layer=1, rank=1, tp=3, settings=quiet(resident_scales=True)) as store:
+        assert store.read_rows(list(range(lo, hi))) == b"".join(row_bytes(r) for r in range(lo, hi))

@@ -40,6 +40,7 @@ def one(out: Path, rank: int = 1, tp: int = 3, model: Path | None = None, layer:
 def test_absent(tmp_path: Path) -> None:
     s = one(tmp_path)
     assert s.status is Status.ABSENT and "engram-l14-r1of3.bin does not exist" in s.detail
+    assert (s.row_lo, s.row_hi, s.total_rows) == (0, 0, 0)
 
 
 def test_hand_written_file_is_complete_with_and_without_source(tmp_path: Path, model: Path) -> None:
@@ -48,6 +49,7 @@ def test_hand_written_file_is_complete_with_and_without_source(tmp_path: Path, m
         s = one(tmp_path, model=source)
         assert s.status is Status.COMPLETE, s.detail
         assert s.done_bytes == s.total_bytes == (N * 2 // 3 - N // 3) * 264
+        assert (s.row_lo, s.row_hi, s.total_rows) == (*floor_range(N, 1, 3), N)
 
 
 def test_other_tp_size_is_stale_and_named(tmp_path: Path) -> None:
@@ -62,6 +64,7 @@ def test_header_for_another_range_is_stale_and_says_whose(tmp_path: Path) -> Non
     hand_written(tmp_path / "engram-l14-r1of3.bin", 14, lo, hi, N)
     s = one(tmp_path)
     assert s.status is Status.STALE
+    assert (s.row_lo, s.row_hi, s.total_rows) == (lo, hi, N)  # the rows the file really holds
     want = floor_range(N, 1, 3)
     assert f"holds rows [{lo}, {hi}) (rank 1 of tp 4), this rank needs [{want[0]}, {want[1]})" \
         in s.detail
@@ -87,6 +90,7 @@ def test_bad_magic_is_corrupt(tmp_path: Path) -> None:
     hand_written(tmp_path / "engram-l14-r1of3.bin", 14, *floor_range(N, 1, 3), N, magic=1234)
     s = one(tmp_path)
     assert s.status is Status.CORRUPT and "bad magic" in s.detail
+    assert (s.row_lo, s.row_hi, s.total_rows) == (0, 0, 0)
 
 
 def test_flipped_end_row_is_corrupt_against_the_source(tmp_path: Path, model: Path) -> None:
@@ -108,6 +112,7 @@ def test_partial_file_reports_packing_progress(tmp_path: Path, model: Path) -> N
         s = one(tmp_path, model=source)
         assert s.status is Status.PACKING
         assert (s.done_bytes, s.total_bytes) == (123 * 264, (hi - lo) * 264)
+        assert (s.row_lo, s.row_hi, s.total_rows) == (lo, hi, N)
 
 
 def test_partial_under_final_name_is_corrupt(tmp_path: Path) -> None:

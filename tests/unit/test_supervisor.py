@@ -77,6 +77,7 @@ class FakeAgent:
         self.starts = 0
         self.pack = pb.PackLayerState.COMPLETE
         self.pack_running = False
+        self.rows = None  # the pack's header range; None: this rank's third
         self.mount = pb.MountState.HEALTHY
         self.on_event = None
         self.frozen = False  # a frozen node: no heartbeat, and every call hangs until thawed
@@ -107,7 +108,10 @@ class FakeAgent:
 
     def pack_state(self, plan, timeout=None):
         self._call("pack_state")
-        return pb.PackState(layers=[pb.PackLayerState(layer=1, rank=0, state_kind=self.pack, state="x")],
+        rank = int(self.node[-1]) - 1  # spark1..3: ranks 0..2, each a third of a 9-row table
+        lo, hi = self.rows or (3 * rank, 3 * rank + 3)
+        return pb.PackState(layers=[pb.PackLayerState(layer=1, rank=rank, state_kind=self.pack, state="x",
+                                                      row_lo=lo, row_hi=hi, total_rows=9)],
                             running=self.pack_running)
 
     def start_pack(self, plan):
@@ -289,6 +293,16 @@ def test_an_agent_lost_while_the_pack_job_runs_fails_the_pack_step_naming_it_and
         agent.pack, agent.pack_running = pb.PackLayerState.COMPLETE, False
     rank0.healthy.set()
     wait_phase(rt, "serving", timeout=15)
+
+
+def test_packs_whose_rows_do_not_partition_the_table_fail_the_pack_step_before_launch(cluster):
+    rt, agents, rank0, journal, _ = cluster(OFFLOAD_MODE="nvme")
+    agents["spark2"].rows = (2, 6)  # overlaps spark1's [0, 3)
+    rt.run()
+    snap = wait_phase(rt, "failed")
+    assert snap.detail == ("pack: spark2: layer 1: rows [2, 3) of 9 are in two shards: spark1 rank 0 [0, 3) and "
+                           "spark2 rank 1 [2, 6); re-pack with `dsv41ctl pack --start`")
+    assert calls(journal, "start_rank") == []
 
 
 def test_an_agent_lost_while_the_share_polls_the_mounts_fails_the_share_step_naming_it(cluster):

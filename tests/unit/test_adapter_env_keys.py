@@ -1,0 +1,55 @@
+"""Each adapter declares the variables it reads (ENV_KEYS), and dsv41ctl config check derives from
+those declarations which rank-side keys take effect: a declaration must be exactly what build()
+reads, neither less (a key would be reported as having no effect) nor more (a key would be claimed
+as implemented)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Mapping
+
+import pytest
+
+from adapter import boot
+from adapter.log import AdapterLog
+
+pytestmark = pytest.mark.unit
+
+# Settings that reach the parts of build() that defaults do not: the Engram offload reads its keys
+# once OFFLOAD_MODE=nvme, the API key adapter only looks at its variable's presence.
+CONFIGURATIONS = ({}, {"OFFLOAD_MODE": "nvme", "DSV41_ENGRAM_PREFETCH": "1"}, {"DSV41_API_KEY_FILE": "/k"})
+
+
+class Recording(Mapping):
+    """A rank environment that records every variable looked up, and refuses to be listed."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> str:
+        self.read.add(key)
+        return self.values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        raise AssertionError("build() must look variables up by name, not list the environment")
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@pytest.mark.parametrize("module, builder", boot.ADAPTERS, ids=[m.NAME for m, _ in boot.ADAPTERS])
+def test_declared_keys_are_exactly_what_build_reads(module, builder) -> None:
+    read: set[str] = set()
+    for values in CONFIGURATIONS:
+        env = Recording(values)
+        builder(env, AdapterLog(io.StringIO()))
+        read |= env.read
+    assert read == set(module.ENV_KEYS), module.NAME
+
+
+def test_every_adapter_module_is_armed_and_the_builders_follow_it() -> None:
+    assert [name for name, _ in boot.BUILDERS] == [m.NAME for m, _ in boot.ADAPTERS]
+    keys = boot.env_keys()
+    assert keys["DSV41_SOURCE"] == ("boot",) and keys["DSV41_RESIDENT_SCALES"] == ("engram_offload",)
+    assert "DSV41_WO_A_W8" not in keys and "DSV41_ENGRAM_PREFETCH" in keys
