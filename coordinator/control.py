@@ -39,7 +39,7 @@ def node_views(cfg: ClusterConfig, clients: dict[str, AgentClient], fingerprints
         if node.name in fabric:
             out.fabric.CopyFrom(fabric[node.name])
         try:
-            out.status.CopyFrom(clients[node.name].status(timeout=timeout))
+            out.status.CopyFrom(clients[node.name].status(timeout=timeout, wait_for_ready=True))
             out.agent_reachable = True
         except AgentUnavailable as exc:
             out.agent_error = f"{exc.code}: {exc.details}"
