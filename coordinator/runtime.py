@@ -604,7 +604,12 @@ class ClusterRuntime:
         text = (f"rank on {cause.node} exited: {self._exits[cause.node].describe()}"
                 if cause.kind == "rank_exit" else cause.message.split("; then ")[0])
         self._stop_ranks(f"recovering: {text}", wait_memory=True)
-        self._bring_up_with_retries(first_cause=text)
+        # A node lost or booted again is not the group failing by itself: the bring-up after it spends
+        # no restart attempt (it waits for the node instead); a rank that crashed or hung does.
+        external = cause.kind in ("node_lost", "node_rebooted")
+        self._log.info("recovering", f"bringing the cluster up again after: {text}"
+                       + (" (no restart attempt spent)" if external else ""), cause=cause.kind, node_name=cause.node)
+        self._bring_up_with_retries(first_cause=None if external else text)
 
     def _blame_exits(self) -> liveness.Cause:
         """Who caused the exits: wait for the others to follow (SETTLE_S), and for every node that
