@@ -444,8 +444,11 @@ def new_incident(head, kind: str, seen: int, timeout: float) -> dict:
 
 def test_11_a_frozen_worker_is_lost_naming_it_and_the_cluster_serves_again_once_thawed(sparks):
     head, spark2 = head_of(sparks), sparks["spark2"]
+    # A slow prefill (2000 tokens/s, 1 KiB a token) keeps scenario 12's long prompt in flight for ~20 s.
     head.write_file("/etc/dsv41/cluster.env", cluster_env(sparks, SIM_RANK_COMMAND=SIM, NODE_LEASE_S=str(LEASE_S),
-                                                          HANG_TIMEOUT_S=str(HANG_S), CANARY_INTERVAL_S="5"),
+                                                          HANG_TIMEOUT_S=str(HANG_S), CANARY_INTERVAL_S="5",
+                                                          DSV41_SIM_PREFILL_TOKENS_PER_S="2000",
+                                                          DSV41_SIM_BYTES_PER_TOKEN="1024"),
                     mode=0o640)
     head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
     before = rank_pids(wait_serving(head, timeout=120))
@@ -475,12 +478,13 @@ def test_12_a_worker_rank_stopped_during_a_request_is_hung_naming_it_and_the_clu
     head, spark3 = head_of(sparks), sparks["spark3"]
     before = rank_pids(status(head))
     seen = len(incidents(head, "rank_hung"))
-    request = json.dumps({"model": "deepseek-v4.1-flash", "max_tokens": 4000,
-                          "messages": [{"role": "user", "content": "Write a very long story."}]})
-    client = head.run(["sh", "-c", "nohup python3 -c \"import sys, urllib.request; urllib.request.urlopen("
+    request = json.dumps({"model": "deepseek-v4.1-flash", "max_tokens": 64,  # a 40k-token prompt: ~20 s of prefill
+                          "messages": [{"role": "user", "content": "word " * 32000}]})
+    head.write_file("/var/tmp/long-request.json", request)
+    client = head.run(["sh", "-c", "nohup python3 -c \"import urllib.request; urllib.request.urlopen("
                        f"urllib.request.Request('http://{head.address}:8888/v1/chat/completions', "
-                       "data=sys.argv[1].encode(), headers={'Content-Type': 'application/json'}), timeout=120)\" "
-                       f"'{request}' >/dev/null 2>&1 &"], check=False)
+                       "data=open('/var/tmp/long-request.json', 'rb').read(), "
+                       "headers={'Content-Type': 'application/json'}), timeout=120)\" >/dev/null 2>&1 &"], check=False)
     assert client.returncode == 0
     wait_for(lambda: json.loads(head.run(["python3", "-c", "import urllib.request; print(urllib.request.urlopen("
                                           f"'http://{head.address}:8888/dsv41/inflight').read().decode())"]).stdout)
