@@ -14,6 +14,10 @@ from .agents import AgentClient, AgentUnavailable
 from .parallel import on_each
 
 STOPPED_STATES = ("absent", "inactive")
+# A worker has nothing to drain and SGLang's workers only log SIGTERM: once rank 0 has stopped (and
+# told the group to shut down) a worker exits by itself within moments, or never (it had not joined,
+# or lost rank 0). The drain budget is for rank 0; a worker is killed after this.
+WORKER_STOP_GRACE_S = 5
 
 
 def _stop_one(client: AgentClient, deadline_s: int) -> str:
@@ -43,7 +47,8 @@ def stop_ranks(clients: dict[str, AgentClient], head: str, deadline_s: int, log:
     if head in reachable:
         outcomes[head] = call(lambda: _stop_one(clients[head], deadline_s))
     workers = [name for name in reachable if name != head]
-    outcomes.update(call(lambda: on_each(lambda n: _stop_one(clients[n], deadline_s), workers)))
+    grace = min(deadline_s, WORKER_STOP_GRACE_S)
+    outcomes.update(call(lambda: on_each(lambda n: _stop_one(clients[n], grace), workers)))
     confirmations = {name: (False, "its rank may still run") for name in clients if name in lost}
     confirmations.update(call(lambda: on_each(lambda n: _confirm(clients[n]), reachable)))
     for node in clients:
