@@ -15,6 +15,7 @@ from adapter import (
     api_key,
     autotune_keep,
     engram_offload,
+    forward_progress,
     inflight,
     loop_abort,
     max_new_tokens,
@@ -43,6 +44,7 @@ ADAPTERS: tuple[tuple[types.ModuleType, Builder], ...] = (
     (inflight, lambda env, log: inflight.build(env)),
     (api_key, api_key.build),
     (engram_offload, engram_offload.build),
+    (forward_progress, lambda env, log: forward_progress.build(env)),
 )
 BUILDERS: tuple[tuple[str, Builder], ...] = tuple((module.NAME, build) for module, build in ADAPTERS)
 

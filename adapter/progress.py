@@ -39,6 +39,7 @@ class ProgressWriter:
 
     def __init__(self, tp_rank: int, directory: str = DIRECTORY, clock_ns=time.monotonic_ns):
         self.path = path_for(tp_rank, directory)
+        self.pid = os.getpid()
         self._clock_ns = clock_ns
         self._count = 0
         self._seq = 0

@@ -16,7 +16,10 @@ from dsv41.v1 import agent_pb2 as pb
 from dsv41.v1 import agent_pb2_grpc
 from dsv41.version import VERSION
 
+from adapter import progress as progress_files
+
 from .auth import cert_not_after
+from .bootid import boot_id
 from .events import EventHub
 from .images import ImageIds
 from .memory import ChangeFilter, MeminfoInvalid, MemorySampler, Sample, SendPolicy, TriggerWatcher, Wakeup
@@ -34,6 +37,7 @@ from .systemd import Systemd
 
 MIN_INTERVAL_MS, MAX_INTERVAL_MS = 20, 10_000
 MAX_UNREADABLE_TICKS = 25  # ticks in a row without a readable meminfo before a stream gives up
+MIN_HEARTBEAT_MS, MAX_HEARTBEAT_MS = 100, 60_000
 MAX_MIN_CHANGE_BYTES = 1 << 40
 MAX_HEARTBEAT_MS = 60_000
 DEFAULT_HEARTBEAT_MS = 1_000
@@ -121,8 +125,11 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRp
     def __init__(self, settings: AgentSettings, systemd: Systemd, rank: RankManager, sampler: MemorySampler,
                  triggers: TriggerWatcher, events: EventHub, started_monotonic: float,
                  monotonic: Callable[[], float] = time.monotonic, pressure: NodePressure | None = None,
-                 host_root: str | None = None):
+                 host_root: str | None = None, progress_dir: str = progress_files.DIRECTORY,
+                 proc_root: str = "/proc"):
         self._settings = settings
+        self._progress_dir = progress_dir  # where the ranks publish their forward-step counters
+        self._boot_id = boot_id(proc_root)
         # Paths the coordinator names (pack directories) as PID 1 sees them: this unit's PrivateTmp=
         # hides /tmp and /var/tmp, where the pack job (its own unit) writes.
         self._host_root = host_view() if host_root is None else host_root
@@ -170,7 +177,8 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRp
             agent_up_s=self._monotonic() - self._started, rank=rank_pb(self._settled_rank()),
             memory=sample_pb(memory), allowed_runtimes=list(self._settings.allowed_runtimes),
             mount=self.mount_snapshot_pb(), export=self.export_snapshot_pb(), images=self._images.get(),
-            cert_not_after_unix_s=self._cert_not_after(), pressure=[
+            cert_not_after_unix_s=self._cert_not_after(), boot_id=self._boot_id, progress=self._progress(),
+            pressure=[
                 pb.ResourcePressure(resource=resource, some=pressure_pb(some), full=pressure_pb(full))
                 for resource, (some, full) in self._pressure.read().items()])
 
@@ -224,18 +232,40 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRp
         return pb.StopRankResponse(outcome=getattr(pb.StopRankResponse, outcome), exit=exit_pb(record),
                                    leftover_processes=leftover)
 
+    def _progress(self) -> list[pb.RankProgress]:
+        return [pb.RankProgress(tp_rank=max(p.tp_rank, 0), forward_count=p.count, last_step_age_s=p.last_step_age_s,
+                                pid=p.pid, problem=p.problem)
+                for p in progress_files.read_all(self._progress_dir)]
+
     def WatchRank(self, request, context):
+        heartbeat_ms = request.heartbeat_ms
+        if heartbeat_ms and not MIN_HEARTBEAT_MS <= heartbeat_ms <= MAX_HEARTBEAT_MS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"heartbeat_ms {heartbeat_ms}: must be 0 or {MIN_HEARTBEAT_MS}..{MAX_HEARTBEAT_MS}")
+        interval = heartbeat_ms / 1000.0 if heartbeat_ms else None
         changes: queue.Queue = queue.Queue()
         unwatch = self._rank.watch(changes.put)
+        seq = 0
+
+        def event(state: RankStatus, heartbeat: bool) -> pb.RankEvent:
+            nonlocal seq
+            seq += 1
+            return pb.RankEvent(at_monotonic_s=self._monotonic(), at_unix_s=time.time(), rank=rank_pb(state),
+                                boot_id=self._boot_id, seq=seq, heartbeat=heartbeat,
+                                progress=self._progress() if interval else [])
         try:
-            yield pb.RankEvent(at_monotonic_s=self._monotonic(), at_unix_s=time.time(),
-                               rank=rank_pb(self._rank.status()))
+            yield event(self._rank.status(), False)
+            beat_at = self._monotonic() + (interval or 0.0)
             while context.is_active():
+                wait = min(1.0, max(0.0, beat_at - self._monotonic())) if interval else 1.0
                 try:
-                    state = changes.get(timeout=1.0)
+                    state = changes.get(timeout=wait)
                 except queue.Empty:
+                    if interval and self._monotonic() >= beat_at:
+                        yield event(self._rank.status(), True)
+                        beat_at = self._monotonic() + interval
                     continue
-                yield pb.RankEvent(at_monotonic_s=self._monotonic(), at_unix_s=time.time(), rank=rank_pb(state))
+                yield event(state, False)
         finally:
             unwatch()
 

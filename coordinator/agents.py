@@ -78,8 +78,11 @@ class AgentClient:
         self._server_name = server_name or node
         options = [("grpc.max_receive_message_length", 8 << 20), ("grpc.keepalive_time_ms", 10_000),
                    ("grpc.keepalive_timeout_ms", 5_000),
-                   # A LAN peer that was down is tried again within 5 s, not after gRPC's 120 s backoff.
-                   ("grpc.max_reconnect_backoff_ms", 5_000)]
+                   # A LAN peer that was down (an agent restarting, a node booting) is tried again
+                   # within a second, not after gRPC's backoff of up to 120 s: the node's lease
+                   # (NODE_LEASE_S) must not lapse while its agent restarts.
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 1_000)]
         if tls is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
@@ -93,9 +96,9 @@ class AgentClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, what: str, method, request, timeout: float | None = None):
+    def _call(self, what: str, method, request, timeout: float | None = None, wait_for_ready: bool = False):
         try:
-            return method(request, timeout=timeout or self._timeout)
+            return method(request, timeout=timeout or self._timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
             raise AgentUnavailable(self.node, what, exc, self._tls_problem(exc)) from None
 
@@ -112,8 +115,10 @@ class AgentClient:
                                                self._tls.key, self._server_name)
         return f"{problem} ({details})" if problem else None
 
-    def status(self, timeout: float | None = None) -> pb.NodeStatus:
-        return self._call("GetStatus", self._stub.GetStatus, pb.GetStatusRequest(), timeout)
+    def status(self, timeout: float | None = None, wait_for_ready: bool = False) -> pb.NodeStatus:
+        """wait_for_ready: wait, within the timeout, for a channel that is reconnecting (an agent
+        that just restarted) instead of failing at once."""
+        return self._call("GetStatus", self._stub.GetStatus, pb.GetStatusRequest(), timeout, wait_for_ready)
 
     def start_rank(self, plan: NodePlan, generation: str, replace: bool, timeout_s: int) -> pb.StartRankResponse:
         request = pb.StartRankRequest(spec=rank_spec_pb(plan, generation), replace=replace, start_timeout_s=timeout_s)
@@ -178,11 +183,12 @@ class AgentClient:
             raise AgentUnavailable(self.node, "CollectDiagnostics", exc, self._tls_problem(exc)) from None
 
     def watch_rank(self, on_event: Callable[[pb.RankEvent], None], on_lost: Callable[[str], None],
-                   stop: threading.Event) -> threading.Thread:
-        """Follows the rank unit's state in a thread; re-subscribes when the stream breaks."""
+                   stop: threading.Event, heartbeat_ms: int = 0) -> threading.Thread:
+        """Follows the rank unit's state in a thread (with heartbeat_ms, also a heartbeat that often:
+        the node's lease); re-subscribes when the stream breaks."""
         def run() -> None:
             while not stop.is_set():
-                stream = self._stub.WatchRank(pb.WatchRankRequest())
+                stream = self._stub.WatchRank(pb.WatchRankRequest(heartbeat_ms=heartbeat_ms), wait_for_ready=True)
                 try:
                     for event in stream:
                         if stop.is_set():

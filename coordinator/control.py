@@ -28,15 +28,18 @@ from .sockets import CONTROL_GROUP, CONTROL_SOCKET
 
 
 def node_views(cfg: ClusterConfig, clients: dict[str, AgentClient], fingerprints: dict, fabric: dict,
-               timeout: float = 3.0) -> list[pb.NodeView]:
-    """Asks every agent for its status at once; an unreachable agent is a view with its error."""
+               timeout: float = 3.0, liveness: dict | None = None) -> list[pb.NodeView]:
+    """Asks every agent for its status at once; an unreachable agent is a view with its error.
+    `liveness`: node -> (lease age, step age, forward count) as the coordinator's leases know them."""
     def view(node) -> pb.NodeView:
+        lease_age, step_age, count = (liveness or {}).get(node.name, (-1.0, -1.0, 0))
         out = pb.NodeView(name=node.name, rank=node.rank, address=node.address,
-                          plan_fingerprint=fingerprints.get(node.name, ""))
+                          plan_fingerprint=fingerprints.get(node.name, ""), lease_age_s=lease_age,
+                          step_age_s=step_age, forward_count=count)
         if node.name in fabric:
             out.fabric.CopyFrom(fabric[node.name])
         try:
-            out.status.CopyFrom(clients[node.name].status(timeout=timeout))
+            out.status.CopyFrom(clients[node.name].status(timeout=timeout, wait_for_ready=True))
             out.agent_reachable = True
         except AgentUnavailable as exc:
             out.agent_error = f"{exc.code}: {exc.details}"
@@ -94,7 +97,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
 
     def _status(self) -> pb.ClusterStatus:
         snap = self._runtime.snapshot()
-        views = node_views(self._cfg, self._runtime.clients, snap.fingerprints, snap.fabric)
+        views = node_views(self._cfg, self._runtime.clients, snap.fingerprints, snap.fabric,
+                           liveness=self._runtime.liveness_views())
         return cluster_status(self._cfg, snap, views, True)
 
     def GetStatus(self, request, context):

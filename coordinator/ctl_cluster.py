@@ -141,6 +141,18 @@ def _age(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def liveness_line(view: pb.NodeView) -> str:
+    """The coordinator's lease on the node and its rank's last forward step."""
+    text = f"heard {view.lease_age_s:.1f}s ago"
+    if view.step_age_s >= 0:
+        text += f", last forward step {_seconds(view.step_age_s)} ago (step {view.forward_count})"
+    return text
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}s" if value < 60 else _age(value)
+
+
 def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -> None:
     paint = _colour(out)
     now = time.time() if now is None else now
@@ -165,6 +177,8 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -
         s = view.status
         if not view.agent_reachable:
             print(f"{view.name:<9}{view.rank:<5}{paint('down', '31'):<8} {view.agent_error}"[:80], file=out)
+            if st.coordinator_running and view.lease_age_s >= 0:
+                print(f"{'':<13}{liveness_line(view)}"[:80], file=out)
             continue
         rank = s.rank
         unit = rank.active_state + (f" {rank.main_pid}" if rank.main_pid else "")
@@ -174,6 +188,8 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -
         mount = apb.MountState.State.Name(s.mount.state).lower() if s.mount.state else "-"
         print(f"{view.name:<9}{view.rank:<5}{'up':<8}{unit:<17}{up:<8}{rss:>7}{avail:>8}"
               f"{s.memory.some.avg10:>6.1f}%  {mount}", file=out)
+        if st.coordinator_running and view.lease_age_s >= 0:
+            print(f"{'':<13}{liveness_line(view)}"[:80], file=out)
         expiry = expiry_warning(view.name, s.cert_not_after_unix_s, now)
         if expiry:
             print(paint(f"{'':<13}{expiry}", "33"), file=out)

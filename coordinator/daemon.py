@@ -25,6 +25,7 @@ from .agents import AgentClient, Tls
 from .control import serve
 from .guard.runner import MemoryGuard
 from .hook import IncidentHook
+from .probe import ServingProbe
 from .runtime import ClusterRuntime
 from .sockets import CONTROL_SOCKET
 
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     server = serve(cfg, runtime, args.control_socket, api_key=api_key)
     notify = SdNotify.from_env()
     runtime.run(autostart=not args.no_autostart)
+    probe = ServingProbe.for_runtime(runtime, api_key).start()  # work pending, for the hang check
     if guard is not None:
         guard.start()
     log.info("coordinator_started", f"dsv41-coordinator {VERSION}: {len(cfg.nodes)} nodes, control socket "
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("coordinator_stopping", "stopping the cluster")
     if guard is not None:
         guard.stop()  # before the stop, so that it cannot act on a cluster going down
+    probe.stop()
     runtime.shutdown(stop_cluster=True)
     server.stop(grace=1.0).wait(3.0)
     if metrics is not None:

@@ -15,9 +15,18 @@ from dsv41.v1 import agent_pb2 as pb
 
 @dataclass(frozen=True)
 class RankObserved:
-    """A rank unit's state as its node's agent streamed it."""
+    """A rank unit's state as its node's agent streamed it; with a heartbeat stream also the
+    node's boot and its ranks' forward-step counters."""
     node: str
     rank: pb.RankState
+    received_at: float = 0.0  # time.monotonic() of the coordinator
+    boot_id: str = ""
+    progress: tuple = ()  # pb.RankProgress
+    heartbeat: bool = False
+
+    @classmethod
+    def of(cls, node: str, event: pb.RankEvent, received_at: float) -> "RankObserved":
+        return cls(node, event.rank, received_at, event.boot_id, tuple(event.progress), event.heartbeat)
 
 
 @dataclass(frozen=True)
@@ -54,3 +63,22 @@ class AutotuneResetJob:
 
 
 Job = UnexportJob | PackStartJob | AutotuneResetJob
+
+
+@dataclass(frozen=True)
+class WorkSeen:
+    """What rank 0's in-flight list said (busy None: no list, `why`)."""
+    busy: bool | None
+    at: float  # time.monotonic() of the coordinator
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class CanarySent:
+    at: float
+
+
+@dataclass(frozen=True)
+class CanaryDone:
+    ok: bool
+    at: float

@@ -30,6 +30,7 @@ class Activity(str, enum.Enum):
     BRINGUP = "bringup"  # a bring-up step
     BACKOFF = "backoff"  # waiting before a restart attempt
     MEMORY_WAIT = "memory_wait"  # waiting for memory to come back before a restart
+    WAITING = "waiting"  # waiting for a node that cannot be reached to answer again
     STOPPING = "stopping"  # stopping the ranks: never interrupted, it is what every request starts with
 
 
@@ -56,6 +57,7 @@ _PREEMPTS = {
     Activity.BRINGUP: {Action.STOP, Action.RESTART, Action.SHUTDOWN},
     Activity.BACKOFF: {Action.START, Action.STOP, Action.RESTART, Action.SHUTDOWN},
     Activity.MEMORY_WAIT: {Action.STOP, Action.RESTART, Action.SHUTDOWN},
+    Activity.WAITING: {Action.START, Action.STOP, Action.RESTART, Action.SHUTDOWN},
     Activity.STOPPING: set(),
     Activity.IDLE: set(),  # the idle loop takes every request as it comes
 }

@@ -17,21 +17,22 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 
-from . import adopt, bringup, policy, share, stopping
+from . import adopt, bringup, liveness, policy, share, stopping
 from . import plan as plan_mod
 from . import unexport as unexport_mod
 from .agents import AgentClient, AgentUnavailable
 from .bringup import BringUp, Preempted, StepContext, StepFailed
 from .packstate import incomplete
 from .config import ClusterConfig
-from .messages import AutotuneResetJob, PackStartJob, RankObserved, UnexportJob, Wake, WatchLost
-from .parallel import spawn
+from .messages import (AutotuneResetJob, CanaryDone, CanarySent, PackStartJob, RankObserved, UnexportJob, Wake,
+                       WatchLost, WorkSeen)
+from .parallel import on_each, spawn
 from .policy import Action, Activity, RankExit, Request
 from .state import Incident, Snapshot, generation_of
 
@@ -41,6 +42,16 @@ GIB = 1 << 30
 SETTLE_S = 0.5  # when one rank dies the others follow within moments: wait for them before blaming
 MEMORY_POLL_S = 1.0
 JOB_WAIT_S = 150.0
+TICK_S = 0.25  # how often leases and hangs are checked when nothing arrives
+WAIT_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Trouble:
+    """What ended a serving cluster, found by the supervisor, to recover from."""
+    kind: str  # rank_exit, node_lost, node_rebooted, rank_hung
+    node: str = ""
+    message: str = ""
 
 
 class ClusterRuntime:
@@ -59,6 +70,7 @@ class ClusterRuntime:
         # Published state: written by the supervisor only, read by anyone under the lock.
         self._lock = threading.Lock()
         self._snapshot = Snapshot(since=clock())
+        self._snapshot_heard: dict[str, liveness.Heard] = {}  # the heartbeats, as readers see them
         self._incidents: list[Incident] = []
         self._incident_listeners: list[Callable[[Incident], None]] = []
         # Hand-over from other threads.
@@ -71,7 +83,16 @@ class ClusterRuntime:
         self._ranks_run = False  # this bring-up has started ranks: an exit fails it
         self._bring = BringUp()
         self._exits: dict[str, RankExit] = {}  # node -> how its rank of this generation ended
-        self._recover_due = False
+        self._trouble: Trouble | None = None  # found while serving; the loop recovers from it next
+        # Liveness: the agents' heartbeats (on the rank watch), which boot each node runs, nodes not
+        # heard from for a lease, and whether the serving cluster has work it must be stepping on.
+        self._heard: dict[str, liveness.Heard] = {}
+        self._boots: dict[str, str] = {}
+        self._lost: dict[str, float] = {}  # node -> when last heard
+        self._watching_since = monotonic()
+        self._pending_since: float | None = None
+        self._busy = False
+        self._canary_out = False
         self._deferred: list = []  # jobs that arrived during an activity
         self._watch_lost: set[str] = set()  # nodes whose rank watch broke and has not answered since
         self._stop_watchers = threading.Event()
@@ -96,13 +117,36 @@ class ClusterRuntime:
 
     def run(self, autostart: bool = True) -> None:
         """Starts the supervisor: re-adopt what runs, else bring the cluster up when asked to."""
+        self._watching_since = self._monotonic()
+        heartbeat_ms = max(100, int(float(self.cfg["NODE_LEASE_S"]) * 250))  # four heartbeats a lease
         for client in self.clients.values():
             node = client.node
             self._watch_threads.append(client.watch_rank(
-                lambda event, node=node: self._inbox.put(RankObserved(node, event.rank)),
-                lambda why, node=node: self._inbox.put(WatchLost(node, why)), self._stop_watchers))
+                lambda event, node=node: self._inbox.put(RankObserved.of(node, event, self._monotonic())),
+                lambda why, node=node: self._inbox.put(WatchLost(node, why)), self._stop_watchers,
+                heartbeat_ms=heartbeat_ms))
         self._autostart = autostart
         self._worker.start()
+
+    def post(self, message: object) -> None:
+        """An observation for the supervisor (the serving probe's WorkSeen, CanarySent, CanaryDone)."""
+        self._inbox.put(message)
+
+    def liveness_views(self) -> dict[str, tuple[float, float, int]]:
+        """node -> (seconds since its last heartbeat, seconds since its rank's last forward step,
+        forward steps); -1 where not known."""
+        now = self._monotonic()
+        with self._lock:
+            heard = dict(self._snapshot_heard)
+        out = {}
+        for node in self.clients:
+            h = heard.get(node)
+            if h is None:
+                out[node] = (-1.0, -1.0, 0)
+                continue
+            step_age = -1.0 if h.stopped_at is None else max(0.0, now - h.stopped_at)
+            out[node] = (max(0.0, now - h.at), step_age, h.forward_count or 0)
+        return out
 
     def request(self, action: str, reason: str | None = None, source: str = "dsv41ctl") -> None:
         """An operator's (or the memory guard's) start, stop or restart; it supersedes one not yet
@@ -208,12 +252,19 @@ class ClusterRuntime:
                     return
                 self._guarded(request.action.value, lambda: self._serve(request))
                 continue
-            if self._recover_due:
-                self._recover_due = False
-                self._guarded("recovery", self._recover_from_exit)
+            if self._trouble is not None:
+                trouble, self._trouble = self._trouble, None
+                self._guarded("recovery", lambda: self._recover(trouble))
                 continue
-            message = self._deferred.pop(0) if self._deferred else self._inbox.get()
+            if self._deferred:
+                message = self._deferred.pop(0)
+            else:
+                try:
+                    message = self._inbox.get(timeout=TICK_S)
+                except queue.Empty:
+                    message = Wake()
             self._guarded("event", lambda: self._apply(message, react=True))
+            self._guarded("liveness", lambda: self._check_liveness(react=True))
 
     def _guarded(self, what: str, fn: Callable[[], None]) -> None:
         """Runs one activity; the loop serves a preempting request next, and survives anything else."""
@@ -254,6 +305,8 @@ class ClusterRuntime:
                 self._watch_lost.add(message.node)
                 self._log.warning("agent_stream_lost", f"{message.node}: lost the rank watch ({message.why}); "
                                   "re-subscribing", node_name=message.node)
+        elif isinstance(message, (WorkSeen, CanarySent, CanaryDone)):
+            self._note_work(message)
         elif isinstance(message, (UnexportJob, PackStartJob, AutotuneResetJob)):
             if self._activity is Activity.IDLE and react:
                 self._run_job(message)
@@ -268,6 +321,8 @@ class ClusterRuntime:
             self._watch_lost.discard(node)
             self._log.info("agent_stream_back", f"{node}: the rank watch is back", node_name=node)
         self._record_rank(node, message.rank)
+        if message.received_at:
+            self._heard_from(message, react)
         found = policy.new_exit(node, message.rank, self._bring.launched.get(node), self._exits, self._clock())
         if found is None:
             return
@@ -280,8 +335,94 @@ class ClusterRuntime:
             self._settle()
             blame = policy.first_failure(list(self._exits.values()))
             raise StepFailed(self._step, blame.node, f"during bring-up, {blame.message}")
-        if self._activity is Activity.IDLE and self.snapshot().phase == "serving":
-            self._recover_due = True
+        if self._activity is Activity.IDLE and self.snapshot().phase == "serving" and self._trouble is None:
+            self._trouble = Trouble("rank_exit", node)
+
+    # ------------------------------------------------------------------ liveness
+
+    def _heard_from(self, message: RankObserved, react: bool) -> None:
+        """A node's agent answered on its stream: its lease, its boot, its ranks' progress."""
+        node, now = message.node, message.received_at
+        counts = [p for p in message.progress if not p.problem]
+        lowest = min(counts, key=lambda p: p.forward_count) if counts else None
+        self._heard[node] = liveness.Heard(
+            now, message.boot_id, 0, lowest.forward_count if lowest else None,
+            now - lowest.last_step_age_s if lowest else None, message.rank.active_state == "active")
+        with self._lock:
+            self._snapshot_heard = dict(self._heard)
+        if node in self._lost:
+            gone_for = now - self._lost.pop(node)
+            self._log.info("node_back", f"{node}: heard from again after {gone_for:.1f} s", node_name=node,
+                           silent_s=round(gone_for, 3))
+        known = self._boots.get(node, "")
+        if message.boot_id:
+            self._boots[node] = message.boot_id
+        if not liveness.rebooted(known, message.boot_id):
+            return
+        why = f"{node} booted again (boot {known} -> {message.boot_id}): its rank is gone"
+        self._incident(node, "node_rebooted", why)
+        if not react:
+            return
+        if self._activity is Activity.BRINGUP and self._ranks_run:
+            raise StepFailed(self._step, node, why, transient=True, incident="")
+        if self._activity is Activity.IDLE and self.snapshot().phase == "serving" and self._trouble is None:
+            self._trouble = Trouble("node_rebooted", node, why)
+
+    def _note_work(self, message) -> None:
+        """What the serving probe saw: whether the cluster has work it must be stepping on."""
+        if isinstance(message, WorkSeen):
+            if message.busy is not None:
+                self._busy = message.busy
+        elif isinstance(message, CanarySent):
+            self._canary_out = True
+        elif isinstance(message, CanaryDone) and message.ok:
+            self._canary_out = False
+        if self._busy or self._canary_out:
+            if self._pending_since is None:
+                self._pending_since = message.at
+        else:
+            self._pending_since = None
+
+    def _lost_message(self, node: str, now: float) -> str:
+        since = self._lost.get(node)
+        when = time.strftime("%H:%M:%S", time.localtime(self._clock() - (now - since))) if since else "?"
+        return (f"{node} lost: not heard from since {when} ({now - since:.1f} s, NODE_LEASE_S="
+                f"{float(self.cfg['NODE_LEASE_S']):g})") if since else f"{node} lost"
+
+    def _check_liveness(self, react: bool) -> None:
+        """Leases and hangs. While starting or serving, a lapsed lease is a lost node; while serving,
+        a rank that takes no step while work is pending is hung."""
+        now = self._monotonic()
+        lease = float(self.cfg["NODE_LEASE_S"])
+        newly = []
+        for node in self.clients:
+            last = self._heard.get(node)
+            if node not in self._lost and liveness.lapsed(last.at if last else None, now, lease,
+                                                          self._watching_since):
+                self._lost[node] = last.at if last else self._watching_since
+                newly.append(node)
+                self._log.warning("node_unheard", f"{node}: no heartbeat for {lease:g} s (NODE_LEASE_S)",
+                                  node_name=node)
+        if not react:
+            return
+        phase = self.snapshot().phase
+        if newly and self._activity is Activity.BRINGUP and self._ranks_run:
+            raise StepFailed(self._step, newly[0], self._lost_message(newly[0], now), transient=True,
+                             unreachable=tuple(newly), incident="node_lost")
+        if self._activity is not Activity.IDLE or phase != "serving" or self._trouble is not None:
+            return
+        if newly:
+            self._trouble = Trouble("node_lost", newly[0], self._lost_message(newly[0], now))
+            return
+        if self._lost:
+            return
+        found = liveness.hung(self._heard, list(self.clients), self._pending_since, now,
+                              float(self.cfg["HANG_TIMEOUT_S"]), float(self.cfg["HANG_FIRST_STEP_TIMEOUT_S"]),
+                              fresh_s=lease / 2)
+        if found is not None:
+            self._trouble = Trouble("rank_hung", found.node, (
+                f"rank on {found.node} hung: no forward step for {found.stalled_s:.1f} s while work was pending "
+                f"(at step {found.forward_count}; HANG_TIMEOUT_S={float(self.cfg['HANG_TIMEOUT_S']):g})"))
 
     def _pump(self, seconds: float, until: Future | None = None, react: bool = True) -> None:
         """Waits `seconds` (or until `until` is done) applying inbox messages; raises Preempted when
@@ -296,12 +437,14 @@ class ClusterRuntime:
             left = end - self._monotonic()
             try:
                 # Past the end, only what is already there: _pump(0) drains the inbox without waiting.
-                message = self._inbox.get(timeout=min(left, 0.25)) if left > 0 else self._inbox.get_nowait()
+                message = self._inbox.get(timeout=min(left, TICK_S)) if left > 0 else self._inbox.get_nowait()
             except queue.Empty:
+                self._check_liveness(react)
                 if left <= 0:
                     return
                 continue
             self._apply(message, react)
+            self._check_liveness(react)
 
     def _settle(self) -> None:
         self._pump(SETTLE_S, react=False)
@@ -337,8 +480,9 @@ class ClusterRuntime:
         snap = self._set(restart_attempt=0) if reset_attempts else self.snapshot()
         attempts = policy.attempts_so_far(snap.restart_attempt, snap.serving_since, self._clock())
         cause = first_cause
+        waited = False  # the last try stopped for an unreachable node: trying again spends no attempt
         while True:
-            if cause is not None:
+            if cause is not None and not waited:
                 max_attempts = int(self.cfg["RESTART_MAX_ATTEMPTS"])
                 restart = policy.next_restart(attempts, max_attempts, float(self.cfg["RESTART_BACKOFF_S"]))
                 if restart.give_up:
@@ -353,19 +497,60 @@ class ClusterRuntime:
                                   f"{restart.delay_s:g} s: {cause}", attempt=attempts, delay_s=restart.delay_s)
                 self._activity = Activity.BACKOFF
                 self._pump(restart.delay_s)
+            waited = False
             try:
                 self._bring_up()
                 return
             except StepFailed as exc:
                 self._activity = Activity.IDLE
-                self._incident(exc.node or "cluster", f"{exc.step}_failed", exc.reason)
+                if exc.incident is None and not exc.unreachable:
+                    self._incident(exc.node or "cluster", f"{exc.step}_failed", exc.reason)
+                elif exc.incident:
+                    self._incident(exc.node or "cluster", exc.incident, exc.reason)
                 step = bringup.BY_NAME.get(exc.step)
                 ranks_ran = self._ranks_run
-                self._stop_ranks(f"bring-up failed at {exc.step}", final_phase=None, wait_memory=ranks_ran)
+                self._stop_ranks(f"bring-up failed at {exc.step}", final_phase=None,
+                                 wait_memory=ranks_ran and not exc.unreachable)
+                if exc.unreachable:
+                    if not self._wait_for_nodes(exc.unreachable, exc):
+                        return  # NODE_WAIT_TIMEOUT_S passed: failed, and the phase says why
+                    waited = True
+                    continue
                 self._set(phase="failed", detail=str(exc))
                 if not policy.retry_can_fix(step.retryable if step else False, exc.transient):
                     return  # a restart cannot fix configuration or a node that is not ready
                 cause = str(exc)
+
+    def _wait_for_nodes(self, nodes: tuple[str, ...], why: StepFailed) -> bool:
+        """Phase `waiting` until every one of these nodes' agents answers again (a heartbeat on its
+        stream, or a status call), without spending restart attempts; NODE_WAIT_TIMEOUT_S (0: no
+        limit) fails it with the reason it was waited for."""
+        self._activity = Activity.WAITING
+        started = self._monotonic()
+        limit = float(self.cfg["NODE_WAIT_TIMEOUT_S"])
+        names = ", ".join(nodes)
+        self._set(phase="waiting", detail=f"waiting for {names}: {why.reason}; the bring-up resumes when "
+                                          f"{'its agent answers' if len(nodes) == 1 else 'their agents answer'}")
+        self._log.warning("node_waiting", f"waiting for {names} ({why.reason}); the bring-up resumes when "
+                          "it answers" + (f", for up to {limit:g} s" if limit else ""), node_name=nodes[0])
+        pending = list(nodes)
+        while pending:
+            self._pump(WAIT_POLL_S)
+            heard = [n for n in pending if n in self._heard and self._heard[n].at > started]
+            ask = [n for n in pending if n not in heard]
+            answers = self._call(lambda: on_each(lambda n: self.clients[n].status(timeout=2.0), ask,
+                                                 catch=(AgentUnavailable,))) if ask else {}
+            pending = [n for n in ask if isinstance(answers.get(n), AgentUnavailable)]
+            if pending and limit and self._monotonic() - started > limit:
+                self._activity = Activity.IDLE
+                failed = StepFailed(why.step, pending[0], f"{why.reason} (still unreachable after {limit:g} s)")
+                self._incident(pending[0], f"{why.step}_failed", failed.reason)
+                self._set(phase="failed", detail=str(failed))
+                return False
+        self._activity = Activity.IDLE
+        self._log.info("node_answers", f"{names}: answering again after {self._monotonic() - started:.1f} s; "
+                       "bringing the cluster up", node_name=nodes[0])
+        return True
 
     def _bring_up(self) -> None:
         self._bring = BringUp()
@@ -403,23 +588,53 @@ class ClusterRuntime:
 
     # ------------------------------------------------------------------ recovery and stop
 
-    def _recover_from_exit(self) -> None:
-        """A rank of a serving cluster is gone: the TP group is broken. Stop it all, then restart."""
-        first = next(iter(self._exits.values()))
-        self._set(phase="stopping", detail=f"rank on {first.node} exited: {first.describe()}")
+    def _recover(self, trouble: Trouble) -> None:
+        """The serving TP group is broken (a rank exited, a node was lost or booted again, a rank
+        hung): record the first cause, stop it all, then bring it up again (waiting, in preflight,
+        for a node that does not answer)."""
+        if trouble.kind == "rank_exit":
+            first = self._exits[trouble.node]
+            self._set(phase="stopping", detail=f"rank on {first.node} exited: {first.describe()}")
+            cause = self._blame_exits()
+        else:
+            self._set(phase="stopping", detail=trouble.message)
+            cause = liveness.Cause(trouble.node, trouble.kind, trouble.message)
+        if trouble.kind != "node_rebooted":  # recorded when the new boot was seen
+            self._incident(cause.node, cause.kind, cause.message)
+        text = (f"rank on {cause.node} exited: {self._exits[cause.node].describe()}"
+                if cause.kind == "rank_exit" else cause.message.split("; then ")[0])
+        self._stop_ranks(f"recovering: {text}", wait_memory=True)
+        # A node lost or booted again is not the group failing by itself: the bring-up after it spends
+        # no restart attempt (it waits for the node instead); a rank that crashed or hung does.
+        external = cause.kind in ("node_lost", "node_rebooted")
+        self._log.info("recovering", f"bringing the cluster up again after: {text}"
+                       + (" (no restart attempt spent)" if external else ""), cause=cause.kind, node_name=cause.node)
+        self._bring_up_with_retries(first_cause=None if external else text)
+
+    def _blame_exits(self) -> liveness.Cause:
+        """Who caused the exits: wait for the others to follow (SETTLE_S), and for every node that
+        has not exited to answer (its stream, or a status call); one that does not within its lease
+        went dark, and ranks before the exits that followed it."""
+        since = self._monotonic()
         self._settle()
-        blame = policy.first_failure(list(self._exits.values()))
-        self._incident(blame.node, "rank_exit", blame.message)
-        cause = f"rank on {blame.node} exited: {self._exits[blame.node].describe()}"
-        self._stop_ranks(f"recovering: {cause}", wait_memory=True)
-        self._bring_up_with_retries(first_cause=cause)
+        lease = float(self.cfg["NODE_LEASE_S"])
+        quiet = liveness.unaccounted(list(self.clients), self._exits, self._heard, since)
+        if quiet:
+            answers = self._call(lambda: on_each(lambda n: self.clients[n].status(timeout=lease), quiet,
+                                                 catch=(AgentUnavailable,)))
+            quiet = [n for n in quiet if isinstance(answers[n], AgentUnavailable)
+                     and liveness.unaccounted([n], self._exits, self._heard, since)]
+        lost = {n: (self._heard[n].at if n in self._heard else self._watching_since) for n in quiet}
+        for node in lost:
+            self._lost.setdefault(node, lost[node])
+        return liveness.blame(list(self._exits.values()), lost, self._monotonic())
 
     def _stop_ranks(self, why: str, final_phase: str | None = "stopped", wait_memory: bool = False) -> None:
         """Rank 0 first (it drains), then the workers; then confirm on every node that nothing is left."""
         self._activity = Activity.STOPPING
         self._set(phase="stopping", detail=why)
         stopping.stop_ranks(self.clients, self.cfg.head.name, int(self.cfg["RANK_STOP_TIMEOUT_S"]), self._log,
-                            call=self._call)
+                            call=self._call, lost=set(self._lost))
         self._activity = Activity.IDLE
         if final_phase:
             self._set(phase=final_phase, detail=why, serving_since=0.0)
@@ -432,7 +647,7 @@ class ClusterRuntime:
         """A restart must not stack a new rank on memory the old one has not returned yet."""
         need = int(float(self.cfg["RANK_MEMORY_GIB"]) * GIB)
         end = self._monotonic() + float(self.cfg["MEMORY_RECOVERY_TIMEOUT_S"])
-        short = sorted(self.clients)
+        short = sorted(n for n in self.clients if n not in self._lost)  # a lost node is waited for in preflight
         while short and self._monotonic() < end:
             def available(node: str) -> int | None:
                 try:
@@ -467,7 +682,8 @@ class ClusterRuntime:
                   serving_since=self._clock())
         self._log.info("adopted", f"re-adopted a serving cluster ({ranks} ranks, generation "
                        f"{self._bring.generation}) without restarting it")
-        self._recover_due = bool(self._exits)  # a rank that exited while rank 0 was being asked
+        if self._exits:  # a rank that exited while rank 0 was being asked
+            self._trouble = Trouble("rank_exit", next(iter(self._exits)))
         return True
 
     # ------------------------------------------------------------------ jobs

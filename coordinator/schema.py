@@ -101,6 +101,20 @@ KEYS: tuple[Key, ...] = (
     _k("RESTART_BACKOFF_S", v.real(0.0, 3600.0), "30", "delay before the first restart; doubles each attempt"),
     _k("MEMORY_RECOVERY_TIMEOUT_S", v.integer(1, 3600), "120",
        "how long a restart waits for the previous ranks' memory to come back"),
+    # liveness
+    _k("NODE_LEASE_S", v.real(1.0, 600.0), "6",
+       "a node not heard from this long while the cluster starts or serves is lost (its agent sends a "
+       "heartbeat every quarter of it; an agent restart takes about 2 s)"),
+    _k("NODE_WAIT_TIMEOUT_S", v.integer(0, 86400 * 7), "0",
+       "how long the phase `waiting` waits for a node that cannot be reached before failing; 0: until it "
+       "answers again"),
+    _k("HANG_TIMEOUT_S", v.real(1.0, 7200.0), "60",
+       "a rank that takes no forward step this long while requests are in flight (or a canary is "
+       "unanswered) is hung; the longest legitimate step, a 768-token chunk at 256k context, takes about 2 s"),
+    _k("HANG_FIRST_STEP_TIMEOUT_S", v.real(1.0, 7200.0), "1800",
+       "the same allowance for a rank's first forward step after it starts (JIT compiles, autotuning)"),
+    _k("CANARY_INTERVAL_S", v.real(1.0, 3600.0), "30",
+       "an idle serving cluster gets a one-token canary this often, so a hang shows without traffic"),
     # weights
     _k("NFS_SHARE", v.flag, "1", "1: workers mount the head's export at COMMON_MODEL; 0: every node has its own copy"),
     _k("NFS_BACKEND", v.choice("kernel", "ganesha"), "kernel", "NFS server on the head: kernel nfsd or nfs-ganesha"),

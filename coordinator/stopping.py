@@ -5,7 +5,7 @@ recovery, and the clean-up after a failed or cancelled bring-up."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
@@ -14,6 +14,10 @@ from .agents import AgentClient, AgentUnavailable
 from .parallel import on_each
 
 STOPPED_STATES = ("absent", "inactive")
+# A worker has nothing to drain and SGLang's workers only log SIGTERM: once rank 0 has stopped (and
+# told the group to shut down) a worker exits by itself within moments, or never (it had not joined,
+# or lost rank 0). The drain budget is for rank 0; a worker is killed after this.
+WORKER_STOP_GRACE_S = 5
 
 
 def _stop_one(client: AgentClient, deadline_s: int) -> str:
@@ -33,14 +37,20 @@ def _confirm(client: AgentClient) -> tuple[bool, str]:
 
 
 def stop_ranks(clients: dict[str, AgentClient], head: str, deadline_s: int, log: EventLog,
-               call: Callable[[Callable[[], Any]], Any] = lambda fn: fn()) -> dict[str, bool]:
+               call: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
+               lost: Collection[str] = ()) -> dict[str, bool]:
     """Stops every node's rank, head first; returns node -> confirmed stopped. `call` runs each
-    blocking part (the supervisor passes one that keeps its inbox moving)."""
-    outcomes = {head: call(lambda: _stop_one(clients[head], deadline_s))}
-    workers = [name for name in clients if name != head]
-
-    outcomes.update(call(lambda: on_each(lambda n: _stop_one(clients[n], deadline_s), workers)))
-    confirmations = call(lambda: on_each(lambda n: _confirm(clients[n]), clients))
+    blocking part (the supervisor passes one that keeps its inbox moving). A `lost` node (not heard
+    from for its lease) is not asked: its rank is stopped when its agent answers again."""
+    reachable = [name for name in clients if name not in lost]
+    outcomes = {name: "not asked: node lost" for name in clients if name in lost}
+    if head in reachable:
+        outcomes[head] = call(lambda: _stop_one(clients[head], deadline_s))
+    workers = [name for name in reachable if name != head]
+    grace = min(deadline_s, WORKER_STOP_GRACE_S)
+    outcomes.update(call(lambda: on_each(lambda n: _stop_one(clients[n], grace), workers)))
+    confirmations = {name: (False, "its rank may still run") for name in clients if name in lost}
+    confirmations.update(call(lambda: on_each(lambda n: _confirm(clients[n]), reachable)))
     for node in clients:
         confirmed, detail = confirmations[node]
         log.event("rank_stop_confirmed" if confirmed else "rank_stop_unconfirmed",

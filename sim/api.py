@@ -19,6 +19,10 @@ from .engine import Engine, Rejected, Request
 from .tokens import count_tokens, output_pieces, prompt_text
 
 VERSION = "0.5.23-dsv41-sim"
+# Like SGLang's /health: a one-token generation, checked once a second, 503 after this long.
+HEALTH_CHECK_TIMEOUT_S = 20.0
+HEALTH_CHECK_POLL_S = 1.0
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 # Paths SGLang leaves open when --api-key is set (k8s probes, Prometheus).
 _OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
@@ -58,6 +62,25 @@ class ApiState:
         with self._lock:
             self._open -= 1
             self._lock.notify_all()
+
+    def health_generate(self, timeout_s: float = HEALTH_CHECK_TIMEOUT_S,
+                        poll_s: float = HEALTH_CHECK_POLL_S) -> bool:
+        """SGLang's health check: queue a one-token request and call the server healthy as soon as
+        the scheduler completes any step after it was asked (a busy server needs no extra work), or
+        unhealthy after timeout_s. A TP group stuck in a collective completes none."""
+        asked = time.monotonic()
+        try:
+            request = self.engine.submit(f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}", 1)
+        except Rejected:
+            return False
+        try:
+            while time.monotonic() < asked + timeout_s:
+                time.sleep(poll_s)
+                if self.engine.last_step_at > asked:
+                    return True
+            return False
+        finally:
+            self.engine.cancel(request)
 
     def wait_responses(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -217,7 +240,10 @@ def make_handler(state: ApiState) -> type[BaseHTTPRequestHandler]:
 
         # --- routes -----------------------------------------------------------------------------
         def _health(self) -> None:
-            self._send(200 if state.state == "serving" else 503)
+            if state.state != "serving":
+                self._send(503)
+                return
+            self._send(200 if state.health_generate() else 503)
 
         def _models(self) -> None:
             self._send(200, {"object": "list", "data": [{

@@ -38,8 +38,12 @@ freed on completion or abort. Environment (defaults in brackets):
   DSV41_SIM_LOAD_S                "model load" after the group forms; /health is 503 meanwhile [0]
   DSV41_SIM_DRAIN_TIMEOUT_S       rank 0 SIGTERM drain budget; then in-flight requests abort [60]
   DSV41_SIM_RENDEZVOUS_TIMEOUT_S  how long ranks wait for the group to form [--dist-timeout or 600]
-  DSV41_SIM_PEER_TIMEOUT_S        a silent peer counts as lost after this (a closed
-                                  connection counts at once) [5]
+  DSV41_SIM_PEER_TIMEOUT_S        a silent peer counts as lost after this, for tests that want
+                                  a quick exit; unset, a silent peer is waited for as NCCL does,
+                                  until --watchdog-timeout ends a step that hangs (a closed
+                                  connection counts at once) [unset]
+  DSV41_PROGRESS_DIR              where the forward-step counter is shared with the agent
+                                  [/dev/shm]
   DSV41_API_KEY_FILE              a file (mode 0600, one line) holding the API key that every
                                   route but /health, /ready and /metrics then requires, like
                                   --api-key without the key in argv; a bad file stops the rank

@@ -1,7 +1,14 @@
 """The stand-in's scheduler: requests wait, are admitted up to --max-running-requests, prefill in
 chunks of --chunked-prefill-size at a fixed token rate (shared by all requests, as on one GPU),
-then decode at a per-request rate. Prefill allocates real memory per token; completion or abort
-frees it. An abort takes effect at the next chunk boundary, as in SGLang."""
+then decode one token per request per decode step, all decoding requests in one batch. Prefill
+allocates real memory per token; completion or abort frees it. An abort takes effect at the next
+chunk boundary, as in SGLang.
+
+Every forward step (a prefill chunk or a decode batch) begins with `begin_step()`: the rank's
+progress counter moves and, in a TP group, rank 0 waits for every worker to take part in the step
+(sim/group.py), so a stopped worker stalls generation here. The lock is never held meanwhile:
+the HTTP side (in-flight listing, aborts) keeps answering while a step hangs, as SGLang's
+tokenizer process does."""
 
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ class Request:
     created: float
     prefilled: int = 0
     generated: int = 0
+    wanted: int = 0  # output tokens its client asked for so far (the decode step makes them)
     phase: Phase = Phase.WAITING
     finish_reason: str | None = None
     abort_requested: bool = False
@@ -70,13 +78,16 @@ def plan_chunk(pending: list[tuple[str, int]], budget: int) -> list[tuple[str, i
 
 class Engine:
     def __init__(self, config: EngineConfig, on_fatal: Callable[[str], None],
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 begin_step: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self._on_fatal = on_fatal
         self._clock = clock
         self._sleep = sleep
+        self._begin_step = begin_step
         self._cond = threading.Condition()
         self._requests: dict[str, Request] = {}  # in arrival order; finished ones are removed
+        self._last_step_at = float("-inf")  # time.monotonic() when the last forward step completed
         self._accepting = True
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
@@ -131,13 +142,20 @@ class Engine:
                 self._cond.wait()
 
     def next_token(self, request: Request) -> bool:
-        """Waits one decode step; False when the request was aborted (then it is finished)."""
-        self._sleep(1.0 / self.config.decode_tokens_per_s)
+        """Waits for the decode step that makes this request's next token; False when the request
+        was aborted (then it is finished)."""
         with self._cond:
             if request.abort_requested or request.phase is Phase.FINISHED:
                 self._finish_locked(request, "abort")
                 return False
-            request.generated += 1
+            request.wanted += 1
+            self._cond.notify_all()
+            while request.generated < request.wanted and not request.abort_requested \
+                    and request.phase is not Phase.FINISHED:
+                self._cond.wait()
+            if request.abort_requested or request.phase is Phase.FINISHED:
+                self._finish_locked(request, "abort")
+                return False
             return True
 
     def cancel(self, request: Request) -> None:
@@ -156,6 +174,12 @@ class Engine:
     def stop_accepting(self) -> None:
         with self._cond:
             self._accepting = False
+
+    @property
+    def last_step_at(self) -> float:
+        """time.monotonic() when the last forward step completed (-inf before the first)."""
+        with self._cond:
+            return self._last_step_at
 
     @property
     def accepting(self) -> bool:
@@ -230,6 +254,20 @@ class Engine:
                            self.config.chunk_tokens)
         return [(prefilling[rid], take) for rid, take in batch] or None
 
+    def _decoding(self) -> list[Request]:
+        """Under the lock: the requests the next decode step makes a token for."""
+        return [r for r in self._requests.values()
+                if r.phase is Phase.DECODE and r.wanted > r.generated and not r.abort_requested]
+
+    def _decode_step(self, batch: list[Request]) -> None:
+        self._sleep(1.0 / self.config.decode_tokens_per_s)
+        with self._cond:
+            for request in batch:
+                if request.phase is Phase.DECODE and not request.abort_requested:
+                    request.generated += 1
+            self._last_step_at = time.monotonic()
+            self._cond.notify_all()
+
     def _run(self) -> None:
         # Touching pages takes real time (about 0.4 s per GiB); it counts toward the next chunk's
         # time so that memory grows at the configured rate, not below it.
@@ -237,12 +275,18 @@ class Engine:
         while True:
             with self._cond:
                 batch = self._next_batch()
-                while batch is None and not self._closed:
+                decoding = [] if batch else self._decoding()
+                while batch is None and not decoding and not self._closed:
                     debt = 0.0
                     self._cond.wait()
                     batch = self._next_batch()
+                    decoding = [] if batch else self._decoding()
                 if self._closed:
                     return
+            self._begin_step()  # the collective: may wait for a peer, or end the process (watchdog)
+            if batch is None:
+                self._decode_step(decoding)
+                continue
             self._sleep(max(0.0, sum(take for _, take in batch) / self.config.prefill_tokens_per_s - debt))
             started = self._clock()
             for request, take in batch:
@@ -262,4 +306,5 @@ class Engine:
                         request.prefilled += take
                         if request.prefilled >= request.prompt_tokens:
                             request.phase = Phase.DECODE
+                self._last_step_at = time.monotonic()
                 self._cond.notify_all()

@@ -1,9 +1,15 @@
-"""The TP group over TCP, shaped like torch.distributed's rendezvous with gloo's failure behaviour.
+"""The TP group over TCP, shaped like torch.distributed's rendezvous with NCCL's and gloo's failure
+behaviour.
 
 Rank 0 listens on --dist-init-addr; ranks 1..nnodes-1 connect (retrying until a deadline, like a
 TCPStore client) and send their settings, which must match rank 0's. When all have joined, rank 0
-says "ready". Both sides then exchange heartbeats: a connection that closes means the peer died
-(noticed at once), a peer silent past the peer timeout counts as lost too. Messages are JSON lines.
+says "ready". Every forward step of rank 0 is then a collective: rank 0 sends "step", every worker
+answers "done", and rank 0 sends "complete" once all have answered. A stopped or frozen worker
+never answers, so rank 0 and the other workers wait in the step, as in an all-reduce. A silent
+peer is waited for (NCCL has no timeout of its own) until the engine's watchdog
+(--watchdog-timeout) ends the process, as SGLang's does; a connection that closes means the peer
+died and is noticed at once (a gloo/NCCL error). DSV41_SIM_PEER_TIMEOUT_S, only where a test asks
+for it, makes silence count as a lost peer after that long, with heartbeats. Messages are JSON lines.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ class PeerLost(Exception):
     """A peer's connection closed or went silent."""
 
 
+class StepHung(Exception):
+    """A forward step did not complete within the watchdog's timeout."""
+
+
 class Link:
     """One TCP connection carrying JSON lines."""
 
@@ -45,12 +55,13 @@ class Link:
         except OSError:
             return False
 
-    def recv(self, timeout_s: float) -> dict:
-        """The next message; PeerLost on a closed connection or silence past timeout_s."""
-        deadline = time.monotonic() + timeout_s
+    def recv(self, timeout_s: float | None) -> dict:
+        """The next message; PeerLost on a closed connection or silence past timeout_s (None: wait for
+        as long as it takes, as NCCL does)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise PeerLost(f"no heartbeat for {timeout_s:g} s")
             try:
                 self.sock.settimeout(left)
@@ -98,7 +109,7 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
 class Head:
     """Rank 0's side of the group."""
 
-    def __init__(self, args: SimArgs, peer_timeout_s: float, heartbeat_s: float, log: Callable[[str], None],
+    def __init__(self, args: SimArgs, peer_timeout_s: float | None, heartbeat_s: float, log: Callable[[str], None],
                  on_lost: Callable[[int, str], None]) -> None:
         self.args = args
         self.nnodes = int(args.nnodes)
@@ -109,6 +120,7 @@ class Head:
         self._settings = settings_of(args)
         self._cond = threading.Condition()
         self._links: dict[int, Link] = {}
+        self._answered: dict[int, int] = {}  # rank -> the last step it answered
         self._failure: str | None = None
         self._ready = False
         self._closing = False
@@ -133,7 +145,8 @@ class Head:
         server.listen(64)
         self._server = server
         threading.Thread(target=self._accept_loop, name="rendezvous", daemon=True).start()
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        if self._peer_timeout_s is not None:
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
 
     def gather(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
         """Blocks until every rank joined (True) or `stop` is set (False); GroupError on a
@@ -212,7 +225,7 @@ class Head:
     def _watch(self, rank: int, link: Link) -> None:
         while True:
             try:
-                link.recv(self._peer_timeout_s)
+                message = link.recv(self._peer_timeout_s)
             except PeerLost as exc:
                 with self._cond:
                     closing = self._closing
@@ -221,6 +234,32 @@ class Head:
                 if not closing:
                     self._on_lost(rank, str(exc))
                 return
+            if message.get("op") == "done" and isinstance(message.get("n"), int):
+                with self._cond:
+                    self._answered[rank] = message["n"]
+                    self._cond.notify_all()
+
+    def step(self, n: int, watchdog_s: float) -> None:
+        """Forward step n as a collective: returns once every worker answered it. A worker that
+        does not answer is waited for; past watchdog_s StepHung is raised (the engine's watchdog
+        ends the process). A lost worker ends the process through on_lost meanwhile."""
+        with self._cond:
+            links = dict(self._links)
+        for link in links.values():
+            link.send({"op": "step", "n": n})
+        deadline = time.monotonic() + watchdog_s
+        with self._cond:
+            while True:
+                waiting = [r for r in links if self._answered.get(r, 0) < n and r in self._links]
+                if not waiting or self._closing:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StepHung(f"forward step {n} waited {watchdog_s:g} s for ranks "
+                                   f"{', '.join(map(str, waiting))}")
+                self._cond.wait(min(left, 1.0))
+        for link in links.values():
+            link.send({"op": "complete", "n": n})
 
     def _heartbeat_loop(self) -> None:
         while True:
@@ -258,13 +297,15 @@ class Head:
 class Worker:
     """A worker rank's side of the group."""
 
-    def __init__(self, args: SimArgs, peer_timeout_s: float, heartbeat_s: float,
-                 log: Callable[[str], None]) -> None:
+    def __init__(self, args: SimArgs, peer_timeout_s: float | None, heartbeat_s: float,
+                 log: Callable[[str], None], on_step: Callable[[int], None] = lambda n: None) -> None:
         self.args = args
         self._peer_timeout_s = peer_timeout_s
         self._heartbeat_s = heartbeat_s
         self._log = log
+        self._on_step = on_step
         self._link: Link | None = None
+        self._in_step_since: float | None = None  # monotonic time this rank entered the step under way
 
     @property
     def address(self) -> str:
@@ -297,7 +338,8 @@ class Worker:
         link.send({"op": "join", "rank": self.args.rank, "settings": settings_of(self.args)})
         self._log(f"connected to rank 0 at {self.address}; waiting for all {self.args.nnodes} ranks")
         self._link = link
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        if self._peer_timeout_s is not None:
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         while True:
             try:
                 message = link.recv(self._peer_timeout_s)
@@ -316,7 +358,9 @@ class Worker:
                                  f"({message.get('reason')}), as reported by rank 0")
 
     def follow(self) -> tuple[bool, str]:
-        """Runs until rank 0 says shut down (True) or the group fails (False, why)."""
+        """Runs until rank 0 says shut down (True) or the group fails (False, why). A step is taken
+        (on_step) when rank 0 starts it and answered at once; the rank is then in the collective
+        until rank 0 says it completed, which the watchdog times."""
         assert self._link is not None
         while True:
             try:
@@ -324,10 +368,21 @@ class Worker:
             except PeerLost as exc:
                 return False, f"lost rank 0 at {self.address} ({exc})"
             op = message.get("op")
-            if op == "shutdown":
+            if op == "step" and isinstance(message.get("n"), int):
+                self._in_step_since = time.monotonic()
+                self._on_step(message["n"])
+                self._link.send({"op": "done", "n": message["n"]})
+            elif op == "complete":
+                self._in_step_since = None
+            elif op == "shutdown":
                 return True, "rank 0 asked all ranks to shut down"
-            if op == "abort":
+            elif op == "abort":
                 return False, f"lost rank {message.get('lost')} ({message.get('reason')}), as reported by rank 0"
+
+    def stuck_for(self) -> float:
+        """Seconds this rank has been in a step that did not complete (0 when in none)."""
+        since = self._in_step_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def _heartbeat_loop(self) -> None:
         link = self._link

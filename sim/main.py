@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sys
 import threading
 import time
 from typing import Callable, Sequence, TextIO
 
+from adapter.progress import ProgressWriter
+
 from . import settings as settings_mod
 from .args import SimArgs, parse, with_key_file
 from .engine import Engine, EngineConfig
-from .group import GroupError, Head, Worker
+from .group import GroupError, Head, StepHung, Worker
 from .settings import Settings
 
 DEFAULT_CHUNK = 8192  # SGLang picks per GPU when --chunked-prefill-size is absent
@@ -40,6 +43,27 @@ def _die(log: Log, message: str, status: int = 1) -> None:
     """Exits at once from any thread, as a crashed rank does (the OS frees its memory)."""
     log(message)
     os._exit(status)
+
+
+def _watchdog_kill(log: Log, what: str, timeout_s: float) -> None:
+    """What SGLang's scheduler watchdog does when a forward step does not complete: it logs, then
+    SIGQUITs the process (here without a core file)."""
+    log(f"Scheduler watchdog timeout (self.watchdog_timeout={timeout_s:g}, self.soft=False): {what}")
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.kill(os.getpid(), signal.SIGQUIT)
+    time.sleep(5)
+    os._exit(1)  # not reached: SIGQUIT has no handler
+
+
+def progress_writer(args: SimArgs, log: Log, env=os.environ) -> ProgressWriter | None:
+    """The rank's forward-step counter for its node's agent (DSV41_PROGRESS_DIR, else /dev/shm)."""
+    directory = env.get("DSV41_PROGRESS_DIR") or "/dev/shm"
+    try:
+        return ProgressWriter(args.rank, directory)
+    except OSError as exc:
+        log(f"warning: no progress counter in {directory}: {exc.strerror or exc}; the agent cannot see this "
+            "rank's forward steps")
+        return None
 
 
 def engine_config(args: SimArgs, settings: Settings) -> EngineConfig:
@@ -88,7 +112,24 @@ def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
             log("stopped before the group formed; exit 0")
             return 0
 
-    engine = Engine(engine_config(args, settings), on_fatal=lambda why: _die(log, f"error: {why}"))
+    progress = progress_writer(args, log)
+    watchdog_s = float(args.watchdog_timeout)
+    steps = [0]
+
+    def begin_step() -> None:
+        # Like forward_ct in SGLang's run_batch: counted when the step starts; the hung rank is the
+        # one that never starts the step its peers wait in.
+        steps[0] += 1
+        if progress is not None:
+            progress.step()
+        if head is not None:
+            try:
+                head.step(steps[0], watchdog_s)
+            except StepHung as exc:
+                _watchdog_kill(log, str(exc), watchdog_s)
+
+    engine = Engine(engine_config(args, settings), on_fatal=lambda why: _die(log, f"error: {why}"),
+                    begin_step=begin_step)
     engine.start()
     state = ApiState(args, engine, log)
     try:
@@ -134,7 +175,19 @@ def run_worker(args: SimArgs, settings: Settings, log: Log) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, lambda *_: _die(log, "SIGINT: exiting", 130))
-    worker = Worker(args, settings.peer_timeout_s, settings.heartbeat_s, log)
+    progress = progress_writer(args, log)
+    worker = Worker(args, settings.peer_timeout_s, settings.heartbeat_s, log,
+                    on_step=lambda n: progress.step() if progress is not None else None)
+    watchdog_s = float(args.watchdog_timeout)
+
+    def watchdog() -> None:
+        # SGLang's watchdog on every rank: a step this rank is in that does not complete.
+        while True:
+            time.sleep(min(watchdog_s / 2, 1.0))
+            if worker.stuck_for() > watchdog_s:
+                _watchdog_kill(log, f"waited {worker.stuck_for():.0f} s in a forward step for the other ranks",
+                               watchdog_s)
+    threading.Thread(target=watchdog, name="watchdog", daemon=True).start()
     try:
         formed = worker.join(settings.rendezvous_timeout_s)
     except GroupError as exc:

@@ -16,7 +16,9 @@ class Settings:
     load_s: float = 0.0
     drain_timeout_s: float = 60.0
     rendezvous_timeout_s: float = 600.0
-    peer_timeout_s: float = 5.0
+    # None: a silent peer is waited for, as NCCL does (the engine's watchdog ends a step that hangs);
+    # a number only where a test asks for a quick exit on silence.
+    peer_timeout_s: float | None = None
     heartbeat_s: float = 0.5
 
 
@@ -52,5 +54,7 @@ def from_env(env: Mapping[str, str], dist_timeout_s: int | None = None) -> Setti
             raise ValueError(f"{name}={raw!r} must be {'zero or more' if zero_ok else 'more than zero'}")
         values[attr] = value
     settings = Settings(**values)  # type: ignore[arg-type]
+    if settings.peer_timeout_s is None:
+        return settings
     # Heartbeats several times per timeout, so one late beat never counts as a lost peer.
     return Settings(**{**settings.__dict__, "heartbeat_s": min(0.5, settings.peer_timeout_s / 5)})

@@ -4,11 +4,17 @@ installed with apt, the stand-in engine instead of SGLang, the coordinator start
 
     sudo tools/demo.py up        # build, boot, install, start; prints status and what to try
     sudo tools/demo.py sh spark2 [COMMAND...]   # a shell (or one command) inside a node
+    sudo tools/demo.py poweroff spark3          # the node loses power: all its processes die at once
+    sudo tools/demo.py boot spark3              # power it on again: a fresh systemd on the same disk
+    sudo tools/demo.py freeze spark3            # every process of the node stops (a wedged node)
+    sudo tools/demo.py thaw spark3
+    sudo tools/demo.py unplug spark3            # its network cable out (the link down) ...
+    sudo tools/demo.py plug spark3              # ... and back in
     sudo tools/demo.py down      # tear everything down
 
-`up` leaves a small supervisor process holding the nodes; `down` asks it to stop them and remove
-their overlays, cgroups and the bridge. Needs root, systemd-nspawn and mmdebstrap
-(tools/install-test-deps.sh installs them).
+`up` leaves a small supervisor process holding the nodes; the node commands and `down` ask it, over
+a unix socket, to act on them. Needs root, systemd-nspawn and mmdebstrap (tools/install-test-deps.sh
+installs them).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +33,39 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 STATE = Path("/run/dsv41-demo.json")
+SOCKET = "/run/dsv41-demo.sock"
+NODE_COMMANDS = ("poweroff", "boot", "freeze", "thaw", "unplug", "plug")
+
+
+def _save_state(cluster) -> None:
+    STATE.write_text(json.dumps({"pid": os.getpid(), "nodes": {
+        n.name: {"leader": n.leader, "address": n.address} for n in cluster.nodes.values()}}))
+
+
+def _node_command(cluster, line: str) -> str:
+    """One node command from `tools/demo.py COMMAND NODE`; the answer line."""
+    parts = line.split()
+    if len(parts) != 2 or parts[0] not in NODE_COMMANDS:
+        return f"error: expected one of {', '.join(NODE_COMMANDS)} and a node"
+    command, name = parts
+    node = cluster.nodes.get(name)
+    if node is None:
+        return f"error: no node {name}; nodes: {', '.join(cluster.nodes)}"
+    try:
+        if command == "poweroff":
+            node.power_cut()
+        elif command == "boot":
+            node.power_on()
+        elif command == "freeze":
+            node.freeze()
+        elif command == "thaw":
+            node.thaw()
+        else:
+            node.link(up=command == "plug")
+    except Exception as exc:  # the answer says what went wrong; the demo goes on
+        return f"error: {command} {name}: {exc}"
+    _save_state(cluster)
+    return f"ok: {command} {name}"
 
 
 def _supervise(ready_fd: int) -> None:
@@ -47,15 +87,32 @@ def _supervise(ready_fd: int) -> None:
             head = cluster.nodes["spark1"]
             head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
             wait_serving(head)
-            STATE.write_text(json.dumps({"pid": os.getpid(), "nodes": {
-                n.name: {"leader": n.leader, "address": n.address} for n in cluster.nodes.values()}}))
+            _save_state(cluster)
             ready.write(json.dumps({"status": ctl(head, "status").stdout}))
         except Exception as exc:
             ready.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
             cluster.stop()
             return
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    Path(SOCKET).unlink(missing_ok=True)
+    server.bind(SOCKET)
+    os.chmod(SOCKET, 0o600)
+    server.listen(4)
+    server.settimeout(0.5)
     while not stop:
-        time.sleep(0.5)
+        try:
+            conn, _ = server.accept()
+        except (socket.timeout, InterruptedError):
+            continue
+        with conn:
+            conn.settimeout(120)
+            try:
+                line = conn.makefile().readline()
+                conn.sendall((_node_command(cluster, line) + "\n").encode())
+            except OSError:
+                pass
+    server.close()
+    Path(SOCKET).unlink(missing_ok=True)
     try:
         cluster.nodes["spark1"].run(["systemctl", "stop", "dsv41-coordinator.service"], check=False, timeout=120)
     finally:
@@ -101,6 +158,11 @@ def up() -> int:
   curl -s http://{head}:9441/metrics | grep -E '^dsv41_(phase|incidents_total|restarts_total)'
   sudo tools/demo.py sh spark3 sh -c 'kill -9 $(systemctl show -p MainPID --value dsv41-rank)'
   sudo tools/demo.py sh spark1 dsv41ctl bundle -o /root/bundle.tar
+Faults a Spark cluster has (then watch `dsv41ctl status` and `dsv41ctl events`):
+  sudo tools/demo.py freeze spark3     # wedged: node_lost, phase waiting; `thaw spark3` and it serves again
+  sudo tools/demo.py poweroff spark3   # power lost: node_lost; `boot spark3`: node_rebooted, serving again
+  sudo tools/demo.py unplug spark2     # the cable out; `plug spark2` and it serves again
+  sudo tools/demo.py sh spark2 sh -c 'kill -STOP $(systemctl show -p MainPID --value dsv41-rank)'  # rank_hung
 Tear it down:
   sudo tools/demo.py down""")
     return 0
@@ -118,6 +180,23 @@ def sh(name: str, command: list[str]) -> int:
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "TERM": os.environ.get("TERM", "xterm"),
            "HOME": "/root", "LANG": "C.UTF-8"}
     return subprocess.call(argv, env=env)
+
+
+def node_command(command: str, name: str) -> int:
+    if not STATE.exists():
+        print("no demo is up: `sudo tools/demo.py up`", file=sys.stderr)
+        return 1
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(180)
+        try:
+            conn.connect(SOCKET)
+            conn.sendall(f"{command} {name}\n".encode())
+            answer = conn.makefile().readline().strip()
+        except OSError as exc:
+            print(f"cannot reach the demo supervisor at {SOCKET}: {exc}", file=sys.stderr)
+            return 1
+    print(answer, file=sys.stdout if answer.startswith("ok") else sys.stderr)
+    return 0 if answer.startswith("ok") else 1
 
 
 def down() -> int:
@@ -141,13 +220,18 @@ def main(argv: list[str]) -> int:
     if os.geteuid() != 0:
         print("the demo boots systemd containers: run it as root (sudo)", file=sys.stderr)
         return 1
-    if not argv or argv[0] not in ("up", "sh", "down"):
+    if not argv or argv[0] not in ("up", "sh", "down", *NODE_COMMANDS):
         print(__doc__, file=sys.stderr)
         return 2
     if argv[0] == "up":
         return up()
     if argv[0] == "down":
         return down()
+    if argv[0] in NODE_COMMANDS:
+        if len(argv) != 2:
+            print(f"usage: tools/demo.py {argv[0]} NODE", file=sys.stderr)
+            return 2
+        return node_command(argv[0], argv[1])
     if len(argv) < 2:
         print("usage: tools/demo.py sh NODE [COMMAND...]", file=sys.stderr)
         return 2

@@ -20,48 +20,41 @@ from .tables import render_plans
 GIB = 1 << 30
 
 
-def statuses_once_reachable(ctx: StepContext, deadline: float) -> dict[str, pb.NodeStatus]:
-    """Every agent's status. An agent that cannot be reached yet (its node still booting, its
-    network coming up, the agent restarting) is asked again each second until the deadline; any
-    other answer, and a refused TLS handshake, is final at once."""
-    end = ctx.monotonic() + deadline
-    answers: dict[str, pb.NodeStatus] = {}
-    waiting: set[str] = set()
-    pending = list(ctx.clients)
-    while pending:
-        timeout = max(1.0, min(end - ctx.monotonic(), 10.0))
+STATUS_TIMEOUT_S = 10.0
 
-        results = ctx.call(lambda nodes=tuple(pending), timeout=timeout: on_each(
-            lambda node: ctx.clients[node].status(timeout=timeout), nodes, catch=(AgentUnavailable,)))
-        retry = []
-        for node in pending:
-            result = results[node]
-            if not isinstance(result, AgentUnavailable):
-                answers[node] = result
-                continue
-            exc = result
-            if exc.code != "UNAVAILABLE" or exc.explained or ctx.monotonic() + 1.0 > end:
-                final = exc.after_waiting(deadline) if node in waiting else exc
-                raise ctx.fail(node, f"agent at {ctx.clients[node].target}: {final.code}: {final.details}")
-            if node not in waiting:
-                waiting.add(node)
-                ctx.log.warning("agent_waiting", f"{node}: agent at {ctx.clients[node].target} not reachable yet, "
-                                f"waiting up to {deadline:g} s: {exc.details}", node_name=node)
-                ctx.set_detail(f"waiting for the agent on {node}: {exc.details}")
-            retry.append(node)
-        pending = retry
-        if pending:
-            ctx.wait(1.0)
-    return {node: answers[node] for node in ctx.clients}
+
+def statuses(ctx: StepContext) -> dict[str, pb.NodeStatus]:
+    """Every agent's status. Agents that cannot be reached (a node booting, powered off or cut off,
+    an agent restarting) fail the step with `unreachable`: the supervisor waits for them (phase
+    `waiting`) and runs the bring-up again. Any other answer, a refused TLS handshake included, is
+    final."""
+    timeout = min(STATUS_TIMEOUT_S, float(ctx.cfg["NODE_LEASE_S"]))
+    nodes = list(ctx.clients)
+    results = ctx.call(lambda: on_each(lambda node: ctx.clients[node].status(timeout=timeout), nodes,
+                                       catch=(AgentUnavailable,)))
+    away = []
+    for node in nodes:
+        result = results[node]
+        if not isinstance(result, AgentUnavailable):
+            continue
+        if result.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and not result.explained:
+            away.append((node, result))
+            continue
+        raise ctx.fail(node, f"agent at {ctx.clients[node].target}: {result.code}: {result.details}")
+    if away:
+        node, exc = away[0]
+        raise ctx.fail_unreachable(tuple(n for n, _ in away),
+                                   f"agent at {ctx.clients[node].target}: {exc.code}: {exc.details}")
+    return {node: results[node] for node in nodes}
 
 
 def run(ctx: StepContext, deadline: float) -> None:
-    statuses = statuses_once_reachable(ctx, deadline)
-    versions = {name: s.agent_version for name, s in statuses.items()}
+    statuses_by_node = statuses(ctx)
+    versions = {name: s.agent_version for name, s in statuses_by_node.items()}
     if len(set(versions.values())) > 1:
         raise ctx.fail(None, "agents run different versions: " + ", ".join(f"{n} {v}" for n, v in versions.items())
                        + "; upgrade every node to one version")
-    digests = {name: s.adapter_digest for name, s in statuses.items()}
+    digests = {name: s.adapter_digest for name, s in statuses_by_node.items()}
     if len(set(digests.values())) > 1:
         raise ctx.fail(None, "adapter files differ between nodes: " +
                        ", ".join(f"{n} {d[:12] or 'none'}" for n, d in digests.items()) +
@@ -78,19 +71,22 @@ def run(ctx: StepContext, deadline: float) -> None:
     plans = {p.node: p for p in ctx.bring.plans}
     need = float(cfg["RANK_MEMORY_GIB"]) * GIB
     stop_deadline = int(cfg["RANK_STOP_TIMEOUT_S"])
-    for name, status in statuses.items():
+    for name, status in statuses_by_node.items():
         rank = status.rank
         running = rank.active_state in ("active", "activating")
-        if running and rank.fingerprint != plans[name].fingerprint:
-            ctx.log.warning("stale_rank", f"{name} runs plan {rank.fingerprint}, not {plans[name].fingerprint}:"
-                            " stopping it before launch", node_name=name)
+        if running:
+            # A bring-up starts a new group: a rank still running (another plan's, or one of a group
+            # that broke while its node was unreachable) would never join it.
+            what = (f"plan {rank.fingerprint}, not {plans[name].fingerprint}" if rank.fingerprint != plans[name].fingerprint
+                    else f"a rank of an earlier group (plan {rank.fingerprint})")
+            ctx.log.warning("stale_rank", f"{name} runs {what}: stopping it before launch", node_name=name)
             ctx.ask(name, lambda c: c.stop_rank(stop_deadline), mutates=True)
             status = ctx.ask(name, lambda c: c.status())
         available = status.memory.available_bytes
         if not running and available < need:
             raise ctx.fail(name, f"{available / GIB:.1f} GiB available, a rank needs {need / GIB:.1f} GiB "
                                  "(RANK_MEMORY_GIB)")
-    problems = image_problems({name: dict(s.images) for name, s in statuses.items()},
+    problems = image_problems({name: dict(s.images) for name, s in statuses_by_node.items()},
                               {name: p.rank_spec for name, p in plans.items()})
     if problems:
         node, reason = problems[0]

@@ -23,11 +23,15 @@ T = TypeVar("T")
 
 class StepFailed(Exception):
     """A step could not complete; `transient` when the cause may clear by itself (an agent that
-    could not be reached), so the restart policy may try again whatever the step."""
+    could not be reached), so the restart policy may try again whatever the step. `unreachable`:
+    nodes to wait for (phase `waiting`) before the bring-up runs again, spending no restart
+    attempt. `incident`: the incident kind to record instead of "<step>_failed"."""
 
-    def __init__(self, step: str, node: str | None, reason: str, transient: bool = False):
+    def __init__(self, step: str, node: str | None, reason: str, transient: bool = False,
+                 unreachable: tuple[str, ...] = (), incident: str | None = None):
         super().__init__(f"{step}: {node + ': ' if node else ''}{reason}")
         self.step, self.node, self.reason, self.transient = step, node, reason, transient
+        self.unreachable, self.incident = unreachable, incident
 
 
 class Preempted(Exception):
@@ -93,6 +97,10 @@ class StepContext:
 
     def fail(self, node: str | None, reason: str, transient: bool = False) -> StepFailed:
         return StepFailed(self.step, node, reason, transient)
+
+    def fail_unreachable(self, nodes: tuple[str, ...], reason: str) -> StepFailed:
+        """The step cannot go on until these nodes answer: the first is named, `reason` is its."""
+        return StepFailed(self.step, nodes[0], reason, transient=True, unreachable=nodes)
 
     def unreachable(self, node: str, exc: AgentUnavailable) -> StepFailed:
         """The step's failure for an agent that did not answer or refused: names the node and says

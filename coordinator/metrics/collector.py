@@ -24,9 +24,12 @@ RESOURCES = ("cpu", "memory", "io")
 class ClusterCollector:
     def __init__(self, snapshot: Callable[[], object], nodes: list[str], recorder: Recorder,
                  views: Callable[[], dict[str, NodeView]], guard_low: Callable[[], float | None] | None,
-                 guard_bytes: int, mounts: tuple[str, ...]):
+                 guard_bytes: int, mounts: tuple[str, ...],
+                 liveness: Callable[[], dict[str, tuple[float, float, int]]] = dict):
         """`mounts`: the workers that mount the head's export (empty with NFS_SHARE=0);
-        `guard_low`: the lowest available memory the guard saw lately (None: no guard)."""
+        `guard_low`: the lowest available memory the guard saw lately (None: no guard);
+        `liveness`: node -> (lease age, step age, forward steps), -1 where not known."""
+        self._liveness = liveness
         self._snapshot = snapshot
         self._nodes = nodes
         self._recorder = recorder
@@ -44,7 +47,7 @@ class ClusterCollector:
         yield from self._events()
         yield from self._node_figures(self._views())
         yield from self._guard()
-        yield from liveness_families(snap)
+        yield from liveness_families(self._liveness())
 
     def _cluster(self, snap) -> Iterator:
         info = GaugeMetricFamily("dsv41_coordinator_info", "the coordinator's version", labels=["version"])
@@ -143,9 +146,21 @@ def pressures(status) -> dict[str, tuple[float, float]]:
     return out
 
 
-def liveness_families(snap) -> list:
-    """The place for dsv41_node_lease_age_seconds{node} (seconds since the node's last agent heartbeat)
-    and dsv41_rank_step_age_seconds{node} (seconds since the rank's forward-step counter last moved).
-    They need the liveness feature's lease and step counter in the snapshot, which the runtime does
-    not carry yet; until it does, neither family is exposed (no made-up values)."""
-    return []
+def liveness_families(views: dict[str, tuple[float, float, int]]) -> list:
+    """dsv41_node_lease_age_seconds{node}: seconds since the node's agent last sent a heartbeat;
+    dsv41_rank_step_age_seconds{node}: seconds since its rank last took a forward step. A node not
+    heard from yet, or a rank without a counter, has no sample (no made-up values)."""
+    lease = GaugeMetricFamily("dsv41_node_lease_age_seconds",
+                              "seconds since the node's agent last sent a heartbeat (its lease: NODE_LEASE_S)",
+                              labels=["node"])
+    step = GaugeMetricFamily("dsv41_rank_step_age_seconds",
+                             "seconds since the node's rank last took a forward step", labels=["node"])
+    forward = CounterMetricFamily("dsv41_rank_forward_steps", "forward steps of the node's rank since it started",
+                                  labels=["node"])
+    for node, (lease_age, step_age, count) in views.items():
+        if lease_age >= 0:
+            lease.add_metric([node], lease_age)
+        if step_age >= 0:
+            step.add_metric([node], step_age)
+            forward.add_metric([node], count)
+    return [lease, step, forward]

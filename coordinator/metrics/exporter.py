@@ -41,7 +41,8 @@ class Metrics:
         mounts = tuple(n.name for n in cfg.nodes if not n.is_head) if cfg["NFS_SHARE"] else ()
         self.registry.register(ClusterCollector(runtime.snapshot, [n.name for n in cfg.nodes], self.recorder,
                                                 self.poller.views, low,
-                                                guard.settings.guard_bytes if guard is not None else 0, mounts))
+                                                guard.settings.guard_bytes if guard is not None else 0, mounts,
+                                                runtime.liveness_views))
         self._log = log
         self._listen = listen
 

@@ -415,3 +415,118 @@ def test_10_systemctl_stop_during_a_long_model_load_returns_within_20_s_and_leav
     for node in sparks.values():
         assert node.show("dsv41-rank.service", "ActiveState")["ActiveState"] in ("inactive", "failed")
         assert node.run(["pgrep", "-f", "dsv41-sim-rank"], check=False).stdout.strip() == ""
+
+
+# Scenarios 11-14: the failures Spark clusters have, against the NCCL-like stand-in (a silent peer
+# is waited for; --watchdog-timeout is the example configuration's 1800 s, so only the
+# coordinator's lease and hang check can end them in time).
+LEASE_S, HANG_S = 3.0, 5.0
+
+
+def incidents(head, kind: str) -> list[dict]:
+    return coordinator_events(head, kind)
+
+
+def wait_for(predicate, timeout: float, what: str, step: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(step)
+
+
+def new_incident(head, kind: str, seen: int, timeout: float) -> dict:
+    return wait_for(lambda: incidents(head, kind)[seen:] and incidents(head, kind)[-1], timeout,
+                    f"no new {kind} incident within {timeout} s: {status(head).get('phase_detail')}", step=0.1)
+
+
+def test_11_a_frozen_worker_is_lost_naming_it_and_the_cluster_serves_again_once_thawed(sparks):
+    head, spark2 = head_of(sparks), sparks["spark2"]
+    # A slow prefill (2000 tokens/s, 1 KiB a token) keeps scenario 12's long prompt in flight for ~20 s.
+    head.write_file("/etc/dsv41/cluster.env", cluster_env(sparks, SIM_RANK_COMMAND=SIM, NODE_LEASE_S=str(LEASE_S),
+                                                          HANG_TIMEOUT_S=str(HANG_S), CANARY_INTERVAL_S="5",
+                                                          DSV41_SIM_PREFILL_TOKENS_PER_S="2000",
+                                                          DSV41_SIM_BYTES_PER_TOKEN="1024"),
+                    mode=0o640)
+    head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
+    before = rank_pids(wait_serving(head, timeout=120))
+    seen = len(incidents(head, "node_lost"))
+    frozen_at = time.monotonic()
+    spark2.freeze()
+    try:
+        lost = new_incident(head, "node_lost", seen, timeout=4 * LEASE_S)
+        assert time.monotonic() - frozen_at <= 2 * LEASE_S + 1.0  # within two leases (and a tick)
+        assert lost["DSV41_NODE_NAME"] == "spark2", lost["MESSAGE"]
+        assert lost["MESSAGE"].startswith("spark2: spark2 lost: not heard from since ")
+        body = wait_for(lambda: (b := status(head)).get("phase") == "waiting" and b, 60, "not waiting for spark2")
+        assert body["phase_detail"].startswith("waiting for spark2: ")
+        view = next(n for n in body["nodes"] if n["name"] == "spark2")
+        assert view["lease_age_s"] >= LEASE_S  # dsv41ctl status shows how long since it was heard
+    finally:
+        thawed_at = time.monotonic()
+        spark2.thaw()
+    body = wait_serving(head, timeout=90, changed_from=before)
+    took = time.monotonic() - thawed_at
+    assert took < 60, f"serving {took:.1f} s after the thaw"
+    human = ctl(head, "status").stdout
+    assert "heard " in human and "last forward step" in human
+
+
+def test_12_a_worker_rank_stopped_during_a_request_is_hung_naming_it_and_the_cluster_serves_again(sparks):
+    head, spark3 = head_of(sparks), sparks["spark3"]
+    before = rank_pids(status(head))
+    seen = len(incidents(head, "rank_hung"))
+    request = json.dumps({"model": "deepseek-v4.1-flash", "max_tokens": 64,  # a 40k-token prompt: ~20 s of prefill
+                          "messages": [{"role": "user", "content": "word " * 32000}]})
+    head.write_file("/var/tmp/long-request.json", request)
+    client = head.run(["sh", "-c", "nohup python3 -c \"import urllib.request; urllib.request.urlopen("
+                       f"urllib.request.Request('http://{head.address}:8888/v1/chat/completions', "
+                       "data=open('/var/tmp/long-request.json', 'rb').read(), "
+                       "headers={'Content-Type': 'application/json'}), timeout=120)\" >/dev/null 2>&1 &"], check=False)
+    assert client.returncode == 0
+    wait_for(lambda: json.loads(head.run(["python3", "-c", "import urllib.request; print(urllib.request.urlopen("
+                                          f"'http://{head.address}:8888/dsv41/inflight').read().decode())"]).stdout)
+             ["requests"], 20, "the request never showed in flight")
+    stopped_at = time.monotonic()
+    spark3.run(["systemctl", "kill", "--signal=SIGSTOP", "dsv41-rank.service"])
+    hung = new_incident(head, "rank_hung", seen, timeout=HANG_S + 15)
+    assert time.monotonic() - stopped_at <= HANG_S + 5.0
+    assert hung["DSV41_NODE_NAME"] == "spark3", hung["MESSAGE"]
+    assert "no forward step for" in hung["MESSAGE"]
+    wait_serving(head, timeout=90, changed_from=before)
+
+
+def test_13_a_powered_off_worker_is_lost_first_waited_for_and_serves_again_after_it_boots(sparks):
+    head, spark3 = head_of(sparks), sparks["spark3"]
+    before = rank_pids(status(head))
+    lost_seen, booted_seen = len(incidents(head, "node_lost")), len(incidents(head, "node_rebooted"))
+    exits_seen = len(incidents(head, "rank_exit"))
+    spark3.power_cut()
+    lost = new_incident(head, "node_lost", lost_seen, timeout=4 * LEASE_S)
+    assert lost["DSV41_NODE_NAME"] == "spark3", lost["MESSAGE"]
+    # spark1's and spark2's ranks exited when spark3's connections closed: blamed on spark3, not on them
+    assert "then rank exits on spark1" in lost["MESSAGE"], lost["MESSAGE"]
+    assert len(incidents(head, "rank_exit")) == exits_seen
+    wait_for(lambda: status(head).get("phase") == "waiting", 60, "not waiting for spark3")
+    assert status(head)["phase_detail"].startswith("waiting for spark3: ")
+    spark3.power_on()
+    rebooted = new_incident(head, "node_rebooted", booted_seen, timeout=60)
+    assert rebooted["DSV41_NODE_NAME"] == "spark3"
+    wait_serving(head, timeout=120, changed_from=before)
+
+
+def test_14_a_worker_cut_off_for_30_s_is_lost_then_serves_again_once_its_link_is_back(sparks):
+    head, spark2 = head_of(sparks), sparks["spark2"]
+    before = rank_pids(status(head))
+    seen = len(incidents(head, "node_lost"))
+    spark2.link(up=False)
+    try:
+        lost = new_incident(head, "node_lost", seen, timeout=4 * LEASE_S)
+        assert lost["DSV41_NODE_NAME"] == "spark2"
+        time.sleep(30)
+        assert status(head)["phase"] == "waiting"
+    finally:
+        spark2.link(up=True)
+    wait_serving(head, timeout=120, changed_from=before)

@@ -414,6 +414,10 @@ class Node:
         self._write_config()
         self._cgroups = _NodeCgroups(f"dsv41-{self.machine}")
         self._cgroups.create()
+        return self._launch(t0, deadline)
+
+    def _launch(self, t0: float, deadline: float) -> BootResult:
+        """Start nspawn on the node's mounted root, from the node's own cgroups, and wait for it."""
         console = open(self.tmpdir / "console.log", "wb")
         with console:
             self._proc = subprocess.Popen(
@@ -634,6 +638,77 @@ class Node:
     def cgroup_dirs(self) -> list[Path]:
         """The node's own cgroups on the host (one per hierarchy); removed by stop()."""
         return list(self._cgroups.dirs) if self._cgroups else []
+
+    # --- faults a real node has --------------------------------------------------------------
+
+    def _freeze_file(self) -> Path:
+        unified = next((d for d, h in zip(self.cgroup_dirs, NODE_HIERARCHIES) if h == ""), None)
+        if unified is None or not (unified / "cgroup.freeze").exists():
+            raise HarnessError(f"node {self.name}: no cgroup2 freezer on this host")
+        return unified / "cgroup.freeze"
+
+    def freeze(self) -> None:
+        """Every process of the node stops where it is (cgroup2 freezer), as on a node wedged by
+        memory exhaustion: its kernel still takes TCP connections, nothing answers them."""
+        path = self._freeze_file()
+        path.write_text("1")
+        events = path.with_name("cgroup.events")
+        deadline = time.monotonic() + 10
+        while "frozen 1" not in events.read_text():
+            if time.monotonic() > deadline:
+                raise HarnessError(f"node {self.name} did not freeze within 10 s")
+            time.sleep(0.01)
+
+    def thaw(self) -> None:
+        self._freeze_file().write_text("0")
+
+    def link(self, up: bool) -> None:
+        """The node's cable: its veth on the host's bridge down (nothing gets through) or up."""
+        if self.host_veth is None:
+            raise HarnessError(f"node {self.name} has no network to cut")
+        _ip("link", "set", self.host_veth, "up" if up else "down")
+
+    def power_cut(self) -> None:
+        """The node loses power: every process of it dies at once (nspawn too), nothing shuts down
+        or writes anything. Its disk (the overlay) stays; power_on() boots it again."""
+        if self._proc is None or self._cgroups is None:
+            raise HarnessError(f"node {self.name} is not running")
+        try:
+            self.thaw()  # a frozen task cannot die until thawed
+        except (HarnessError, OSError):
+            pass
+        for _ in range(250):
+            pids = self._cgroups.pids()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+        else:
+            raise HarnessError(f"node {self.name}: processes left after the power cut: {sorted(self._cgroups.pids())}")
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            raise HarnessError(f"node {self.name}: nspawn (pid {self._proc.pid}) does not exit") from None
+        if self._root_lock is not None:
+            Path(self._root_lock).unlink(missing_ok=True)  # nspawn was killed: its lock stays
+        if self.host_veth and _link_exists(self.host_veth):
+            _ip("link", "del", self.host_veth, check=False)
+        self._proc, self.leader, self.nspawn_pid, self.host_veth = None, None, None, None
+        shutil.rmtree(f"/run/systemd/nspawn/propagate/{self.machine}", ignore_errors=True)
+
+    def power_on(self) -> BootResult:
+        """Boots the node again from its disk after power_cut(): a fresh systemd that knows none of
+        the old units (/run is new), with everything written to disk before the cut."""
+        if self._proc is not None:
+            raise HarnessError(f"node {self.name} is running")
+        if not self._mounted or self._cgroups is None:
+            raise HarnessError(f"node {self.name} was never booted")
+        t0 = time.monotonic()
+        return self._launch(t0, t0 + self.boot_timeout)
 
     def __enter__(self) -> Node:
         self.boot()

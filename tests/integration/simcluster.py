@@ -37,7 +37,7 @@ def cluster_env(nodes: dict, port: int = 8888, **extra: str | None) -> str:
         "MAX_TOTAL_TOKENS": "131072", "DSV41_MAX_NEW_TOKENS": "1024", "ENGRAM_DIR": "/var/tmp/engram",
         "RANK_RUNTIME": "host", "RANK_ENGINE": "sim", "SIM_RANK_COMMAND": SIM, "RANK_MEMORY_GIB": "0.05",
         "INSECURE_NO_TLS": "1", "RESTART_BACKOFF_S": "0.2", "RANK_STOP_TIMEOUT_S": "10",
-        "HEALTH_TIMEOUT_S": "60", "MEMORY_RECOVERY_TIMEOUT_S": "10", "DSV41_SIM_PEER_TIMEOUT_S": "1",
+        "HEALTH_TIMEOUT_S": "60", "MEMORY_RECOVERY_TIMEOUT_S": "10",
         # Off by default: these coordinators run on the test machine itself, where concurrent runs
         # would race for the one default port. A test that wants metrics names a port.
         "METRICS_LISTEN": "",

@@ -250,3 +250,57 @@ def test_boot_failure_says_why_and_cleans_up(rootfs):
     assert n.tmpdir is not None and not n.tmpdir.exists()
     assert str(n.tmpdir) not in Path("/proc/mounts").read_text()
     assert not _host_pids_in_cgroups_named(n.machine)
+
+
+REACH = ("import socket, sys\n"
+         "try:\n    socket.create_connection((sys.argv[1], 9), timeout=float(sys.argv[2])).close(); print('open')\n"
+         "except ConnectionRefusedError: print('refused')\n"
+         "except OSError as e: print('no answer')\n")
+
+
+def reach(node, address, timeout=1.0) -> str:
+    """What a TCP connect from `node` to a closed port of `address` gets: 'refused' from a kernel
+    that is there, 'no answer' when nothing gets through."""
+    return node.run(["python3", "-c", REACH, address, str(timeout)], timeout=30).stdout.strip()
+
+
+def test_a_power_cut_kills_everything_at_once_and_power_on_boots_the_same_disk_fresh(cluster):
+    c = cluster({"a": "192.168.241.21", "b": "192.168.241.22"})
+    a, b = c["a"], c["b"]
+    a.write_file("/var/lib/kept", "on disk\n")
+    a.run(["systemd-run", "--unit=held.service", "sleep", "600"])
+    a.run(["sh", "-c", "echo in-memory > /run/gone"])
+    started = a.run(["cat", "/proc/1/stat"]).stdout.split(")")[1].split()[19]
+    a.power_cut()
+    assert a.leader is None and not a.cgroup_dirs[0].joinpath("cgroup.procs").read_text().strip()
+    assert reach(b, a.address) == "no answer"  # its address is gone with it
+    result = a.power_on()
+    assert result.state in ("running", "degraded")
+    assert a.run(["cat", "/var/lib/kept"]).stdout == "on disk\n"
+    assert a.run(["test", "-e", "/run/gone"], check=False).returncode != 0  # RAM is lost
+    assert a.show("held.service", "LoadState")["LoadState"] == "not-found"  # a fresh systemd
+    assert a.run(["cat", "/proc/1/stat"]).stdout.split(")")[1].split()[19] != started
+    assert reach(b, a.address, 5.0) == "refused"
+
+
+def test_a_frozen_node_answers_nothing_but_its_kernel_and_a_cut_link_passes_nothing(cluster):
+    c = cluster({"a": "192.168.241.21", "b": "192.168.241.22"})
+    a, b = c["a"], c["b"]
+    a.run(["systemd-run", "--quiet", "--unit=dsv41-tcp-server", "python3", "-c", SERVER])
+    a.freeze()
+    try:
+        assert reach(b, a.address) == "refused"  # its kernel still answers
+        r = b.run_service(["python3", "-c", CLIENT, a.address, "frozen"], timeout=30, check=False,
+                          properties={"RuntimeMaxSec": 3})
+        assert r.returncode != 0  # connected, but the server never answers
+    finally:
+        a.thaw()
+    a.run(["systemctl", "stop", "dsv41-tcp-server"], check=False)  # it served the dead connection, if at all
+    a.run(["systemd-run", "--quiet", "--unit=dsv41-tcp-server-2", "python3", "-c", SERVER])
+    assert b.run_service(["python3", "-c", CLIENT, a.address, "t"], timeout=30).stdout.strip() == "a:t"
+    a.link(up=False)
+    try:
+        assert reach(b, a.address) == "no answer"
+    finally:
+        a.link(up=True)
+    assert reach(b, a.address, 5.0) == "refused"

@@ -1,5 +1,6 @@
 """dsv41-sim-rank as three real processes on loopback: rendezvous, serving, abort with real memory,
-rank loss, SIGTERM drain."""
+rank loss, SIGTERM drain, and NCCL's behaviour when a rank stops answering: the others wait in
+the collective until the watchdog, and every rank counts its forward steps for its agent."""
 
 import http.client
 import json
@@ -8,6 +9,7 @@ import signal
 import socket
 import subprocess
 import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,7 +60,8 @@ class Rank:
 class Group:
     def __init__(self, **env):
         self.dist_port, self.http_port = free_port(), free_port()
-        self.env = {**os.environ, "DSV41_SIM_PEER_TIMEOUT_S": "30", **env}
+        self.progress_dir = tempfile.mkdtemp(prefix="dsv41-progress-")
+        self.env = {**os.environ, "DSV41_PROGRESS_DIR": self.progress_dir, **env}
         self.ranks = {}
 
     def argv(self, rank, **changes):
@@ -199,7 +202,7 @@ def test_past_the_drain_budget_in_flight_requests_are_aborted_and_all_ranks_exit
 
 @pytest.mark.parametrize("victim", [1, 2])
 def test_a_killed_worker_takes_the_whole_group_down(group_factory, victim):
-    g = group_factory()  # peer timeout 30 s: an exit within seconds means the closed connection was noticed
+    g = group_factory()  # no peer timeout: an exit within seconds means the closed connection was noticed
     ranks = g.start_all()
     ranks[victim].proc.kill()
     others = [r for r in (0, 1, 2) if r != victim]
@@ -242,3 +245,90 @@ def test_sigterm_before_the_group_forms_stops_the_head_and_the_joined_workers(gr
     head.proc.send_signal(signal.SIGTERM)
     assert head.proc.wait(5) == 0 and worker.proc.wait(5) == 0
     worker.wait_line("rank 0 shut down before the group formed")
+
+
+def counts(g):
+    from adapter import progress
+    return {p.tp_rank: p.count for p in progress.read_all(g.progress_dir, allowed_uids=(os.getuid(),))}
+
+
+def chat_in_thread(g, rid, words, result, timeout=60):
+    def run():
+        try:
+            result.update(zip(("status", "body"), g.call(
+                "POST", "/v1/chat/completions", {"rid": rid, "messages": [{"role": "user", "content": "word " * words}]},
+                timeout=timeout)))
+        except OSError as exc:
+            result["error"] = exc
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_every_rank_counts_the_same_forward_steps(group_factory):
+    g = group_factory()
+    ranks = g.start_all()
+    before = counts(g)
+    assert set(before) == {0, 1, 2}
+    status, body = g.call("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "19+23?"}]})
+    assert status == 200 and "42" in body["choices"][0]["message"]["content"]
+    wait_until(lambda: len(set(counts(g).values())) == 1, what="the ranks agreeing on the step count")
+    after = counts(g)
+    assert after[0] > before[0] + 1  # a prefill and decode steps, each on every rank
+    assert ranks[0].proc.poll() is None
+
+
+def test_a_stopped_worker_stalls_generation_and_health_while_the_http_side_answers(group_factory):
+    g = group_factory(DSV41_SIM_PREFILL_TOKENS_PER_S="2000")
+    ranks = g.start_all()
+    result: dict = {}
+    client = chat_in_thread(g, "stalled", 4000, result)  # prefills for about 0.5 s
+    wait_until(lambda: g.inflight() != [], what="the request in flight")
+    ranks[2].proc.send_signal(signal.SIGSTOP)
+    try:
+        stopped_at = counts(g)
+        time.sleep(1.5)
+        now = counts(g)
+        assert now[2] == stopped_at[2]  # the stopped rank takes no step
+        assert now[0] <= stopped_at[0] + 1 and now[1] <= stopped_at[1] + 1  # the others wait in one
+        assert client.is_alive() and "status" not in result
+        assert [r["rid"] for r in g.inflight()] == ["stalled"]  # the HTTP side still answers
+        with pytest.raises(OSError):  # /health runs a generation: it cannot answer meanwhile
+            g.call("GET", "/health", timeout=3)
+        assert all(rank.proc.poll() is None for rank in ranks.values())  # nobody gives up on silence
+    finally:
+        ranks[2].proc.send_signal(signal.SIGCONT)
+    client.join(30)
+    assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] == "stop"
+    assert g.call("GET", "/health")[0] == 200
+
+
+def test_the_watchdog_ends_a_step_that_never_completes_and_the_group_goes_down(group_factory):
+    g = group_factory()
+    for rank in (1, 0, 2):
+        g.start(rank, **{"--watchdog-timeout": "2"})
+    g.ranks[0].wait_line("serving dsv on http://127.0.0.1")
+    g.ranks[1].proc.send_signal(signal.SIGSTOP)
+    result: dict = {}
+    t0 = time.monotonic()
+    chat_in_thread(g, "r", 10, result)
+    try:
+        assert g.ranks[0].proc.wait(15) == -signal.SIGQUIT  # as SGLang's watchdog ends the scheduler
+        took = time.monotonic() - t0
+        assert 2.0 <= took < 10, took
+        assert "Scheduler watchdog timeout (self.watchdog_timeout=2" in g.ranks[0].wait_line("watchdog timeout")
+        assert "waited 2 s for ranks 1" in g.ranks[0].wait_line("watchdog timeout")
+        assert g.ranks[2].proc.wait(10) != 0  # rank 0's connection closed under it
+    finally:
+        g.ranks[1].proc.send_signal(signal.SIGCONT)
+
+
+def test_a_quick_exit_on_silence_only_where_a_test_asks_for_it(group_factory):
+    g = group_factory(DSV41_SIM_PEER_TIMEOUT_S="1")
+    ranks = g.start_all()
+    ranks[2].proc.send_signal(signal.SIGSTOP)
+    try:
+        assert ranks[0].proc.wait(10) == 1
+        assert "lost rank 2 (no heartbeat for 1 s)" in ranks[0].wait_line("lost rank")
+    finally:
+        ranks[2].proc.send_signal(signal.SIGCONT)

@@ -27,6 +27,7 @@ EVERY_ADAPTER = [
     "inflight",
     "api_key",
     "engram_offload",
+    "forward_progress",
 ]
 
 
@@ -83,6 +84,17 @@ def test_prefill_empty_cache_and_autotune_on_the_scheduler(sglang: Sglang) -> No
     assert (plain["long_prefill_chunk"], plain["mixed_batch"]) == (0, 0)
     threshold, _ = sglang.check("chk_scheduler", env={"DSV41_PREFILL_EMPTY_CACHE_TOKENS": "50000"})
     assert threshold["long_prefill_chunk"] == 0
+
+
+def test_forward_progress_counts_every_run_batch_of_the_real_scheduler(sglang: Sglang, tmp_path: Path) -> None:
+    (tmp_path / "armed").mkdir()
+    (tmp_path / "plain").mkdir()
+    armed, err = sglang.check("chk_progress", env={"DSV41_PROGRESS_DIR": str(tmp_path / "armed")})
+    plain, _ = sglang.check("chk_progress", armed=False, env={"DSV41_PROGRESS_DIR": str(tmp_path / "plain")})
+    assert armed["marked"] == "forward_progress" and armed["installed"] is True
+    assert armed["counts"] == {"2": 3} and armed["pids"] == [True]  # TP rank 2, three forward steps
+    assert plain["counts"] == {} and plain["marked"] is None
+    assert installed(err).count("forward_progress") == 1
 
 
 def test_mxfp8_routing_and_scale_repair(sglang: Sglang) -> None:

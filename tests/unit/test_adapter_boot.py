@@ -16,7 +16,8 @@ from tests.rankentry import adapter_entry, rank_env
 
 pytestmark = pytest.mark.unit
 
-ALL = {"tp3_pad", "mxfp8_b12x", "autotune_keep", "prefill_empty_cache", "loop_abort", "max_new_tokens", "reasoning_effort", "inflight"}
+ALL = {"tp3_pad", "mxfp8_b12x", "autotune_keep", "prefill_empty_cache", "loop_abort", "max_new_tokens", "reasoning_effort",
+       "inflight", "forward_progress"}
 
 
 def test_defaults_switch_every_adapter_on() -> None:
@@ -36,7 +37,8 @@ def test_each_setting_switches_its_adapter_off() -> None:
         "DSV41_INFLIGHT_ROUTE": "0",
     }
     specs = boot.build_specs(off, AdapterLog(io.StringIO()))
-    assert [s.name for s in specs] == ["mxfp8_b12x"]  # cutlass still repairs scales
+    # cutlass still repairs scales; the forward-step counter has no setting
+    assert [s.name for s in specs] == ["mxfp8_b12x", "forward_progress"]
     assert boot.build_specs({"DSV41_MXFP8_BACKEND": "cutlass"}, AdapterLog(io.StringIO()))[1].detail.startswith("SGLang's kernel choice")
 
 

@@ -114,10 +114,17 @@ def test_every_family_of_the_issue_is_exposed_and_parses():
     assert samples(families, "dsv41_guard_lowest_margin_bytes") == {(): 0.5 * GB}
 
 
-def test_the_liveness_families_wait_for_the_liveness_feature():
-    assert liveness_families(Snapshot()) == []
-    families = scrape(collector(Snapshot()))
-    assert "dsv41_node_lease_age_seconds" not in families and "dsv41_rank_step_age_seconds" not in families
+def test_the_liveness_families_carry_each_nodes_lease_and_step_age_and_nothing_unknown():
+    views = {"spark1": (0.4, 1.5, 120), "spark2": (7.0, -1.0, 0), "spark3": (-1.0, -1.0, 0)}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClusterCollector(lambda: Snapshot(), NODES, Recorder(), dict, None, 0, (), lambda: views))
+    families = scrape(registry)
+    assert samples(families, "dsv41_node_lease_age_seconds") == {(("node", "spark1"),): 0.4,
+                                                                 (("node", "spark2"),): 7.0}  # spark3: not heard yet
+    assert samples(families, "dsv41_rank_step_age_seconds") == {(("node", "spark1"),): 1.5}  # spark2: no counter
+    assert samples(families, "dsv41_rank_forward_steps_total") == {(("node", "spark1"),): 120}
+    assert [f.name for f in liveness_families({})] == ["dsv41_node_lease_age_seconds", "dsv41_rank_step_age_seconds",
+                                                       "dsv41_rank_forward_steps"]
 
 
 def test_no_guard_margin_without_a_guard_or_without_samples():
@@ -203,13 +210,16 @@ def test_the_dashboard_reads_only_families_the_coordinator_exposes():
     recorder.on_event("memory_abort", "err", {})
     pack = pb.PackState(layers=[pb.PackLayerState(layer=1, state="complete")])
     views = {n: NodeView(n, True, status(GB), pack) for n in NODES}
-    exposed = {s.name for f in scrape(collector(snap, recorder, views, low=lambda: GB)).values() for s in f.samples}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClusterCollector(lambda: snap, NODES, recorder, lambda: views, lambda: GB, int(1.5 * GB),
+                                       ("spark2", "spark3"), lambda: {n: (0.5, 1.0, 10) for n in NODES}))
+    exposed = {s.name for f in scrape(registry).values() for s in f.samples}
     import re
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     exprs += [v["query"] for v in dashboard["templating"]["list"]]
     used = {name for e in exprs for name in re.findall(r"\b(dsv41_[a-z0-9_]+)", e)}
     assert used and used <= exposed, used - exposed
     assert {"dsv41_phase", "dsv41_incidents_total", "dsv41_node_memory_available_bytes",
-            "dsv41_guard_lowest_margin_bytes"} <= used
+            "dsv41_guard_lowest_margin_bytes", "dsv41_node_lease_age_seconds", "dsv41_rank_step_age_seconds"} <= used
     assert any("sglang:" in e for e in exprs)  # SGLang's own /metrics beside them
     assert dashboard["uid"] == "dsv41-cluster" and len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])

@@ -1,5 +1,6 @@
-"""Preflight waits, up to its deadline, for an agent that cannot be reached yet (a node still booting,
-an agent restarting), and fails at once on an answer that waiting cannot change."""
+"""Preflight asks every agent once: one that cannot be reached (a node booting, powered off or cut
+off, an agent restarting) makes the step stop for the supervisor to wait for it (phase `waiting`);
+an answer that waiting cannot change fails the step at once."""
 
 import io
 
@@ -9,7 +10,7 @@ import pytest
 from coordinator import config
 from coordinator.agents import AgentUnavailable
 from coordinator.bringup import BringUp, StepContext, StepFailed
-from coordinator.bringup.preflight import statuses_once_reachable
+from coordinator.bringup.preflight import statuses
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 from tests.configtext import HOME, SEED_TEXT
@@ -18,78 +19,49 @@ from tests.rpcfailure import RpcFailure
 pytestmark = pytest.mark.unit
 
 
-class Clock:
-    """Monotonic time that only the step's waits move."""
+class Agent:
+    """Answers GetStatus, or fails with `error`."""
 
-    def __init__(self):
-        self.now = 100.0
-        self.sleeps = []
-
-    def monotonic(self):
-        return self.now
-
-    def sleep(self, seconds):
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-
-class LateAgent:
-    """Answers GetStatus after failing `failures` times with `error`."""
-
-    def __init__(self, node, failures, error, explanation=None):
+    def __init__(self, node, error=None, explanation=None):
         self.node, self.target = node, f"{node}:7441"
-        self.failures, self.error, self.explanation = failures, error, explanation
-        self.calls = 0
+        self.error, self.explanation = error, explanation
+        self.calls, self.timeouts = 0, []
 
     def status(self, timeout=None):
         self.calls += 1
-        assert timeout is not None and timeout >= 1.0
-        if self.calls <= self.failures:
+        self.timeouts.append(timeout)
+        if self.error is not None:
             raise AgentUnavailable(self.node, "GetStatus", self.error, self.explanation)
         return pb.NodeStatus(node=self.node, agent_version="1")
 
 
 def context(*agents):
     cfg = config.parse(SEED_TEXT, "cluster.env", HOME)
-    clock = Clock()
-    stream = io.StringIO()
-    details = []
-    log = EventLog("test", {}, stream=stream, use_journal=False)
-    ctx = StepContext("preflight", cfg, {a.node: a for a in agents}, log, BringUp(), wait=clock.sleep,
-                      call=lambda fn, to_end=False: fn(), monotonic=clock.monotonic, set_detail=details.append)
-    return ctx, clock, stream, details
+    log = EventLog("test", {}, stream=io.StringIO(), use_journal=False)
+    return StepContext("preflight", cfg, {a.node: a for a in agents}, log, BringUp(), wait=pytest.fail,
+                       call=lambda fn, to_end=False: fn(), monotonic=lambda: 0.0, set_detail=lambda d: None)
 
 
 REFUSED = RpcFailure(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; connection refused")
+SILENT = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
-def test_an_agent_that_comes_up_within_the_deadline_is_waited_for():
-    agent = LateAgent("spark3", failures=3, error=REFUSED)
-    ctx, clock, stream, details = context(agent)
-    statuses = statuses_once_reachable(ctx, 30.0)
-    assert statuses["spark3"].node == "spark3" and agent.calls == 4
-    assert clock.sleeps == [1.0, 1.0, 1.0]
-    assert details == ["waiting for the agent on spark3: failed to connect to all addresses; connection refused"]
-    assert stream.getvalue().count("not reachable yet, waiting up to 30 s") == 1  # one line, not one per try
+def test_every_agent_is_asked_once_with_a_deadline_within_the_lease():
+    agents = [Agent("spark1"), Agent("spark2"), Agent("spark3")]
+    got = statuses(context(*agents))
+    assert list(got) == ["spark1", "spark2", "spark3"] and got["spark2"].node == "spark2"
+    assert [a.calls for a in agents] == [1, 1, 1]
+    assert agents[0].timeouts == [6.0]  # NODE_LEASE_S (6) is below the 10 s cap
 
 
-def test_only_the_agents_not_reachable_yet_are_asked_again():
-    late, ready = LateAgent("spark3", failures=2, error=REFUSED), LateAgent("spark2", failures=0, error=REFUSED)
-    ctx, clock, _, _ = context(ready, late)
-    statuses = statuses_once_reachable(ctx, 30.0)
-    assert list(statuses) == ["spark2", "spark3"]
-    assert (ready.calls, late.calls) == (1, 3) and clock.sleeps == [1.0, 1.0]
-
-
-def test_an_agent_still_unreachable_at_the_deadline_fails_saying_how_long_it_waited():
-    agent = LateAgent("spark3", failures=10**6, error=REFUSED)
-    ctx, clock, _, _ = context(agent)
+def test_agents_that_cannot_be_reached_are_named_for_the_supervisor_to_wait_for():
+    ctx = context(Agent("spark1"), Agent("spark2", SILENT), Agent("spark3", REFUSED))
     with pytest.raises(StepFailed) as info:
-        statuses_once_reachable(ctx, 5.0)
-    assert info.value.step == "preflight" and info.value.node == "spark3" and not info.value.transient
-    assert info.value.reason == ("agent at spark3:7441: UNAVAILABLE: failed to connect to all addresses; "
-                                 "connection refused (still unreachable after 5 s)")
-    assert 4 <= agent.calls <= 6 and clock.now - 100.0 <= 5.0
+        statuses(ctx)
+    failed = info.value
+    assert failed.unreachable == ("spark2", "spark3") and failed.transient and failed.node == "spark2"
+    assert failed.reason == "agent at spark2:7441: DEADLINE_EXCEEDED: Deadline Exceeded"
+    assert str(failed) == "preflight: spark2: agent at spark2:7441: DEADLINE_EXCEEDED: Deadline Exceeded"
 
 
 @pytest.mark.parametrize("error, explanation", [
@@ -99,10 +71,8 @@ def test_an_agent_still_unreachable_at_the_deadline_fails_saying_how_long_it_wai
     (RpcFailure(grpc.StatusCode.INTERNAL, "boom"), None),
 ])
 def test_an_answer_that_waiting_cannot_change_fails_at_once(error, explanation):
-    agent = LateAgent("spark3", failures=10**6, error=error, explanation=explanation)
-    ctx, clock, stream, _ = context(agent)
+    ctx = context(Agent("spark1", REFUSED), Agent("spark3", error, explanation))
     with pytest.raises(StepFailed) as info:
-        statuses_once_reachable(ctx, 30.0)
-    assert agent.calls == 1 and clock.sleeps == []
-    assert "still unreachable" not in info.value.reason and "waiting" not in stream.getvalue()
+        statuses(ctx)
+    assert info.value.unreachable == () and not info.value.transient and info.value.node == "spark3"
     assert info.value.reason.startswith("agent at spark3:7441: ")

@@ -117,7 +117,7 @@ class FakeAgent:
         return pb.ExportState(exported=False, path="/srv/m" if was else "", outcome=outcome,
                               detail=("removed" + (" (forced)" if force else "")) if was else "was not exported")
 
-    def watch_rank(self, on_event, on_lost, stop):
+    def watch_rank(self, on_event, on_lost, stop, heartbeat_ms=0):
         import threading
         thread = threading.Thread(target=stop.wait, daemon=True)
         thread.start()

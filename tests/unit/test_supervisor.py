@@ -18,6 +18,7 @@ import pytest
 
 from coordinator import config
 from coordinator.agents import AgentUnavailable
+from coordinator.messages import WorkSeen
 from coordinator.runtime import ClusterRuntime
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
@@ -26,6 +27,7 @@ from tests.rpcfailure import RpcFailure
 
 pytestmark = pytest.mark.unit
 DOWN = RpcFailure(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; connection refused")
+SILENT = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
 class RankZero:
@@ -78,9 +80,17 @@ class FakeAgent:
         self.rows = None  # the pack's header range; None: this rank's third
         self.mount = pb.MountState.HEALTHY
         self.on_event = None
+        self.frozen = False  # a frozen node: no heartbeat, and every call hangs until thawed
+        self.boot = f"{node}-boot1"
+        self.steps, self.stepped_at = 0, time.monotonic()
 
-    def _call(self, what):
+    def _call(self, what, timeout=None):
         self.journal.append((self.node, what))
+        end = time.monotonic() + (timeout or 10.0)
+        while self.frozen:  # a frozen node's kernel takes the connection; nobody answers
+            if time.monotonic() > end:
+                raise AgentUnavailable(self.node, what, SILENT)
+            time.sleep(0.01)
         if self.down:
             raise AgentUnavailable(self.node, what, DOWN)
 
@@ -88,7 +98,7 @@ class FakeAgent:
         return pb.RankState(active_state="active" if self.running else "inactive", invocation_id=self.running)
 
     def status(self, timeout=None):
-        self._call("status")
+        self._call("status", timeout)
         return pb.NodeStatus(node=self.node, agent_version="1", rank=self.rank(),
                              memory=pb.MemorySample(available_bytes=100 << 30))
 
@@ -132,11 +142,22 @@ class FakeAgent:
         was, self.running = self.running, ""
         return pb.StopRankResponse(outcome=pb.StopRankResponse.CLEAN if was else pb.StopRankResponse.WAS_NOT_RUNNING)
 
-    def watch_rank(self, on_event, on_lost, stop):
+    def watch_rank(self, on_event, on_lost, stop, heartbeat_ms=0):
+        """Heartbeats as the agent sends them, while the node is up and not frozen."""
         self.on_event = on_event
-        thread = threading.Thread(target=stop.wait, daemon=True)
+
+        def beat():
+            while not stop.wait(heartbeat_ms / 1000):
+                if not self.down and not self.frozen:
+                    on_event(pb.RankEvent(rank=self.rank(), boot_id=self.boot, heartbeat=True, progress=[
+                        pb.RankProgress(forward_count=self.steps, last_step_age_s=time.monotonic() - self.stepped_at)]))
+        thread = threading.Thread(target=beat, daemon=True)
         thread.start()
         return thread
+
+    def step(self):
+        self.steps += 1
+        self.stepped_at = time.monotonic()
 
     def exit_rank(self, result="signal", code="killed", status=9, at=None):
         """The rank process ends; the agent streams its unit's state."""
@@ -329,3 +350,116 @@ def test_a_rank_exit_while_serving_is_blamed_and_recovered(cluster):
     assert incident.message.endswith("then spark1 (result exit-code, exited status 1)")
     wait_phase(rt, "serving", timeout=10)
     assert all(a.starts == 2 for a in agents.values())
+
+
+# ----- liveness
+
+def wait_incident(rt, kind, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [i for i in rt.incidents() if i.kind == kind]
+        if found:
+            return found[-1]
+        time.sleep(0.01)
+    raise AssertionError(f"no {kind} incident: {rt.incidents()}")
+
+
+LIVE = {"NODE_LEASE_S": "1", "HANG_TIMEOUT_S": "1", "RESTART_BACKOFF_S": "0.1"}
+
+
+def test_a_frozen_worker_is_lost_naming_it_then_waited_for_and_the_cluster_serves_again_once_thawed(cluster):
+    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    frozen_at = time.monotonic()
+    agents["spark3"].frozen = True
+    lost = wait_incident(rt, "node_lost")
+    assert time.monotonic() - frozen_at < 2 * 1.0 + 0.5  # within two leases
+    assert lost.node == "spark3" and lost.message.startswith("spark3 lost: not heard from since ")
+    snap = wait_phase(rt, "waiting", timeout=10)
+    assert snap.detail.startswith("waiting for spark3: agent at spark3:7441: DEADLINE_EXCEEDED")
+    assert not agents["spark1"].running and not agents["spark2"].running  # the others were stopped
+    time.sleep(1.0)
+    assert rt.snapshot().phase == "waiting" and rt.snapshot().restart_attempt == 0  # a lost node spends none
+    agents["spark3"].frozen = False
+    wait_phase(rt, "serving", timeout=15)
+    assert all(a.starts == 2 for a in agents.values())
+    assert rt.snapshot().restart_attempt == 0
+
+
+def test_a_node_that_booted_again_is_recorded_and_the_cluster_restarted(cluster):
+    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    time.sleep(0.5)  # a heartbeat from the first boot
+    agents["spark2"].boot = "spark2-boot2"
+    agents["spark2"].running = ""  # a new boot runs no rank
+    rebooted = wait_incident(rt, "node_rebooted")
+    assert rebooted.node == "spark2" and "booted again" in rebooted.message
+    wait_phase(rt, "serving", timeout=15)
+    assert all(a.starts == 2 for a in agents.values())
+
+
+def test_a_rank_that_stops_stepping_while_work_is_pending_is_hung_and_named(cluster):
+    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    stop = threading.Event()
+
+    def work():  # spark2 stopped at step n; the others started step n + 1 and wait in it
+        while not stop.wait(0.1):
+            rt.post(WorkSeen(True, time.monotonic()))
+    for agent in agents.values():
+        agent.step()
+    agents["spark1"].step()
+    agents["spark3"].step()
+    threading.Thread(target=work, daemon=True).start()
+    try:
+        hung = wait_incident(rt, "rank_hung", timeout=10)
+    finally:
+        stop.set()
+    assert hung.node == "spark2" and "no forward step for" in hung.message and "at step 1" in hung.message
+    wait_phase(rt, "serving", timeout=15)
+    assert all(a.starts == 2 for a in agents.values())
+
+
+def test_no_hang_while_idle_or_while_every_rank_steps(cluster):
+    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    rt.post(WorkSeen(False, time.monotonic()))
+    time.sleep(2.5)  # idle: counters standing still mean nothing
+    stop = threading.Event()
+
+    def busy_and_stepping():
+        while not stop.wait(0.1):
+            rt.post(WorkSeen(True, time.monotonic()))
+            for agent in agents.values():
+                agent.step()
+    threading.Thread(target=busy_and_stepping, daemon=True).start()
+    time.sleep(2.5)
+    stop.set()
+    assert not [i for i in rt.incidents() if i.kind == "rank_hung"]
+    assert rt.snapshot().phase == "serving"
+
+
+def test_ranks_that_exit_around_a_node_that_went_dark_blame_the_node(cluster):
+    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    agents["spark3"].down = True  # powered off: its agent is gone with its rank
+    now = time.time()
+    agents["spark1"].exit_rank(result="exit-code", code="exited", status=1, at=now)
+    agents["spark2"].exit_rank(result="exit-code", code="exited", status=1, at=now + 0.001)
+    lost = wait_incident(rt, "node_lost", timeout=10)
+    assert lost.node == "spark3"
+    assert "then rank exits on spark1 (result exit-code, exited status 1), spark2" in lost.message
+    assert not [i for i in rt.incidents() if i.kind == "rank_exit"]
+    wait_phase(rt, "waiting", timeout=10)
+    agents["spark3"].down = False
+    wait_phase(rt, "serving", timeout=15)

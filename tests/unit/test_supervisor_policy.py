@@ -41,6 +41,7 @@ def test_a_second_shutdown_keeps_the_ranks_stop_if_either_asked_for_it():
     (Activity.BRINGUP, {"stop", "restart", "shutdown"}),  # a start during a bring-up is that bring-up
     (Activity.BACKOFF, {"start", "stop", "restart", "shutdown"}),
     (Activity.MEMORY_WAIT, {"stop", "restart", "shutdown"}),
+    (Activity.WAITING, {"start", "stop", "restart", "shutdown"}),  # a start tries again at once
     (Activity.STOPPING, set()),  # every request begins with a stop: the one under way finishes
     (Activity.IDLE, set()),
 ])

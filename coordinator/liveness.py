@@ -1,0 +1,103 @@
+"""Liveness decisions, as pure functions over what the agents' heartbeats said and when: a node's
+lease, a reboot, a hung rank, and who is to blame when ranks exit around a node that went dark.
+Times are the coordinator's time.monotonic(), given as arguments; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .policy import RankExit, first_failure
+
+
+@dataclass(frozen=True)
+class Heard:
+    """A node's last heartbeat, as the supervisor keeps it."""
+    at: float  # when it arrived
+    boot_id: str
+    seq: int
+    forward_count: int | None  # the node's rank's forward steps (the lowest, with several); None: no counter
+    stopped_at: float | None  # when that rank last stepped, on our clock (arrival minus its age)
+    rank_active: bool
+
+
+def lapsed(last_heard_at: float | None, now: float, lease_s: float, watching_since: float) -> bool:
+    """Whether a node's lease has lapsed: nothing heard for lease_s (counted from when the watch
+    began, for a node not heard from yet)."""
+    since = watching_since if last_heard_at is None else last_heard_at
+    return now - since > lease_s
+
+
+def rebooted(known_boot_id: str, boot_id: str) -> bool:
+    """A heartbeat from another boot of the node than the one known: its ranks are gone."""
+    return bool(known_boot_id) and bool(boot_id) and boot_id != known_boot_id
+
+
+@dataclass(frozen=True)
+class Hang:
+    node: str  # the rank whose counter stopped first
+    forward_count: int
+    stalled_s: float  # how long the most stalled rank has not stepped while work was pending
+    allowance_s: float
+
+
+def hung(heard: Mapping[str, Heard], order: Sequence[str], pending_since: float | None, now: float,
+         hang_s: float, first_step_s: float, fresh_s: float) -> Hang | None:
+    """A hang: while work is pending (requests in flight, or a canary not answered) since
+    `pending_since`, some rank has not stepped for its allowance (first_step_s before its first
+    forward, hang_s after). Decided only when every node's counter is fresh (heard within
+    fresh_s) and every rank runs: a node that does not answer is a lost node, not a hang.
+
+    The rank blamed is the one whose counter stopped first: the lowest count (it never started
+    the step the others wait in), the earliest stop among those; when all counts are equal no rank
+    started the next step, and the rank that starts every step is rank 0, first in `order`."""
+    if pending_since is None:
+        return None
+    views = {node: heard.get(node) for node in order}
+    for v in views.values():
+        if v is None or now - v.at > fresh_s or v.forward_count is None or v.stopped_at is None or not v.rank_active:
+            return None
+    worst: tuple[float, float] | None = None
+    for v in views.values():
+        allowance = first_step_s if v.forward_count == 0 else hang_s
+        quiet = now - max(v.stopped_at, pending_since)
+        if quiet > allowance and (worst is None or quiet > worst[0]):
+            worst = (quiet, allowance)
+    if worst is None:
+        return None
+    lowest = min(v.forward_count for v in views.values())
+    behind = [n for n in order if views[n].forward_count == lowest]
+    first = order[0] if len(behind) == len(order) else min(behind, key=lambda n: (views[n].stopped_at, order.index(n)))
+    return Hang(first, views[first].forward_count, worst[0], worst[1])
+
+
+def unaccounted(nodes: Sequence[str], exits: Mapping[str, RankExit], heard: Mapping[str, Heard],
+                since: float) -> list[str]:
+    """Nodes that have neither reported their rank's exit nor been heard from since `since` (when
+    the first exit was learned): until they do, blame cannot be decided."""
+    return [n for n in nodes if n not in exits and (n not in heard or heard[n].at <= since)]
+
+
+@dataclass(frozen=True)
+class Cause:
+    node: str
+    kind: str  # node_lost or rank_exit
+    message: str
+
+
+def blame(exits: Sequence[RankExit], lost: Mapping[str, float], now: float) -> Cause:
+    """The first cause: a node that went dark (lost: node -> when last heard) ranks before the rank
+    exits that followed it; among exits alone, policy.first_failure decides."""
+    if lost:
+        order = sorted(lost, key=lambda n: lost[n])
+        node = order[0]
+        message = f"{node} lost: not heard from for {now - lost[node]:.1f} s"
+        if order[1:]:
+            message += "; also lost: " + ", ".join(order[1:])
+        if exits:
+            ordered = sorted(exits, key=lambda e: e.at_unix_s)
+            message += "; then rank exits on " + ", ".join(f"{e.node} ({e.outcome()})" for e in ordered)
+        return Cause(node, "node_lost", message)
+    found = first_failure(exits)
+    return Cause(found.node, "rank_exit", found.message)

@@ -1,0 +1,113 @@
+"""Liveness as pure functions with a fake clock: leases, reboots, which rank hung, and blame when
+ranks exit around a node that went dark."""
+
+import pytest
+
+from coordinator import liveness
+from coordinator.liveness import Heard
+from coordinator.policy import ExitResult, RankExit
+
+pytestmark = pytest.mark.unit
+NODES = ["spark1", "spark2", "spark3"]
+
+
+def test_a_lease_lapses_after_the_lease_without_a_heartbeat():
+    assert not liveness.lapsed(100.0, now=105.9, lease_s=6.0, watching_since=0.0)
+    assert liveness.lapsed(100.0, now=106.1, lease_s=6.0, watching_since=0.0)
+    # never heard from: counted from when the watch began
+    assert not liveness.lapsed(None, now=5.0, lease_s=6.0, watching_since=0.0)
+    assert liveness.lapsed(None, now=6.5, lease_s=6.0, watching_since=0.0)
+
+
+def test_a_new_boot_id_is_a_reboot_but_a_first_or_missing_one_is_not():
+    assert liveness.rebooted("a1", "b2")
+    assert not liveness.rebooted("a1", "a1")
+    assert not liveness.rebooted("", "b2")  # first heard
+    assert not liveness.rebooted("a1", "")  # an agent that cannot tell
+
+
+def heard(at, count, stopped_at, active=True):
+    return Heard(at, "boot", 0, count, stopped_at, active)
+
+
+def views(counts, stopped, at=100.0):
+    return {n: heard(at, c, s) for n, c, s in zip(NODES, counts, stopped)}
+
+
+def hang(heard_by_node, pending_since=50.0, now=100.0, hang_s=10.0, first_s=600.0, fresh_s=3.0):
+    return liveness.hung(heard_by_node, NODES, pending_since, now, hang_s, first_s, fresh_s)
+
+
+def test_no_hang_without_pending_work():
+    assert hang(views([5, 5, 4], [10, 10, 9]), pending_since=None) is None
+
+
+def test_the_rank_that_never_started_the_step_is_named():
+    # spark3 stopped at step 41; spark1 and spark2 started step 42 and wait in it
+    found = hang(views([42, 42, 41], [80.0, 80.0, 79.9]))
+    assert (found.node, found.forward_count, found.allowance_s) == ("spark3", 41, 10.0)
+    assert found.stalled_s == pytest.approx(20.1)
+
+
+def test_not_yet_hung_within_the_allowance_counted_from_when_work_was_pending():
+    assert hang(views([42, 42, 41], [80.0, 80.0, 79.9]), pending_since=95.0) is None  # quiet 5 s < 10 s
+    assert hang(views([42, 42, 42], [95.0, 95.0, 95.0])) is None  # stepping
+
+
+def test_the_first_forward_after_a_start_gets_its_own_longer_allowance():
+    assert hang(views([0, 0, 0], [0.0, 0.0, 0.0], at=500.0), pending_since=10.0, now=500.0) is None  # JIT compiles
+    found = hang(views([0, 0, 0], [0.0, 0.0, 0.0], at=700.0), pending_since=10.0, now=700.0)
+    assert found.node == "spark1" and found.allowance_s == 600.0  # equal counts: rank 0 starts every step
+
+
+def test_equal_counts_blame_rank_0_which_starts_every_step():
+    found = hang(views([7, 7, 7], [60.0, 61.0, 59.0]))
+    assert found.node == "spark1"
+
+
+def test_among_ranks_behind_the_earliest_stop_is_named():
+    found = hang(views([9, 8, 8], [80.0, 70.0, 60.0]))
+    assert found.node == "spark3"
+
+
+@pytest.mark.parametrize("change", [
+    {"spark2": heard(90.0, 41, 79.0)},  # spark2's counter is not fresh: a lost node, not a hang
+    {"spark2": None},
+    {"spark3": heard(100.0, None, None)},  # no counter on that node
+    {"spark3": heard(100.0, 41, 79.0, active=False)},  # its rank is not running
+])
+def test_a_hang_is_decided_only_with_fresh_counters_from_every_running_rank(change):
+    base = views([42, 42, 41], [80.0, 80.0, 79.9])
+    base.update(change)
+    assert hang({k: v for k, v in base.items() if v is not None}) is None
+
+
+def ex(node, at, result=ExitResult.EXIT_CODE):
+    return RankExit(node, "i", at, result, "exit-code" if result is ExitResult.EXIT_CODE else "signal",
+                    "exited" if result is ExitResult.EXIT_CODE else "killed", 1 if result is ExitResult.EXIT_CODE else 9,
+                    "failed")
+
+
+def test_nodes_neither_exited_nor_heard_since_the_first_exit_are_unaccounted():
+    exits = {"spark1": ex("spark1", 10.0)}
+    got = liveness.unaccounted(NODES, exits, {"spark2": heard(20.5, 1, 1), "spark3": heard(19.0, 1, 1)}, since=20.0)
+    assert got == ["spark3"]
+    assert liveness.unaccounted(NODES, exits, {}, since=20.0) == ["spark2", "spark3"]
+
+
+def test_a_node_that_went_dark_is_blamed_before_the_exits_that_followed_it():
+    # spark3 lost power: spark1 and spark2 saw its connection close and exited
+    cause = liveness.blame([ex("spark2", 10.02), ex("spark1", 10.01)], {"spark3": 95.0}, now=101.5)
+    assert cause.node == "spark3" and cause.kind == "node_lost"
+    assert cause.message == ("spark3 lost: not heard from for 6.5 s; then rank exits on spark1 (result exit-code, "
+                             "exited status 1), spark2 (result exit-code, exited status 1)")
+
+
+def test_with_several_lost_the_first_to_go_dark_is_named():
+    cause = liveness.blame([], {"spark3": 95.0, "spark2": 94.0}, now=101.0)
+    assert cause.node == "spark2" and cause.message == "spark2 lost: not heard from for 7.0 s; also lost: spark3"
+
+
+def test_without_a_lost_node_blame_is_the_rank_exits_own():
+    cause = liveness.blame([ex("spark1", 10.0), ex("spark3", 10.01, ExitResult.SIGNAL)], {}, now=0.0)
+    assert (cause.node, cause.kind) == ("spark3", "rank_exit")
