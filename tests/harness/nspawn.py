@@ -304,6 +304,21 @@ class _NodeCgroups:
                         pass
         return found
 
+    def kill_all(self, tries: int) -> bool:
+        """SIGKILL every process in the node's cgroups until none is left (True), or `tries` rounds
+        20 ms apart have passed (False)."""
+        for _ in range(tries):
+            pids = self.pids()
+            if not pids:
+                return True
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+        return not self.pids()
+
     def remove(self) -> list[str]:
         """Remove the cgroup trees (deepest first); returns what could not be removed."""
         left = []
@@ -582,19 +597,8 @@ class Node:
                         pass
                 if proc.poll() is None:
                     proc.kill()
-        if self._cgroups is not None:
-            for _ in range(100):
-                pids = self._cgroups.pids()
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.02)
-            else:
-                problems.append(f"processes left in the node cgroups: {sorted(self._cgroups.pids())}")
+        if self._cgroups is not None and not self._cgroups.kill_all(tries=100):
+            problems.append(f"processes left in the node cgroups: {sorted(self._cgroups.pids())}")
         if proc is not None:
             try:
                 proc.wait(10)
@@ -677,17 +681,7 @@ class Node:
             self.thaw()  # a frozen task cannot die until thawed
         except (HarnessError, OSError):
             pass
-        for _ in range(250):
-            pids = self._cgroups.pids()
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.02)
-        else:
+        if not self._cgroups.kill_all(tries=250):
             raise HarnessError(f"node {self.name}: processes left after the power cut: {sorted(self._cgroups.pids())}")
         try:
             self._proc.wait(10)

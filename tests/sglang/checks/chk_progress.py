@@ -7,26 +7,10 @@ import tempfile
 from types import SimpleNamespace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import emit, installer, marked  # noqa: E402
+from common import Anything, emit, installer, marked  # noqa: E402
 
 from adapter import progress  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
-
-
-class Anything:
-    """A scheduler stand-in: every attribute is a no-op callable, so SGLang's method runs through."""
-
-    def __init__(self, **fixed):
-        self.__dict__.update(fixed)
-
-    def __getattr__(self, name):
-        return Anything()
-
-    def __call__(self, *args, **kwargs):
-        return Anything()
-
-    def __bool__(self):
-        return False
 
 
 directory = os.environ.get("DSV41_PROGRESS_DIR") or tempfile.mkdtemp()

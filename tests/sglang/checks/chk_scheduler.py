@@ -5,7 +5,7 @@ import sys
 from types import SimpleNamespace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import emit, installer, marked  # noqa: E402
+from common import Anything, emit, installer, marked  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -18,19 +18,6 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 emptied = []
 torch.cuda.is_available = lambda: True  # CPU machine: count the calls instead
 torch.cuda.empty_cache = lambda: emptied.append(1)
-
-
-class Anything:
-    """A scheduler stand-in: every attribute is a no-op callable, so SGLang's method runs through."""
-
-    def __getattr__(self, name):
-        return Anything()
-
-    def __call__(self, *args, **kwargs):
-        return Anything()
-
-    def __bool__(self):
-        return False
 
 
 def req(prompt_tokens):

@@ -69,3 +69,20 @@ class WordTokenizer:
 
     def decode(self, ids, **_kwargs) -> str:
         return "".join(self.words[i - 1000] for i in ids)
+
+
+class Anything:
+    """A scheduler stand-in: every attribute is a no-op callable (or `fixed`), so an SGLang method
+    runs through on it."""
+
+    def __init__(self, **fixed: Any) -> None:
+        self.__dict__.update(fixed)
+
+    def __getattr__(self, name: str) -> "Anything":
+        return Anything()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "Anything":
+        return Anything()
+
+    def __bool__(self) -> bool:
+        return False
