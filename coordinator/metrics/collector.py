@@ -11,13 +11,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from dsv41.version import VERSION
 from dsv41.v1 import agent_pb2 as pb
 
+from ..bringup import PHASES as STEP_PHASES
 from ..packstate import layer_state
 from .nodes import NodeView
 from .recorder import Recorder
 
-# Every phase the runtime reports, so that a dashboard sees each one at 0 before it first happens.
-PHASES = ("stopped", "preflight", "share", "fabric", "pack", "launch", "health", "smoke", "serving", "stopping",
-          "restarting", "failed")
+# Every phase the runtime reports, so that a dashboard sees each one at 0 before it first happens:
+# the bring-up steps' (from their registry) and the supervisor's own.
+PHASES = ("stopped", *STEP_PHASES, "serving", "stopping", "restarting", "waiting", "failed")
 RESOURCES = ("cpu", "memory", "io")
 
 
