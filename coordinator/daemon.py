@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    server = serve(cfg, runtime, args.control_socket)
+    server = serve(cfg, runtime, args.control_socket, log)
     notify = SdNotify.from_env()
     runtime.run(autostart=not args.no_autostart)
     guard = MemoryGuard.for_runtime(runtime, log, api_key)  # watches memory whenever the cluster serves
