@@ -130,8 +130,9 @@ class PathTrust:
         return None
 
     def shadow_problem(self, target: str) -> str | None:
-        """None when a bind onto `target` hides nothing of the host: it does not exist, or it is an
-        empty directory or file of root's (the mount point a previous start left behind)."""
+        """None when nothing of the host's is at `target` (a bind target, or a path outside the
+        rank's roots it is told about): it does not exist, or it is an empty directory or file of
+        root's (the mount point a previous start left behind)."""
         host = self._host(target)
         try:
             st = os.lstat(host)
@@ -142,8 +143,9 @@ class PathTrust:
         empty = (stat.S_ISDIR(st.st_mode) and not os.listdir(host)) or (stat.S_ISREG(st.st_mode) and not st.st_size)
         if st.st_uid == self._owner and empty:
             return None
-        return (f"bind target {target}: exists on this node outside ALLOWED_PATHS, and a bind would hide it from the "
-                "rank: choose a path that does not exist (e.g. /engram), or add its directory to ALLOWED_PATHS")
+        return (f"{target}: the rank is shown this path, which exists on this node outside ALLOWED_PATHS: a bind "
+                "onto it would hide the node's own files, and what is there is not the rank's to read; choose a "
+                "path that does not exist (e.g. /engram), or add its directory to ALLOWED_PATHS")
 
     def problems(self, uses: Iterable[PathUse]) -> list[str]:
         seen: set[tuple[str, bool]] = set()

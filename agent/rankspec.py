@@ -112,7 +112,9 @@ class RankLaunch:
     hcas: tuple[str, ...] = field(default=())
     # For the agent to check on the node before the start (agent/pathtrust.py):
     trust: tuple[PathUse, ...] = field(default=())  # paths only root may have written
-    targets: tuple[str, ...] = field(default=())  # host bind targets outside ALLOWED_PATHS: must not exist
+    # Host paths outside ALLOWED_PATHS the rank is shown (bind targets, paths in its flags and
+    # environment): nothing of the node's may be there.
+    targets: tuple[str, ...] = field(default=())
     cache_dir: str = ""  # the one directory the rank may write (its unit's ReadWritePaths=, HOME)
 
 
@@ -183,7 +185,9 @@ def path_tokens(value: str) -> list[str]:
 
 
 def _host_env_paths(env: Mapping[str, str], settings: AgentSettings, targets: Sequence[str],
-                    readable: Sequence[str]) -> list[PathUse]:
+                    readable: Sequence[str], absent: list[tuple[str, str]]) -> list[PathUse]:
+    """What to check about the paths in the environment; paths under none of the rank's roots go
+    to `absent`: the agent then requires that nothing exists there."""
     uses = []
     cache = settings.rank_cache_dir
     for name, value in env.items():
@@ -212,9 +216,8 @@ def _host_env_paths(env: Mapping[str, str], settings: AgentSettings, targets: Se
             elif under(path, readable):
                 uses.append(PathUse(path, what, must_exist=False))
             else:
-                raise SpecDenied(f"{what} {path}: not a path this rank may use: it must lie under ALLOWED_PATHS "
-                                 f"({', '.join(settings.allowed_paths) or 'none'}), a bind target, {cache} or "
-                                 f"the adapter directory")
+                check_bind_path(path, what)  # never a system directory
+                absent.append((path, what))  # and only where nothing exists: it shows the rank nothing
     return uses
 
 
@@ -355,7 +358,8 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
     targets: list[str] = []
     if runtime == "host":
         exe, first = _check_host_entry(argv, settings)
-        trust.append(PathUse(exe, "executable", code=True))
+        # A missing one fails the start (status 203); only who may create it matters here.
+        trust.append(PathUse(exe, "executable", code=True, must_exist=False))
         code_dirs = set(path_tokens(env.get("LD_LIBRARY_PATH", "")))
         checked = []
         for source, target, ro in requested:
@@ -368,7 +372,9 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
             checked.append(Bind(source, target, True))
         bind_targets = [b.target for b in checked]
         readable = _readable_roots(settings)
-        trust += _host_env_paths(env, settings, bind_targets, readable)
+        absent: list[tuple[str, str]] = []
+        trust += _host_env_paths(env, settings, bind_targets, readable, absent)
+        targets += [path for path, _ in absent]
         for arg in argv[first:]:
             for path in path_tokens(arg):
                 if ".." in path.split("/"):
@@ -380,9 +386,7 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
                 elif under(path, readable):
                     trust.append(PathUse(path, f"argv {arg}", must_exist=False))
                 else:
-                    raise SpecDenied(f"argv {arg}: {path} is not a path this rank may use: it must lie under "
-                                     f"ALLOWED_PATHS ({', '.join(settings.allowed_paths) or 'none'}), a bind "
-                                     "target or the adapter directory")
+                    targets.append(check_bind_path(path, f"argv {arg}"))  # nothing may exist there
         cache_dir = settings.rank_cache_dir
         checked_binds = tuple(checked)
     else:

@@ -200,12 +200,15 @@ class NodeCheckRpcs:
         """The mount point is root's: under a sticky /var/tmp anyone could have made it first. A
         mounted one is not looked at (a stale server would block the stat); its directory is."""
         view = self.host_view_root()
-        trust = PathTrust(view, owner=self._node_checks().owner)
-        uses = [PathUse(os.path.dirname(spec.where), "mount point's directory")]
+        owner = self._node_checks().owner
+        problems = []
         if spec.type == "none":
-            uses.append(PathUse(spec.what, "bind mount source"))
-        problems = trust.problems(uses)
-        if not problems and spec.where not in mount_points(view):
+            problems += PathTrust(view, owner=owner).problems([PathUse(spec.what, "bind mount source")])
+        if spec.where in mount_points(view):
+            # mounted: the walk stops at it, its directories are checked
+            trust = PathTrust(view, vouched=lambda: (spec.where,), owner=owner)
+        else:
+            trust = PathTrust(view, owner=owner)
             host = os.path.join(view, spec.where.lstrip("/"))
             try:
                 os.mkdir(host, 0o755)  # fails when it exists: then its owner is checked
@@ -213,7 +216,7 @@ class NodeCheckRpcs:
                 pass
             except OSError as exc:
                 problems.append(f"mount point {spec.where}: cannot create it: {exc.strerror}")
-            problems += trust.problems([PathUse(spec.where, "mount point")])
+        problems += trust.problems([PathUse(spec.where, "mount point")])
         if problems:
             raise Denied("; ".join(problems))
 

@@ -38,9 +38,9 @@ def _stub(socket_path: str, read_only: bool = False) -> control_pb2_grpc.Control
         path = status_socket(socket_path)
     if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
         if read_only:
-            raise PermissionError(f"permission denied on {socket_path}: add yourself to the {STATUS_GROUP} group to "
-                                  f"read (sudo usermod -aG {STATUS_GROUP} $USER), or to {CONTROL_GROUP} to also "
-                                  "start and stop; then log in again")
+            raise PermissionError(f"permission denied on {socket_path}: add yourself to the {STATUS_GROUP} group "
+                                  f"(read only) or the {CONTROL_GROUP} group (also start and stop): sudo usermod "
+                                  f"-aG {STATUS_GROUP} $USER, then log in again")
         raise PermissionError(f"permission denied on {socket_path}: add yourself to the {CONTROL_GROUP} group "
                               f"(sudo usermod -aG {CONTROL_GROUP} $USER, then log in again); members of "
                               f"{STATUS_GROUP} may only read")
