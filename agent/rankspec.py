@@ -447,12 +447,11 @@ def fill_env(launch: RankLaunch, facts: Mapping[str, str]) -> dict[str, str]:
 # Sandboxing of the rank unit, as far as the engine allows: SGLang needs the GPU and RDMA devices
 # (no PrivateDevices=, and no ProtectClock=, which implies a device allow-list), JIT compilers (no
 # MemoryDenyWriteExecute=), netlink (ibverbs) and IPC_LOCK; it writes only its cache (HOME points
-# there) and its private /tmp.
+# there). No PrivateTmp=: the recipe's model is under /var/tmp.
 SANDBOX: tuple[tuple[str, str, object], ...] = (
     ("NoNewPrivileges", "b", True),
     ("ProtectSystem", "s", "strict"),
     ("ProtectHome", "s", "read-only"),
-    ("PrivateTmp", "b", True),
     ("ProtectKernelTunables", "b", True),
     ("ProtectKernelModules", "b", True),
     ("ProtectKernelLogs", "b", True),

@@ -24,12 +24,12 @@ PACK_UNIT = "dsv41-pack.service"
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 LAYERS = (1, 14)
 # The pack job reads the checkpoint and writes one directory: no network, no devices, no
-# capabilities (its files are root's), nothing it could hand on.
+# capabilities (its files are root's), nothing it could hand on. No PrivateTmp=: the recipe's
+# model and packs may be under /var/tmp.
 PACK_SANDBOX: tuple[tuple[str, str, object], ...] = (
     ("NoNewPrivileges", "b", True),
     ("ProtectSystem", "s", "strict"),
     ("ProtectHome", "s", "read-only"),
-    ("PrivateTmp", "b", True),
     ("PrivateDevices", "b", True),
     ("PrivateNetwork", "b", True),
     ("PrivateIPC", "b", True),
@@ -92,7 +92,9 @@ class PackRpcs:
         running, text = self._pack_unit()
         layers = []
         for rank in spec.ranks:
-            for state in pack_state(spec.out_dir, rank, spec.tp, tuple(spec.layers)):
+            # As PID 1 (and the pack job) sees it: the agent's own /var/tmp is private.
+            out_dir = os.path.join(self.host_view_root(), spec.out_dir.lstrip("/"))
+            for state in pack_state(out_dir, rank, spec.tp, tuple(spec.layers)):
                 layers.append(pb.PackLayerState(layer=state.layer, rank=rank, state=state.status.value,
                                                 detail=state.detail, done_bytes=state.done_bytes,
                                                 total_bytes=state.total_bytes))

@@ -35,9 +35,9 @@ from .runtime import ClusterRuntime, Incident, Snapshot
 from .sockets import CONTROL_GROUP, CONTROL_SOCKET, STATUS_GROUP, private_socket, status_socket
 
 MAX_WORKERS = 32
-MAX_STREAMS = 8  # events/logs/pack streams at once; unary calls always find a thread
+MAX_STREAMS = 16  # events/logs/pack streams at once; unary calls always find a thread
 MAX_CONNECTIONS = 64
-MAX_CONNECTIONS_PER_USER = 16
+MAX_CONNECTIONS_PER_USER = 32
 # What the read-only socket answers; everything else changes the cluster.
 READ_ONLY = frozenset({"GetStatus", "Events", "Logs", "Pack"})
 
@@ -336,7 +336,7 @@ class ControlServer:
 def server_options() -> list[tuple[str, int]]:
     return [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.max_connection_idle_ms", 600_000),
-            ("grpc.max_concurrent_streams", 16)]
+            ("grpc.max_concurrent_streams", 32)]
 
 
 def serve(cfg: ClusterConfig, runtime: ClusterRuntime, socket_path: str = CONTROL_SOCKET,
