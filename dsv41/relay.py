@@ -8,9 +8,11 @@ address that names the peer (`dsv41-peer/control/uid=1000/pid=4242/7`, `dsv41-pe
 the server reads it back from `context.peer()` and can trust it, because only root can reach the
 real server. TLS, if any, passes through untouched and ends in gRPC.
 
-One thread runs every connection (selectors); nothing here blocks on a peer. A connection over
-the total or per-source limit is accepted and closed at once, so it costs nothing while the
-others carry on; gRPC's own handshake timeout ends the connections that never speak.
+One thread runs every connection (selectors); nothing here blocks on a peer. At the total or
+per-source limit, a new connection takes the place of the oldest one whose caller has not sent a
+byte (an idle flood cannot keep a real caller out, whose TLS hello or HTTP/2 preface comes at
+once); when every caller has spoken, the new one is closed at once.
+gRPC's own handshake timeout ends the connections that never speak.
 """
 
 from __future__ import annotations
@@ -72,6 +74,22 @@ def parse_peer(grpc_peer: str) -> Peer | None:
     return None
 
 
+def _refuse(sock: socket.socket) -> None:
+    """Closes an accepted connection with a FIN, not a reset: what the client sent is read first
+    (a reset can leave a gRPC client's channel refusing to reconnect for a long while)."""
+    try:
+        sock.setblocking(False)
+        while sock.recv(65536):
+            pass
+    except OSError:
+        pass
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def _peercred(sock: socket.socket) -> tuple[int, int, int]:
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return pid, uid, gid
@@ -86,11 +104,13 @@ class _Half:
 
 
 class _Pair:
-    def __init__(self, client: socket.socket, upstream: socket.socket, peer: Peer):
+    def __init__(self, client: socket.socket, upstream: socket.socket, peer: Peer, opened: float):
         self.client = _Half(client)
         self.upstream = _Half(upstream)
         self.peer = peer
         self.closed = False
+        self.opened = opened
+        self.spoke = False  # the caller sent something (its TLS hello, its HTTP/2 preface)
 
     def other(self, half: _Half) -> _Half:
         return self.upstream if half is self.client else self.client
@@ -219,9 +239,14 @@ class Relay:
                 peer = Peer(tag, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
             why = self._over_limit(peer)
             if why:
-                client.close()
-                self._report(peer, why)
-                continue
+                victim = self._silent(None if len(self._pairs) >= self._limits.max_connections else peer.source_key)
+                if victim is None:
+                    _refuse(client)
+                    self._report(peer, why)
+                    continue
+                self._close(victim)
+                self._report(victim.peer, f"closed a connection from {victim.peer.source or victim.peer.source_key} "
+                             f"that had not spoken, for a new one ({why.split(': ', 1)[1]})")
             self._connect(client, peer)
 
     def _over_limit(self, peer: Peer) -> str | None:
@@ -232,6 +257,12 @@ class Relay:
             return f"refused a connection from {peer.source or peer.source_key}: it has " \
                    f"{self._limits.max_per_source} open, the limit per source"
         return None
+
+    def _silent(self, source_key: str | None) -> _Pair | None:
+        """The oldest connection (of that source; of any for None) whose caller never spoke, or None."""
+        candidates = [p for p in self._pairs if not p.spoke
+                      and (source_key is None or p.peer.source_key == source_key)]
+        return min(candidates, key=lambda p: p.opened) if candidates else None
 
     def _connect(self, client: socket.socket, peer: Peer) -> None:
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -256,7 +287,7 @@ class Relay:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         client.setblocking(False)
         upstream.setblocking(False)
-        pair = _Pair(client, upstream, peer)
+        pair = _Pair(client, upstream, peer, self._monotonic())
         self._pairs.add(pair)
         self._per_source[peer.source_key] = self._per_source.get(peer.source_key, 0) + 1
         for half in (pair.client, pair.upstream):
@@ -277,6 +308,8 @@ class Relay:
             if data == b"":
                 half.eof = True
             elif data:
+                if half is pair.client:
+                    pair.spoke = True
                 other.out += data
                 self._send(pair, other)  # most of the time it all goes at once
         if events & selectors.EVENT_WRITE:
