@@ -465,7 +465,13 @@ SANDBOX: tuple[tuple[str, str, object], ...] = (
     ("RemoveIPC", "b", True),
     ("RestrictAddressFamilies", "(bas)", (True, ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"])),
     ("SystemCallArchitectures", "as", ["native"]),
+    # A deny-list of system call groups nothing in a rank uses (@debug stays: CUDA may share memory
+    # between processes through pidfd_getfd).
+    ("SystemCallFilter", "(bas)", (False, ["@clock", "@cpu-emulation", "@module", "@mount", "@obsolete",
+                                          "@raw-io", "@reboot", "@swap"])),
+    ("SystemCallErrorNumber", "i", 1),  # EPERM
     ("CapabilityBoundingSet", "t", (1 << 14) | (1 << 23)),  # CAP_IPC_LOCK, CAP_SYS_NICE
+    ("UMask", "u", 0o027),
 )
 
 

@@ -148,7 +148,7 @@ def test_the_rank_unit_runs_sandboxed(agent):
         # the rank runs, and cannot write outside its cache even as root
         pid = node.show("dsv41-rank.service", "MainPID")["MainPID"]
         assert node.run(["nsenter", "-t", pid, "-m", "touch", "/usr/pwned"], check=False).returncode != 0
-        assert exposure(node, "dsv41-rank.service") <= 6.0
+        assert exposure(node, "dsv41-rank.service") <= 4.0  # 9.6 unsandboxed; 2.9 measured (packaging/SECURITY.md)
     finally:
         stub.StopRank(pb.StopRankRequest(deadline_s=10), timeout=30)
 

@@ -134,3 +134,47 @@ def test_the_coordinator_unit_is_sandboxed_to_an_exposure_of_at_most_4(tmp_path)
     assert line, done.stdout + done.stderr
     exposure = float(line[0].split(":")[1].split()[0])
     assert exposure <= 4.0, line[0]
+
+
+CAPABILITIES = {14: "CAP_IPC_LOCK", 23: "CAP_SYS_NICE"}
+
+
+def unit_text(props) -> str:
+    """A unit file with the sandboxing properties the agent sends systemd over D-Bus."""
+    lines = ["[Service]", "ExecStart=/bin/true"]
+    for name, signature, value in props:
+        if signature == "b":
+            text = "yes" if value else "no"
+        elif name == "CapabilityBoundingSet":
+            text = " ".join(CAPABILITIES[b] for b in sorted(CAPABILITIES) if value & (1 << b))
+            assert value == sum(1 << b for b in CAPABILITIES if value & (1 << b)), "a capability without a name"
+        elif name == "RestrictNamespaces":
+            assert value == 0
+            text = "yes"
+        elif signature == "(bas)":
+            allow, items = value
+            text = ("" if allow else "~") + " ".join(items)
+        elif name == "SystemCallErrorNumber":
+            assert value == 1
+            text = "EPERM"
+        elif name == "UMask":
+            text = f"{value:04o}"
+        elif signature == "as":
+            text = " ".join(value)
+        else:
+            text = str(value)
+        lines.append(f"{name}={text}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("name, at_most", [("rank", 4.0), ("pack", 2.5)])
+def test_the_rank_and_pack_units_are_sandboxed(tmp_path, name, at_most):
+    from agent import rankspec, rpc_pack
+    props = rankspec.SANDBOX if name == "rank" else rpc_pack.PACK_SANDBOX
+    unit = tmp_path / f"dsv41-{name}.service"
+    unit.write_text(unit_text(props))
+    done = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)], capture_output=True,
+                          text=True, timeout=60)
+    line = [ln for ln in done.stdout.splitlines() if "Overall exposure level" in ln]
+    assert line, done.stdout + done.stderr
+    assert float(line[0].split(":")[1].split()[0]) <= at_most, line[0]

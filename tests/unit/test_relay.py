@@ -113,6 +113,7 @@ def test_when_every_connection_has_spoken_a_new_one_is_refused(served):
     channels = [stub(f"127.0.0.1:{port}") for _ in range(3)]
     for _, s in channels:
         s.GetStatus(pb.GetStatusRequest(), timeout=10)
+    wait_for(lambda: relay.connections == 3)
     extra = socket.create_connection(("127.0.0.1", port))
     try:
         extra.settimeout(5)
