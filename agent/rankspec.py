@@ -180,8 +180,16 @@ def check_env(env: Mapping[str, str], settings: AgentSettings, runtime: str) -> 
 
 
 def path_tokens(value: str) -> list[str]:
-    """The absolute paths in an environment value or argument (`a:/x`, `--f=/y`, `/z,/w`)."""
-    return [posixpath.normpath(t) for t in _PATH_TOKEN.split(value) if t.startswith("/")]
+    """The absolute paths in an environment value or argument (`a:/x`, `--f=/y`, `/z,/w`),
+    normalized; SpecInvalid for one with '..' (through a link it need not mean the parent)."""
+    out = []
+    for token in _PATH_TOKEN.split(value):
+        if not token.startswith("/"):
+            continue
+        if ".." in token.split("/"):
+            raise SpecInvalid(f"path {token!r}: must not contain '..'")
+        out.append("/" + posixpath.normpath(token).lstrip("/"))
+    return out
 
 
 def _host_env_paths(env: Mapping[str, str], settings: AgentSettings, targets: Sequence[str],
@@ -196,8 +204,6 @@ def _host_env_paths(env: Mapping[str, str], settings: AgentSettings, targets: Se
             continue
         for path in path_tokens(value):
             what = f"env {name}"
-            if ".." in path.split("/"):
-                raise SpecInvalid(f"{what} {path!r}: must not contain '..'")
             if name in CACHE_ENV:
                 if not under(path, [cache]):
                     raise SpecDenied(f"{what} {path}: a cache must be under {cache} (a cache holds code the rank "
@@ -247,7 +253,7 @@ def _check_source(source: str, read_only: bool, runtime: str, settings: AgentSet
     return PathUse(source, what, code=code)
 
 
-def _check_host_target(target: str, read_only: bool) -> str:
+def _check_host_target(target: str) -> str:
     norm = check_bind_path(target, "bind target")
     if norm == "/":
         raise SpecDenied("bind target /: refused")
@@ -366,7 +372,7 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
             if not ro:
                 raise SpecDenied(f"bind {source}:{target}: read-write binds are refused for the host runtime")
             trust.append(_check_source(source, True, runtime, settings, code=target in code_dirs))
-            target = _check_host_target(target, ro)
+            target = _check_host_target(target)
             if not under(target, settings.allowed_paths):
                 targets.append(target)
             checked.append(Bind(source, target, True))
@@ -377,8 +383,6 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
         targets += [path for path, _ in absent]
         for arg in argv[first:]:
             for path in path_tokens(arg):
-                if ".." in path.split("/"):
-                    raise SpecInvalid(f"argv {arg!r}: paths must not contain '..'")
                 if under(path, bind_targets):
                     continue
                 if under(path, [settings.rank_cache_dir]):

@@ -100,7 +100,6 @@ class _Half:
     sock: socket.socket
     out: bytearray = field(default_factory=bytearray)  # bytes waiting to be written to sock
     eof: bool = False  # sock said it sends no more
-    shut: bool = False  # we told sock we send no more
 
 
 class _Pair:

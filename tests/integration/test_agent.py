@@ -246,7 +246,12 @@ def test_memory_stream_sends_a_quiet_node_at_the_heartbeat_and_every_sample_arou
 
 def test_memory_sample_sees_the_node_cgroup_limit_and_the_rank(booted, agent):
     node, stub = agent
-    stub.StartRank(pb.StartRankRequest(spec=spec("--allocate-mb", "96", fingerprint="c9")), timeout=30)
+    started = stub.StartRank(pb.StartRankRequest(spec=spec("--allocate-mb", "96", fingerprint="c9")), timeout=30)
+    # The stand-in says it is up once every page is touched: until then its memory still grows, and
+    # GetStatus reads MemoryCurrent before the sample.
+    this_run = [f"_SYSTEMD_INVOCATION_ID={started.rank.invocation_id}"]
+    assert wait(lambda: any("stand-in rank up" in e.get("MESSAGE", "") for e in node.journal(matches=this_run)),
+                timeout=20), "the stand-in did not finish allocating"
     status = wait(lambda: (s := stub.GetStatus(pb.GetStatusRequest(), timeout=10)).memory.rank_memory_bytes
                   > 90 << 20 and s)
     assert status, "the rank's cgroup memory shows up in the samples"

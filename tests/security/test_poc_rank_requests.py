@@ -194,3 +194,10 @@ def test_a_directory_someone_else_could_write_is_refused_with_the_fix(tmp_path):
         os.lchown(link, 65534, 65534)
         assert "/evil is a symbolic link owned by uid 65534" in trust.problem(PathUse("/evil", "model"))
     assert "does not exist" in trust.problem(PathUse("/srv/none", "model"))
+
+
+def test_paths_are_compared_as_the_kernel_resolves_them():
+    for env in ({"LD_LIBRARY_PATH": "/srv/dsv41/lib/../../../tmp"}, {"NCCL_TOPO_FILE": "//etc/shadow"},
+                {"DSV41_SOURCE": "/srv/dsv41/m/../../../etc"}):
+        with pytest.raises((rankspec.SpecInvalid, rankspec.SpecDenied)):
+            host(SGLANG, env)
