@@ -16,6 +16,11 @@ file and sets DSV41_API_KEY_FILE for rank 0 only, the one rank that serves HTTP.
 - AFTER sglang.srt.managers.tokenizer_manager.TokenizerManager._server_args_for_dump and
   ._dump_config_snapshot: a crash dump (--crash-dump-folder) pickles the whole ServerArgs and the
   resolved config, the key with them; both come out as dicts with the key "<redacted>".
+- AFTER sglang.srt.sampling.watermarking.core.redact_watermark_secrets: SGLang's one function for
+  server arguments on their way out. `/server_info` and `/get_server_info` answer with the
+  resolved server args, and with every scheduler's (`internal_states`), through it; so do
+  Engine.get_server_info and the gRPC server info. SGLang itself hides only the watermark keys
+  there: api_key and admin_api_key come out "<redacted>" at any depth.
 
 The adapter is fail_closed (adapter/patching.py): a bad key file, a key also given with
 --api-key, a target it cannot patch or an error in a hook stop the rank. Leaving the adapter out
@@ -30,6 +35,7 @@ from typing import Any
 from adapter.keyfile import VARIABLE, KeyFileError, read_key_file
 from adapter.log import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch, Refused
+from adapter.redact import REDACTED, SECRET_FIELDS, redact_secrets
 
 NAME = "api_key"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
@@ -37,8 +43,7 @@ ENV_KEYS = (VARIABLE,)
 ARGS_MODULE = "sglang.srt.server_args"
 LOGGING_MODULE = "sglang.srt.entrypoints.engine"
 DUMP_MODULE = "sglang.srt.managers.tokenizer_manager"
-SECRET_FIELDS = ("api_key", "admin_api_key")
-REDACTED = "<redacted>"
+REDACT_MODULE = "sglang.srt.sampling.watermarking.core"
 
 
 def redacted(values: Any, source: str = f"{LOGGING_MODULE}._server_args_for_logging",
@@ -90,6 +95,10 @@ class ApiKey:
         values = result.resolved_dict() if hasattr(result, "resolved_dict") else result
         return redacted(values, f"{DUMP_MODULE}.TokenizerManager._server_args_for_dump", "a crash dump")
 
+    def after_redact(self, result: Any, *_args: Any, **_kwargs: Any) -> Any:
+        # Whatever SGLang is about to show (server info, its schedulers' states), without the keys.
+        return redact_secrets(result)
+
     def after_dump_config(self, result: Any, *_args: Any, **_kwargs: Any) -> dict[str, Any] | None:
         if result is None:  # SGLang could not serialize the config and dumps none
             return None
@@ -105,7 +114,8 @@ def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
     return AdapterSpec(
         name=NAME,
         state=adapter,
-        detail=f"key from {VARIABLE}={adapter.path}, redacted from the server_args log line and crash dumps",
+        detail=f"key from {VARIABLE}={adapter.path}, redacted from the server_args log line, crash dumps and "
+               "/server_info",
         fail_closed=True,
         patches=(
             Patch(ARGS_MODULE, "prepare_server_args", AROUND, adapter.around_prepare, params=("argv",)),
@@ -115,5 +125,6 @@ def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
                   params=("self",)),
             Patch(DUMP_MODULE, "TokenizerManager._dump_config_snapshot", AFTER, adapter.after_dump_config,
                   params=("self",)),
+            Patch(REDACT_MODULE, "redact_watermark_secrets", AFTER, adapter.after_redact, params=("value",)),
         ),
     )

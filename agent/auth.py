@@ -6,7 +6,10 @@ and serves the agent's own certificate so that a rotated one is picked up withou
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
+import re
+import ssl
 import threading
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -14,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 import grpc
 
 Refused = Callable[[str, str], None]  # (method, why): where refusals are reported
+_PIN = re.compile(r"(sha256:)?([0-9a-f]{64})")
 
 
 def caller_names(auth_context: Mapping[str, Sequence[bytes]]) -> tuple[str, ...]:
@@ -26,23 +30,100 @@ def caller_names(auth_context: Mapping[str, Sequence[bytes]]) -> tuple[str, ...]
     return tuple(bytes(n).decode(errors="replace") for n in names)
 
 
-def caller_problem(auth_context: Mapping[str, Sequence[bytes]], allowed: str) -> str | None:
-    """None when the caller is `allowed`; otherwise why it is refused."""
+def certificate_fingerprint(auth_context: Mapping[str, Sequence[bytes]]) -> str:
+    """sha256 of the verified peer certificate (DER), lowercase hex; "" without one."""
+    pems = auth_context.get("x509_pem_cert") or []
+    if not pems:
+        return ""
+    try:
+        der = ssl.PEM_cert_to_DER_cert(bytes(pems[0]).decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return ""
+    return hashlib.sha256(der).hexdigest()
+
+
+def caller_problem(auth_context: Mapping[str, Sequence[bytes]], allowed: str,
+                   pins: frozenset[str] | None = None) -> str | None:
+    """None when the caller is `allowed` (and, with pins, presents a pinned certificate);
+    otherwise why it is refused."""
     names = caller_names(auth_context)
     if not names:
         return "no verified client certificate (mutual TLS is required)"
-    if allowed in names:
+    if allowed not in names:
+        return f"the client certificate is for {', '.join(names)}, and only {allowed} may call this agent"
+    if pins is None:
         return None
-    return f"the client certificate is for {', '.join(names)}, and only {allowed} may call this agent"
+    fingerprint = certificate_fingerprint(auth_context)
+    if fingerprint in pins:
+        return None
+    return (f"the {allowed} certificate presented (sha256 {fingerprint[:16]}...) is not the one this node's bundle "
+            "pins: it was rotated away (`dsv41ctl pki rotate`); restart the coordinator with its current "
+            "certificate, or install this node's current bundle (`dsv41ctl pki bundle NODE`)")
+
+
+def parse_pins(text: str) -> frozenset[str]:
+    """The fingerprints in a pin file: one `sha256:<64 hex>` per line, `#` comments; ValueError
+    when a line is neither or when there is none."""
+    pins = set()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip().lower()
+        if not line:
+            continue
+        match = _PIN.fullmatch(line)
+        if not match:
+            raise ValueError(f"line {number}: not a sha256:<64 hex> certificate fingerprint")
+        pins.add(match.group(2))
+    if not pins:
+        raise ValueError("no certificate fingerprint in it")
+    return frozenset(pins)
+
+
+class PinFile:
+    """The coordinator certificates this node accepts (TLS_PIN, from its bundle). A new file
+    applies from the next call on; one that does not parse leaves the previous pins in place."""
+
+    def __init__(self, path: str, problem: Callable[[str], None] = lambda _: None):
+        self.path = path
+        self._problem = problem
+        self._lock = threading.Lock()
+        self._stamp, self._pins = self._read()
+        if self._pins is None:
+            raise ValueError(self._stamp)
+
+    def _read(self):
+        try:
+            st = os.stat(self.path)
+            with open(self.path, encoding="ascii", errors="replace") as f:
+                return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size), parse_pins(f.read())
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
+            return f"{self.path}: {why} (install this node's bundle from `dsv41ctl pki bundle NODE`; it pins the "                    "coordinator's certificate)", None
+
+    def pins(self) -> frozenset[str]:
+        with self._lock:
+            try:
+                st = os.stat(self.path)
+                stamp = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+            except OSError:
+                stamp = None
+            if stamp != self._stamp:
+                new_stamp, pins = self._read()
+                if pins is None:
+                    self._problem(f"{new_stamp}; still accepting the previous pins")
+                    self._stamp = stamp  # report once per change
+                else:
+                    self._stamp, self._pins = new_stamp, pins
+            return self._pins
 
 
 class CallerCheck(grpc.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) every call whose client certificate does not name `allowed`, before
     the handler sees the request."""
 
-    def __init__(self, allowed: str, refused: Refused):
+    def __init__(self, allowed: str, refused: Refused, pins: Callable[[], frozenset[str]] | None = None):
         self._allowed = allowed
         self._refused = refused
+        self._pins = pins
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -52,7 +133,8 @@ class CallerCheck(grpc.ServerInterceptor):
 
         def guard(behaviour):
             def checked(request_or_iterator, context):
-                problem = caller_problem(context.auth_context(), self._allowed)
+                pins = self._pins() if self._pins is not None else None
+                problem = caller_problem(context.auth_context(), self._allowed, pins)
                 if problem is not None:
                     self._refused(method, problem)
                     context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)

@@ -17,11 +17,12 @@ from concurrent import futures
 import grpc
 
 from dsv41.journal import EventLog
+from dsv41.relay import Limits, Relay
 from dsv41.v1 import agent_pb2_grpc
 from dsv41.version import VERSION
 
 from . import settings as settings_mod
-from .auth import CallerCheck, CredentialFiles
+from .auth import CallerCheck, CredentialFiles, PinFile
 from .events import EventHub
 from .memory import MemorySampler, PsiTrigger, RankMemoryReader, TriggerWatcher
 from .rank import RankManager
@@ -37,6 +38,30 @@ def _credentials(s: settings_mod.AgentSettings, log: EventLog) -> grpc.ServerCre
     files = CredentialFiles(s.tls_ca, s.tls_cert, s.tls_key,
                             problem=lambda why: log.warning("tls_reload_failed", why))
     return files.server_credentials()
+
+
+RUNTIME_DIR = "/run/dsv41-agent"  # RuntimeDirectory= of the unit, 0700: the real gRPC socket lives here
+MAX_WORKERS = 64
+MAX_CONCURRENT_RPCS = 48  # beyond this, RESOURCE_EXHAUSTED at once instead of a queue without end
+
+
+def server_options(s: settings_mod.AgentSettings) -> list[tuple[str, int]]:
+    """gRPC server settings: a caller that never finishes its TLS handshake is dropped after
+    TLS_HANDSHAKE_TIMEOUT_S (gRPC's default is 120 s), a silent peer within half a minute."""
+    return [("grpc.max_receive_message_length", 8 << 20),
+            ("grpc.server_handshake_timeout_ms", int(s.handshake_timeout_s * 1000)),
+            ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # the coordinator pings every 10 s while it streams: not "too many pings"
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 3),
+            ("grpc.max_concurrent_streams", 32),
+            ("grpc.max_connection_idle_ms", 600_000)]
+
+
+def runtime_dir() -> str:
+    given = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return given or RUNTIME_DIR
 
 
 def _status_line(s: settings_mod.AgentSettings, rank: RankManager) -> str:
@@ -63,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ensure_dirs(s)
     try:
         systemd = Systemd()
-        rank = RankManager(systemd, s.node, events, working_directory=s.state_dir)
+        # Not the state directory: `python -m` would import from it, and PutFile writes there.
+        rank = RankManager(systemd, s.node, events, working_directory=s.rank_cache_dir)
         rank.adopt()
     except SystemdError as exc:
         log.error("agent_failed", f"cannot reach systemd over D-Bus: {exc}")
@@ -79,26 +105,55 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         log.error("agent_failed", f"unusable TLS files (TLS_CA/TLS_CERT/TLS_KEY in {args.config}): {exc}")
         return 2
-    # TLS proves the caller holds a cluster certificate; only the coordinator's may drive this node.
+    pins = None
+    if creds:
+        try:
+            pins = PinFile(s.tls_pin, problem=lambda why: log.warning("tls_pin_reload_failed", why))
+        except ValueError as exc:
+            log.error("agent_failed", f"TLS_PIN: {exc}")
+            return 2
+    # TLS proves the caller holds a cluster certificate; only the coordinator's, and only the one
+    # this node's bundle pins, may drive this node (a rotated-away certificate is refused).
     interceptors = [CallerCheck(s.coordinator_name, lambda method, why: events.warning(
-        "caller_refused", f"refused {method}: {why}", method=method))] if creds else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="rpc"),
-                         options=[("grpc.max_receive_message_length", 8 << 20)], interceptors=interceptors)
+        "caller_refused", f"refused {method}: {why}", method=method),
+        pins.pins if pins else None)] if creds else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="rpc"),
+                         options=server_options(s), interceptors=interceptors,
+                         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     agent_pb2_grpc.add_AgentServicer_to_server(
         AgentService(s, systemd, rank, sampler, triggers, events, started), server)
+    # gRPC listens on a socket only root can reach; the port is the relay's, which counts connections.
+    private = runtime_dir()
+    os.makedirs(private, mode=0o700, exist_ok=True)
+    os.chmod(private, 0o700)
+    upstream = os.path.join(private, "agent.sock")
     try:
-        bound = server.add_secure_port(s.listen, creds) if creds else server.add_insecure_port(s.listen)
+        os.unlink(upstream)
+    except FileNotFoundError:
+        pass
+    try:
+        bound = server.add_secure_port(f"unix:{upstream}", creds) if creds else \
+            server.add_insecure_port(f"unix:{upstream}")
     except RuntimeError as exc:
         bound, error = 0, exc
     else:
         error = None
     if not bound:
-        log.error("agent_failed", f"cannot listen on {s.listen}: {error or 'address in use or not local'}")
+        log.error("agent_failed", f"cannot listen on {upstream}: {error or 'cannot bind'}")
+        return 1
+    relay = Relay(upstream, Limits(s.max_connections, s.max_connections_per_source),
+                  refused=lambda peer, why: events.warning("connection_refused", why, source=peer.source_key))
+    host, _, port = s.listen.rpartition(":")
+    try:
+        relay.listen_tcp(host.strip("[]"), int(port), "agent")
+    except OSError as exc:
+        log.error("agent_failed", f"cannot listen on {s.listen}: {exc.strerror or exc}")
         return 1
     if creds is None:
         log.warning("agent_insecure", f"serving on {s.listen} WITHOUT TLS (INSECURE_NO_TLS=1): anyone who can "
                     "reach this port can start processes as root")
     server.start()
+    relay.start()
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -119,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     notify.stopping()
     log.info("agent_stopping", "dsv41-agent stopping; the rank unit is left as it is")
+    relay.stop()
     server.stop(grace=2.0).wait(5.0)
     triggers.stop()
     systemd.close()

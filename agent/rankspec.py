@@ -1,7 +1,22 @@
 """Validates a requested rank and turns it into systemd unit properties. Pure functions.
 
-Everything the coordinator sends is checked against what a rank legitimately needs and what this
-node's agent.env allows: an agent that starts processes as root must not become a remote shell.
+The agent starts processes as root, so a request, even one signed with the coordinator's key,
+must not be able to make it run anything but a rank. Everything is an allow-list:
+
+- the host runtime runs a fixed entry: `<ALLOWED_PYTHONS entry> -m sglang.launch_server FLAGS`,
+  or an ALLOWED_EXECUTABLES entry point (the stand-in engine) with FLAGS;
+- the container runtime runs `docker run` with the flags a rank needs, always with
+  `--cap-drop ALL --cap-add IPC_LOCK --security-opt no-new-privileges`, an ALLOWED_IMAGES image
+  (by digest) and `python3 -m sglang.launch_server FLAGS`;
+- environment names are the cluster config's passthrough prefixes and the few names the plan
+  renders; PYTHONPATH is fixed, library and plugin paths must be code only root can have written,
+  caches live in the agent's cache directory, and every other path a host rank is told about
+  lies under ALLOWED_PATHS, a bind target, the adapter or the state directory;
+- bind sources lie under ALLOWED_PATHS (or the adapter or state directory), read-only; the
+  container's cache is the one read-write bind.
+
+What the rules cannot decide without the file system (who owns a directory, whether a target
+exists) is returned as PathUse records and target paths for the agent to check before the start.
 """
 
 from __future__ import annotations
@@ -12,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from .pathtrust import PathUse
 from .settings import AgentSettings
 
 RANK_UNIT = "dsv41-rank.service"
@@ -20,16 +36,30 @@ DOCKER = "/usr/bin/docker"
 USEC = 1_000_000
 INFINITY = 2**64 - 1
 KNOWN_FILLS = ("roce_gid_index",)
+SGLANG_ENTRY = ("-m", "sglang.launch_server")
+CONTAINER_COMMAND = ("python3", "-m", "sglang.launch_server")
+CONTAINER_ADAPTER_DIR = "/opt/dsv41/rank"
+CONTAINER_CACHE = "/root/.cache"
+# Always present in the container's docker run, and exactly so: a rank needs IPC_LOCK (RDMA
+# registers pinned memory) and nothing else of root's capabilities.
+REQUIRED_DOCKER_FLAGS = (("--cap-drop", "ALL"), ("--cap-add", "IPC_LOCK"), ("--security-opt", "no-new-privileges"))
+
+# The cluster config's passthrough prefixes (coordinator/schema.py PASSTHROUGH_PREFIXES) and the
+# names the plan renders; nothing else reaches a rank's environment.
+ENV_PREFIXES = ("NCCL_", "DSV41_", "SGLANG_", "PYTORCH_", "CUDA_", "TORCH_", "GLOO_", "TP_")
+ENV_NAMES = frozenset({"PYTHONPATH", "LD_LIBRARY_PATH", "XDG_CACHE_HOME", "PYTHONPYCACHEPREFIX", "OFFLOAD_MODE"})
+# Names whose value is code the rank loads (a library directory, a plugin, an injected library).
+CODE_ENV = frozenset({"LD_LIBRARY_PATH", "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_PROFILER_PLUGIN",
+                      "NCCL_ENV_PLUGIN", "NCCL_CONF_FILE", "CUDA_INJECTION64_PATH"})
+# Names whose value is a cache the rank writes and later loads (byte code, JIT kernels).
+CACHE_ENV = frozenset({"XDG_CACHE_HOME", "PYTHONPYCACHEPREFIX", "SGLANG_CACHE_DIR", "CUDA_CACHE_PATH",
+                       "TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TORCH_HOME", "PYTORCH_KERNEL_CACHE_PATH"})
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{1,64}")
 _GENERATION = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
 _HCA = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]{0,63}(:[0-9]{1,3})?")
-# Environment entries that change how a process loads code or runs a shell: never from the wire.
-_ENV_DENIED = {"LD_PRELOAD", "LD_AUDIT", "LD_DEBUG", "LD_DEBUG_OUTPUT", "LD_PROFILE", "LD_BIND_NOW",
-               "PYTHONSTARTUP", "PYTHONHOME", "PYTHONINSPECT", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
-               "PYTHONBREAKPOINT", "BASH_ENV", "ENV", "IFS", "PATH", "SHELL", "NOTIFY_SOCKET", "PERL5OPT",
-               "NODE_OPTIONS", "GCONV_PATH", "HOSTALIASES", "LOCALDOMAIN", "RES_OPTIONS"}
+_PATH_TOKEN = re.compile(r"[:,;=\s]")
 # Paths a rank never needs to see re-mounted, and whose exposure would hand out the node.
 _BIND_DENIED_PREFIXES = ("/etc", "/proc", "/sys", "/dev", "/boot", "/run", "/var/run", "/root/.ssh")
 _BIND_DENIED_EXACT = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/var", "/home", "/root", "/var/lib",
@@ -41,6 +71,8 @@ _DOCKER_FLAG_VALUES = {
     "--gpus": lambda v: v == "all",
     "--device": lambda v: v == "/dev/infiniband:/dev/infiniband",
     "--cap-add": lambda v: v == "IPC_LOCK",
+    "--cap-drop": lambda v: v == "ALL",
+    "--security-opt": lambda v: v == "no-new-privileges",
     "--ulimit": lambda v: v in ("memlock=-1:-1", "stack=67108864"),
     "--stop-timeout": lambda v: v.isdigit() and 1 <= int(v) <= 3600,
 }
@@ -78,6 +110,12 @@ class RankLaunch:
     generation: str
     fabric_address: str
     hcas: tuple[str, ...] = field(default=())
+    # For the agent to check on the node before the start (agent/pathtrust.py):
+    trust: tuple[PathUse, ...] = field(default=())  # paths only root may have written
+    # Host paths outside ALLOWED_PATHS the rank is shown (bind targets, paths in its flags and
+    # environment): nothing of the node's may be there.
+    targets: tuple[str, ...] = field(default=())
+    cache_dir: str = ""  # the one directory the rank may write (its unit's ReadWritePaths=, HOME)
 
 
 def _text(value: str, what: str, limit: int = 65536) -> str:
@@ -103,7 +141,24 @@ def check_bind_path(path: str, what: str) -> str:
     return norm
 
 
+def under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def check_under_roots(path: str, what: str, settings: AgentSettings) -> str:
+    """`path` lies under ALLOWED_PATHS; SpecDenied names the roots and the fix otherwise."""
+    norm = check_path(path, what)
+    if not under(norm, settings.allowed_paths):
+        roots = ", ".join(settings.allowed_paths) or "none"
+        raise SpecDenied(f"{what} {norm}: not under this node's ALLOWED_PATHS ({roots}); add the directory that "
+                         "holds it to ALLOWED_PATHS in /etc/dsv41/agent.env")
+    return norm
+
+
+# ------------------------------------------------------------------ environment
+
 def check_env(env: Mapping[str, str], settings: AgentSettings, runtime: str) -> dict[str, str]:
+    """Names and shapes; what the paths in the values may be is checked with the binds."""
     if len(env) > 512:
         raise SpecInvalid("env: at most 512 entries")
     out = {}
@@ -111,24 +166,134 @@ def check_env(env: Mapping[str, str], settings: AgentSettings, runtime: str) -> 
         if not _ENV_NAME.fullmatch(name):
             raise SpecInvalid(f"env {name!r}: names are letters, digits and _ (not starting with a digit)")
         _text(value, f"env {name}")
-        if name in _ENV_DENIED or (name.startswith("LD_") and name != "LD_LIBRARY_PATH"):
-            raise SpecDenied(f"env {name}: not allowed for a rank (it changes how programs load or run)")
+        if name not in ENV_NAMES and not name.startswith(ENV_PREFIXES):
+            raise SpecDenied(f"env {name}: not allowed for a rank; allowed are names starting with "
+                             f"{', '.join(ENV_PREFIXES)} and {', '.join(sorted(ENV_NAMES))}")
+        adapter = settings.adapter_dir if runtime == "host" else CONTAINER_ADAPTER_DIR
+        if name == "PYTHONPATH" and value != adapter:
+            raise SpecDenied(f"env PYTHONPATH: must be this node's adapter directory {adapter}")
         if name == "LD_LIBRARY_PATH":
             for part in value.split(":"):
                 check_path(part, "env LD_LIBRARY_PATH entry")
-        if name == "PYTHONPATH" and runtime == "host" and value != settings.adapter_dir:
-            raise SpecDenied(f"env PYTHONPATH: must be this node's adapter directory {settings.adapter_dir}")
         out[name] = value
     return out
 
 
-def _check_docker(argv: Sequence[str], env: Mapping[str, str], settings: AgentSettings) -> None:
+def path_tokens(value: str) -> list[str]:
+    """The absolute paths in an environment value or argument (`a:/x`, `--f=/y`, `/z,/w`),
+    normalized; SpecInvalid for one with '..' (through a link it need not mean the parent)."""
+    out = []
+    for token in _PATH_TOKEN.split(value):
+        if not token.startswith("/"):
+            continue
+        if ".." in token.split("/"):
+            raise SpecInvalid(f"path {token!r}: must not contain '..'")
+        out.append("/" + posixpath.normpath(token).lstrip("/"))
+    return out
+
+
+def _host_env_paths(env: Mapping[str, str], settings: AgentSettings, targets: Sequence[str],
+                    readable: Sequence[str], absent: list[tuple[str, str]]) -> list[PathUse]:
+    """What to check about the paths in the environment; paths under none of the rank's roots go
+    to `absent`: the agent then requires that nothing exists there."""
+    uses = []
+    cache = settings.rank_cache_dir
+    for name, value in env.items():
+        if name == "PYTHONPATH":
+            uses.append(PathUse(value, "env PYTHONPATH", code=True))
+            continue
+        for path in path_tokens(value):
+            what = f"env {name}"
+            if name in CACHE_ENV:
+                if not under(path, [cache]):
+                    raise SpecDenied(f"{what} {path}: a cache must be under {cache} (a cache holds code the rank "
+                                     "loads again)")
+                uses.append(PathUse(cache, f"{what} (cache directory)", code=True))
+            elif name in CODE_ENV:
+                for forbidden in (settings.state_dir, settings.cache_dir, "/tmp", "/dev/shm", "/var/tmp"):
+                    if under(path, [forbidden]):
+                        raise SpecDenied(f"{what} {path}: code is never loaded from {forbidden}")
+                check_under_roots(path, what, settings)
+                uses.append(PathUse(path, what, code=True))
+            elif under(path, targets):
+                continue  # a bind target: its source is checked
+            elif under(path, [cache]):
+                uses.append(PathUse(cache, f"{what} (cache directory)", code=True))
+            elif under(path, readable):
+                uses.append(PathUse(path, what, must_exist=False))
+            else:
+                check_bind_path(path, what)  # never a system directory
+                absent.append((path, what))  # and only where nothing exists: it shows the rank nothing
+    return uses
+
+
+# ------------------------------------------------------------------ binds
+
+def _readable_roots(settings: AgentSettings) -> tuple[str, ...]:
+    """Where bind sources and the paths a host rank is shown may lie."""
+    return (*settings.allowed_paths, settings.adapter_dir, posixpath.join(settings.state_dir, "state"))
+
+
+def _check_source(source: str, read_only: bool, runtime: str, settings: AgentSettings, code: bool) -> PathUse:
+    what = "bind source"
+    if not read_only:
+        cache = settings.container_cache_dir if runtime == "container" else None
+        if source != cache:
+            raise SpecDenied(f"{what} {source}: read-write binds are refused; the only one is the container's cache "
+                             f"{settings.container_cache_dir}")
+        return PathUse(source, "the container's cache", code=True)
+    if under(source, [settings.adapter_dir]):
+        return PathUse(source, what, code=True)
+    if under(source, [posixpath.join(settings.state_dir, "state")]):
+        if code:
+            raise SpecDenied(f"{what} {source}: the agent's state directory holds files the coordinator sent; "
+                             "code is never loaded from it")
+        return PathUse(source, what)
+    check_under_roots(source, what, settings)
+    return PathUse(source, what, code=code)
+
+
+def _check_host_target(target: str) -> str:
+    norm = check_bind_path(target, "bind target")
+    if norm == "/":
+        raise SpecDenied("bind target /: refused")
+    return norm
+
+
+# ------------------------------------------------------------------ argv
+
+def _flags(args: Sequence[str], what: str) -> None:
+    if args and not args[0].startswith("--"):
+        raise SpecDenied(f"argv: {what} takes the rank's flags (--name value ...), not {args[0]!r}")
+
+
+def _check_host_entry(argv: Sequence[str], settings: AgentSettings) -> tuple[str, int]:
+    """(executable, index of the first flag) for the host runtime's fixed entry."""
+    exe = check_path(argv[0], "argv[0]")
+    if exe in settings.allowed_pythons:
+        if tuple(argv[1:3]) != SGLANG_ENTRY:
+            raise SpecDenied(f"argv: {exe} is an allowed Python: it runs only `{exe} -m sglang.launch_server FLAGS`, "
+                             f"not {' '.join(argv[1:3])!r}")
+        _flags(argv[3:], "sglang.launch_server")
+        return exe, 3
+    if exe in settings.allowed_executables:
+        _flags(argv[1:], exe)
+        return exe, 1
+    allowed = ", ".join([*settings.allowed_pythons, *settings.allowed_executables]) or \
+        "none (set ALLOWED_PYTHONS or ALLOWED_EXECUTABLES in agent.env)"
+    raise SpecDenied(f"executable {exe}: not allowed on this node; allowed: {allowed}")
+
+
+def _check_docker(argv: Sequence[str], env: Mapping[str, str], settings: AgentSettings
+                  ) -> tuple[list[tuple[str, str, bool]], int]:
+    """The -v binds (source, target, read_only) and the index of the rank's first flag."""
     if list(argv[:2]) != [DOCKER, "run"]:
         raise SpecInvalid(f"argv: the container runtime runs `{DOCKER} run ...`")
-    i, forwarded = 2, set()
+    i, forwarded, given, volumes = 2, set(), [], []
     while i < len(argv) and argv[i].startswith("-"):
         flag = argv[i]
         if flag == "--rm":
+            given.append((flag, ""))
             i += 1
             continue
         if i + 1 >= len(argv):
@@ -138,8 +303,8 @@ def _check_docker(argv: Sequence[str], env: Mapping[str, str], settings: AgentSe
             parts = value.split(":")
             if len(parts) != 3 or parts[2] not in ("ro", "rw"):
                 raise SpecInvalid(f"argv: -v {value!r}: must be SOURCE:TARGET:ro|rw")
-            check_bind_path(parts[0], "bind source")
-            check_bind_path(parts[1], "bind target")
+            volumes.append((check_path(parts[0], "bind source"), check_bind_path(parts[1], "bind target"),
+                            parts[2] == "ro"))
         elif flag == "-e":
             if value not in env:
                 raise SpecInvalid(f"argv: -e {value}: forwards a variable that env does not define")
@@ -148,18 +313,31 @@ def _check_docker(argv: Sequence[str], env: Mapping[str, str], settings: AgentSe
             raise SpecDenied(f"argv: docker flag {flag} is not one a rank needs")
         elif not _DOCKER_FLAG_VALUES[flag](value):
             raise SpecDenied(f"argv: {flag} {value}: not allowed for a rank")
+        given.append((flag, value))
         i += 2
-    if "--rm" not in argv[2:i] or "--name" not in argv[2:i]:
+    if ("--rm", "") not in given or "--name" not in dict(given):
         raise SpecInvalid(f"argv: the rank container must be run with --rm --name {CONTAINER_NAME}")
+    missing = [f"{f} {v}" for f, v in REQUIRED_DOCKER_FLAGS if (f, v) not in given]
+    if missing:
+        raise SpecDenied(f"argv: the rank container must run with {', '.join(missing)} (a rank needs no other "
+                         "capability of root)")
     if i >= len(argv):
         raise SpecInvalid("argv: no image after the docker flags")
     image = argv[i]
     if image not in settings.allowed_images:
         allowed = ", ".join(settings.allowed_images) or "none (set ALLOWED_IMAGES in agent.env)"
-        raise SpecDenied(f"image {image}: not allowed on this node; allowed: {allowed}")
-    if missing := sorted(set(env) - forwarded):
-        raise SpecInvalid(f"argv: env entries not forwarded into the container with -e: {', '.join(missing)}")
+        raise SpecDenied(f"image {image}: not allowed on this node; allowed (by digest): {allowed}")
+    command = tuple(argv[i + 1:i + 1 + len(CONTAINER_COMMAND)])
+    if command != CONTAINER_COMMAND:
+        raise SpecDenied(f"argv: the container runs `{' '.join(CONTAINER_COMMAND)} FLAGS`, not {' '.join(command)!r}")
+    first = i + 1 + len(CONTAINER_COMMAND)
+    _flags(argv[first:], "sglang.launch_server")
+    if missing_env := sorted(set(env) - forwarded):
+        raise SpecInvalid(f"argv: env entries not forwarded into the container with -e: {', '.join(missing_env)}")
+    return volumes, first
 
+
+# ------------------------------------------------------------------ the request
 
 def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], fills: Mapping[str, str],
                  binds: Iterable[tuple[str, str, bool]], exec_start_pre: Iterable[Sequence[str]],
@@ -181,15 +359,56 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
             raise SpecInvalid(f"agent_fills {key}: not in env")
         if fact not in KNOWN_FILLS:
             raise SpecInvalid(f"agent_fills {key}={fact}: unknown fact; known: {', '.join(KNOWN_FILLS)}")
-    checked_binds = tuple(Bind(check_bind_path(s, "bind source"), check_bind_path(t, "bind target"), bool(ro))
-                          for s, t, ro in binds)
+    requested = [(check_path(s, "bind source"), check_path(t, "bind target"), bool(ro)) for s, t, ro in binds]
+    trust: list[PathUse] = []
+    targets: list[str] = []
     if runtime == "host":
-        exe = check_path(argv[0], "argv[0]")
-        if exe not in settings.allowed_executables:
-            allowed = ", ".join(settings.allowed_executables) or "none (set ALLOWED_EXECUTABLES in agent.env)"
-            raise SpecDenied(f"executable {exe}: not allowed on this node; allowed: {allowed}")
+        exe, first = _check_host_entry(argv, settings)
+        # A missing one fails the start (status 203); only who may create it matters here.
+        trust.append(PathUse(exe, "executable", code=True, must_exist=False))
+        code_dirs = set(path_tokens(env.get("LD_LIBRARY_PATH", "")))
+        checked = []
+        for source, target, ro in requested:
+            if not ro:
+                raise SpecDenied(f"bind {source}:{target}: read-write binds are refused for the host runtime")
+            trust.append(_check_source(source, True, runtime, settings, code=target in code_dirs))
+            target = _check_host_target(target)
+            if not under(target, settings.allowed_paths):
+                targets.append(target)
+            checked.append(Bind(source, target, True))
+        bind_targets = [b.target for b in checked]
+        readable = _readable_roots(settings)
+        absent: list[tuple[str, str]] = []
+        trust += _host_env_paths(env, settings, bind_targets, readable, absent)
+        targets += [path for path, _ in absent]
+        for arg in argv[first:]:
+            for path in path_tokens(arg):
+                if under(path, bind_targets):
+                    continue
+                if under(path, [settings.rank_cache_dir]):
+                    trust.append(PathUse(settings.rank_cache_dir, "argv (cache directory)", code=True))
+                elif under(path, readable):
+                    trust.append(PathUse(path, f"argv {arg}", must_exist=False))
+                else:
+                    targets.append(check_bind_path(path, f"argv {arg}"))  # nothing may exist there
+        cache_dir = settings.rank_cache_dir
+        checked_binds = tuple(checked)
     else:
-        _check_docker(argv, env, settings)
+        volumes, _ = _check_docker(argv, env, settings)
+        code_targets = {CONTAINER_ADAPTER_DIR, *path_tokens(env.get("LD_LIBRARY_PATH", ""))}
+        for source, target, ro in volumes:
+            if not ro and target != CONTAINER_CACHE:
+                raise SpecDenied(f"-v {source}:{target}:rw: the only read-write bind is the cache at {CONTAINER_CACHE}")
+            trust.append(_check_source(source, ro, runtime, settings, code=target in code_targets))
+        for path in path_tokens(env.get("LD_LIBRARY_PATH", "")):
+            if not any(ro and target == path for _, target, ro in volumes):
+                raise SpecDenied(f"env LD_LIBRARY_PATH entry {path}: must be a read-only bind target of the container")
+        if "PYTHONPATH" in env and not any(t == CONTAINER_ADAPTER_DIR and ro and s == settings.adapter_dir
+                                           for s, t, ro in volumes):
+            raise SpecDenied(f"env PYTHONPATH={CONTAINER_ADAPTER_DIR}: needs -v {settings.adapter_dir}:"
+                             f"{CONTAINER_ADAPTER_DIR}:ro")
+        checked_binds = tuple(Bind(s, t, ro) for s, t, ro in requested)
+        cache_dir = settings.container_cache_dir
     cleanup = (DOCKER, "rm", "--force", CONTAINER_NAME)
     pre, post = tuple(tuple(c) for c in exec_start_pre), tuple(tuple(c) for c in exec_stop_post)
     for what, commands in (("exec_start_pre", pre), ("exec_stop_post", post)):
@@ -217,7 +436,8 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
         if not _HCA.fullmatch(hca):
             raise SpecInvalid(f"hcas {hca!r}: must be an RDMA device name")
     return RankLaunch(runtime, argv, env, dict(fills), checked_binds, pre, post, stop_timeout_s, memory_max,
-                      memory_high, fingerprint, rank, generation, fabric_address, tuple(hcas))
+                      memory_high, fingerprint, rank, generation, fabric_address, tuple(hcas), tuple(trust),
+                      tuple(dict.fromkeys(targets)), cache_dir)
 
 
 def fill_env(launch: RankLaunch, facts: Mapping[str, str]) -> dict[str, str]:
@@ -228,6 +448,37 @@ def fill_env(launch: RankLaunch, facts: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+# Sandboxing of the rank unit, as far as the engine allows: SGLang needs the GPU and RDMA devices
+# (no PrivateDevices=, and no ProtectClock=, which implies a device allow-list), JIT compilers (no
+# MemoryDenyWriteExecute=), netlink (ibverbs) and IPC_LOCK; it writes only its cache (HOME points
+# there). No PrivateTmp=: the recipe's model is under /var/tmp.
+SANDBOX: tuple[tuple[str, str, object], ...] = (
+    ("NoNewPrivileges", "b", True),
+    ("ProtectSystem", "s", "strict"),
+    ("ProtectHome", "s", "read-only"),
+    ("ProtectKernelTunables", "b", True),
+    ("ProtectKernelModules", "b", True),
+    ("ProtectKernelLogs", "b", True),
+    ("ProtectControlGroups", "b", True),
+    ("ProtectHostname", "b", True),
+    ("ProtectProc", "s", "invisible"),
+    ("RestrictSUIDSGID", "b", True),
+    ("RestrictRealtime", "b", True),
+    ("RestrictNamespaces", "t", 0),  # none: a rank creates no namespaces (docker's are dockerd's)
+    ("LockPersonality", "b", True),
+    ("RemoveIPC", "b", True),
+    ("RestrictAddressFamilies", "(bas)", (True, ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"])),
+    ("SystemCallArchitectures", "as", ["native"]),
+    # A deny-list of system call groups nothing in a rank uses (@debug stays: CUDA may share memory
+    # between processes through pidfd_getfd).
+    ("SystemCallFilter", "(bas)", (False, ["@clock", "@cpu-emulation", "@module", "@mount", "@obsolete",
+                                          "@raw-io", "@reboot", "@swap"])),
+    ("SystemCallErrorNumber", "i", 1),  # EPERM
+    ("CapabilityBoundingSet", "t", (1 << 14) | (1 << 23)),  # CAP_IPC_LOCK, CAP_SYS_NICE
+    ("UMask", "u", 0o027),
+)
+
+
 def unit_properties(launch: RankLaunch, env: Mapping[str, str], node: str,
                     working_directory: str) -> list[tuple[str, str, object]]:
     """(name, D-Bus signature, value) for StartTransientUnit; the systemd client wraps them in variants."""
@@ -236,6 +487,12 @@ def unit_properties(launch: RankLaunch, env: Mapping[str, str], node: str,
 
     extra = [f"DSV41_NODE={node}", f"DSV41_RANK={launch.rank}", f"DSV41_FINGERPRINT={launch.fingerprint}",
              f"DSV41_GENERATION={launch.generation}", "DSV41_UNIT=dsv41-rank"]
+    env = dict(env)
+    if launch.runtime == "host" and launch.cache_dir:
+        # `python -m` puts the working directory first on sys.path; and whatever writes to ~ writes
+        # to the cache, the one directory the unit may write.
+        env.setdefault("PYTHONSAFEPATH", "1")
+        env.setdefault("HOME", launch.cache_dir)
     props: list[tuple[str, str, object]] = [
         ("Description", "s", f"dsv41 SGLang rank {launch.rank} ({launch.runtime}, plan {launch.fingerprint})"),
         ("Type", "s", "exec"),
@@ -249,7 +506,10 @@ def unit_properties(launch: RankLaunch, env: Mapping[str, str], node: str,
         ("LimitMEMLOCKSoft", "t", INFINITY),
         ("SyslogIdentifier", "s", "dsv41-rank"),
         ("LogExtraFields", "aay", [e.encode() for e in extra]),
+        *SANDBOX,
     ]
+    if launch.cache_dir:
+        props.append(("ReadWritePaths", "as", [launch.cache_dir]))
     if launch.exec_start_pre:
         props.append(("ExecStartPre", "a(sasb)", [cmd(c, True) for c in launch.exec_start_pre]))
     if launch.exec_stop_post:

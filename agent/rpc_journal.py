@@ -14,6 +14,14 @@ _PRIORITY_NAMES = ("emerg", "alert", "crit", "err", "warning", "notice", "info",
 MAX_LINES = 10_000
 
 
+def from_unit(entry: dict, units) -> bool:
+    """The entry was written by one of the units, or by systemd about one of them: never a line a
+    user sent with UNIT= set. (The reader's matches already say so; this holds on to it.)"""
+    if str(entry.get("_SYSTEMD_UNIT", "")) in units:
+        return True
+    return str(entry.get("UNIT", "")) in units and str(entry.get("_PID", "")) == "1"
+
+
 def _line(node: str, entry: dict) -> pb.JournalLine:
     when = entry.get("__REALTIME_TIMESTAMP")
     priority = int(entry.get("PRIORITY", 6))
@@ -39,9 +47,11 @@ class JournalRpcs:
             for i, unit in enumerate(units):
                 if i:
                     reader.add_disjunction()
+                # _SYSTEMD_UNIT is journald's own field (from the sender's cgroup); UNIT= is a field
+                # any local user may send, so it counts only from systemd itself (PID 1).
                 reader.add_match(_SYSTEMD_UNIT=unit)
                 reader.add_disjunction()
-                reader.add_match(UNIT=unit)  # systemd's own messages about the unit
+                reader.add_match(UNIT=unit, _PID="1")
             reader.seek_tail()
             backlog = []
             for _ in range(request.lines or 50):
@@ -50,13 +60,15 @@ class JournalRpcs:
                     break
                 backlog.append(entry)
             for entry in reversed(backlog):
-                yield _line(self._settings.node, entry)
+                if from_unit(entry, units):
+                    yield _line(self._settings.node, entry)
             reader.seek_tail()
             reader.get_previous()
             while request.follow and context.is_active():
                 if reader.wait(1_000_000) == journal.APPEND:
                     for entry in reader:
-                        yield _line(self._settings.node, entry)
+                        if from_unit(entry, units):
+                            yield _line(self._settings.node, entry)
         finally:
             reader.close()
 
@@ -65,8 +77,8 @@ class JournalRpcs:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "which: only autotune")
         if self._rank.status().running:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the rank is running: stop it before clearing caches")
-        root = os.path.join(self._settings.cache_dir, "rank", "sglang")
-        removed = clear_autotune_caches(root)
-        self._events.info("caches_cleared", f"removed {len(removed)} FlashInfer autotune cache file(s) under {root}",
-                          removed=len(removed))
+        roots = [os.path.join(d, "sglang") for d in (self._settings.rank_cache_dir, self._settings.container_cache_dir)]
+        removed = [path for root in roots for path in clear_autotune_caches(root)]
+        self._events.info("caches_cleared", f"removed {len(removed)} FlashInfer autotune cache file(s) under "
+                          f"{' and '.join(roots)}", removed=len(removed))
         return pb.ClearCachesResponse(removed_files=len(removed))

@@ -9,6 +9,7 @@ agent and the agent never imports pyroute2.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass
 
@@ -20,13 +21,15 @@ from .fabric.checker import FabricChecker
 from .fabric.checks import FabricResult
 from .fabric.spec import Invalid as FabricInvalid
 from .fabric.spec import check_fabric
-from .nfs.errors import Invalid, Refused
+from .nfs.errors import Denied, Invalid, Refused
 from .nfs.exports import ExportManager, ExportStatus
 from .nfs.ganesha import GaneshaExporter
 from .nfs.health import ProbeRunner
 from .nfs.kernel import KernelExporter
 from .nfs.mount import MountManager, MountStatus
-from .nfs.spec import DEFAULT_MOUNT_TYPES, check_export, check_mount, check_mounted_by
+from .nfs.spec import (DEFAULT_MOUNT_TYPES, check_export, check_export_allowed, check_mount, check_mount_allowed,
+                       check_mounted_by)
+from .pathtrust import PathTrust, PathUse
 from .nfs.units import Units
 from .systemd import SystemdError
 
@@ -40,6 +43,21 @@ class NodeChecks:
     exports: ExportManager
     mounts: MountManager
     fabric: FabricChecker
+    view: str = "/"  # where the host's file system is seen from
+    owner: int = 0  # whose files are trusted: root (a test over its own files passes its uid)
+
+
+def mount_points(view: str) -> frozenset[str]:
+    """Where something is mounted in PID 1's namespace (its mountinfo), as the host sees the paths."""
+    path = "/proc/1/mountinfo" if view == HOST_VIEW else "/proc/self/mountinfo"
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return frozenset()
+    # Field 5 is the mount point, with blanks and backslashes escaped as \ooo.
+    return frozenset(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+                     for line in lines if len(line.split()) > 4)
 
 
 def host_view() -> str:
@@ -50,13 +68,13 @@ def host_view() -> str:
         return "/"
 
 
-def build_node_checks(settings, systemd, events, view_root: str | None = None) -> NodeChecks:
+def build_node_checks(settings, systemd, events, view_root: str | None = None, owner: int = 0) -> NodeChecks:
     units = Units(systemd)
     view = host_view() if view_root is None else view_root
     exports = ExportManager(KernelExporter(units), GaneshaExporter(units), events, view_root=view)
     mounts = MountManager(units, ProbeRunner(), events, os.path.join(settings.state_dir, "mount.json"),
                           view_root=view)
-    return NodeChecks(exports, mounts, FabricChecker(settings.sysfs_root))
+    return NodeChecks(exports, mounts, FabricChecker(settings.sysfs_root), view, owner)
 
 
 _MOUNT_STATES = {"unchecked": pb.MountState.STATE_UNSPECIFIED, "absent": pb.MountState.ABSENT, "mounting": pb.MountState.MOUNTING,
@@ -93,6 +111,19 @@ class NodeCheckRpcs:
                     self._settings, self._systemd, self._events)
             return checks
 
+    def host_view_root(self) -> str:
+        """Where the host's file system is seen from (PID 1's root when the agent may read it)."""
+        return self._node_checks().view
+
+    def path_trust(self) -> PathTrust:
+        """Checks paths as PID 1 (and so the rank) sees them; the weights' mount is not walked into."""
+        checks = self._node_checks()
+
+        def vouched() -> tuple[str, ...]:
+            spec = checks.mounts.spec
+            return (spec.where,) if spec is not None else ()
+        return PathTrust(checks.view, vouched, checks.owner)
+
     def _allowed_mount_types(self) -> tuple[str, ...]:
         return tuple(getattr(self._settings, "allowed_mount_types", DEFAULT_MOUNT_TYPES))
 
@@ -113,6 +144,9 @@ class NodeCheckRpcs:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Refused as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Denied as exc:
+            self._events.warning("request_denied", str(exc))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except SystemdError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"systemd over D-Bus: {exc}")
 
@@ -122,6 +156,12 @@ class NodeCheckRpcs:
         def run() -> ExportStatus:
             export = check_export(path=request.path, clients=list(request.clients), options=request.options,
                                   backend=request.backend, name=request.name)
+            check_export_allowed(export, self._settings.allowed_paths)
+            # The workers' ranks load code from it (--trust-remote-code): only root may have written it.
+            why = PathTrust(self.host_view_root(), owner=self._node_checks().owner).problem(
+                PathUse(export.path, "export path"))
+            if why:
+                raise Denied(why)
             return self._node_checks().exports.ensure(export)
         return export_pb(self._call(context, run))
 
@@ -142,6 +182,8 @@ class NodeCheckRpcs:
             spec = check_mount(what=request.what, where=request.where, type=request.type, options=request.options,
                                server=request.server, expected_shards=request.expected_shards,
                                allowed_types=self._allowed_mount_types())
+            check_mount_allowed(spec, self._settings.allowed_paths, self._settings.allowed_mount_servers)
+            self._check_mount_point(spec)
             return self._node_checks().mounts.ensure(spec, self._rank_running())
         return mount_pb(self._call(context, run))
 
@@ -153,6 +195,30 @@ class NodeCheckRpcs:
 
     def RemoveMount(self, request, context):
         return mount_pb(self._call(context, lambda: self._node_checks().mounts.remove(self._rank_running())))
+
+    def _check_mount_point(self, spec) -> None:
+        """The mount point is root's: under a sticky /var/tmp anyone could have made it first. A
+        mounted one is not looked at (a stale server would block the stat); its directory is."""
+        view = self.host_view_root()
+        owner = self._node_checks().owner
+        problems = []
+        if spec.type == "none":
+            problems += PathTrust(view, owner=owner).problems([PathUse(spec.what, "bind mount source")])
+        if spec.where in mount_points(view):
+            # mounted: the walk stops at it, its directories are checked
+            trust = PathTrust(view, vouched=lambda: (spec.where,), owner=owner)
+        else:
+            trust = PathTrust(view, owner=owner)
+            host = os.path.join(view, spec.where.lstrip("/"))
+            try:
+                os.mkdir(host, 0o755)  # fails when it exists: then its owner is checked
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                problems.append(f"mount point {spec.where}: cannot create it: {exc.strerror}")
+        problems += trust.problems([PathUse(spec.where, "mount point")])
+        if problems:
+            raise Denied("; ".join(problems))
 
     # -- fabric
 

@@ -16,12 +16,43 @@ import agent
 from agent.pack.state import pack_state
 from dsv41.v1 import agent_pb2 as pb
 
-from .rankspec import SpecDenied, SpecInvalid, check_bind_path, check_path
+from .pathtrust import PathUse
+from .rankspec import SpecDenied, SpecInvalid, check_under_roots
 from .systemd import UNIT_IFACE, SystemdError
 
 PACK_UNIT = "dsv41-pack.service"
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 LAYERS = (1, 14)
+# The pack job reads the checkpoint and writes one directory: no network, no devices, no
+# capabilities (its files are root's), nothing it could hand on. No PrivateTmp=: the recipe's
+# model and packs may be under /var/tmp.
+PACK_SANDBOX: tuple[tuple[str, str, object], ...] = (
+    ("NoNewPrivileges", "b", True),
+    ("ProtectSystem", "s", "strict"),
+    ("ProtectHome", "s", "read-only"),
+    ("PrivateDevices", "b", True),
+    ("PrivateNetwork", "b", True),
+    ("PrivateIPC", "b", True),
+    ("ProtectKernelTunables", "b", True),
+    ("ProtectKernelModules", "b", True),
+    ("ProtectKernelLogs", "b", True),
+    ("ProtectControlGroups", "b", True),
+    ("ProtectClock", "b", True),
+    ("ProtectHostname", "b", True),
+    ("ProtectProc", "s", "invisible"),
+    ("RestrictSUIDSGID", "b", True),
+    ("RestrictRealtime", "b", True),
+    ("RestrictNamespaces", "t", 0),
+    ("LockPersonality", "b", True),
+    ("MemoryDenyWriteExecute", "b", True),
+    ("RemoveIPC", "b", True),
+    ("RestrictAddressFamilies", "(bas)", (True, ["AF_UNIX"])),  # sd_notify only
+    ("SystemCallArchitectures", "as", ["native"]),
+    ("SystemCallFilter", "(bas)", (True, ["@system-service"])),
+    ("SystemCallErrorNumber", "i", 1),  # EPERM
+    ("CapabilityBoundingSet", "t", 0),
+    ("UMask", "u", 0o022),
+)
 
 
 def _module_path() -> str:
@@ -35,10 +66,12 @@ class PackRpcs:
 
     def _check_pack_spec(self, spec: pb.PackSpec, context) -> None:
         try:
-            check_path(spec.source_dir, "source_dir")
-            check_bind_path(spec.out_dir, "out_dir")
-        except (SpecInvalid, SpecDenied) as exc:
+            check_under_roots(spec.source_dir, "source_dir", self._settings)
+            check_under_roots(spec.out_dir, "out_dir", self._settings)
+        except SpecInvalid as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except SpecDenied as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if not 1 <= spec.tp <= 64:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tp {spec.tp}: must be 1..64")
         if len(spec.ranks) != 1 or not 0 <= spec.ranks[0] < spec.tp:
@@ -62,6 +95,7 @@ class PackRpcs:
         running, text = self._pack_unit()
         layers = []
         for rank in spec.ranks:
+            # As PID 1 (and the pack job) sees it: the agent's own /var/tmp is private.
             for state in pack_state(self._on_host(spec.out_dir), rank, spec.tp, tuple(spec.layers)):
                 layers.append(pb.PackLayerState(layer=state.layer, rank=rank, state=state.status.value,
                                                 state_kind=pb.PackLayerState.State.Value(state.status.name),
@@ -83,6 +117,12 @@ class PackRpcs:
         running, _ = self._pack_unit()
         if running:
             return self._state(spec)
+        # What the job reads is what the rank will serve; what it writes, the rank reads.
+        problems = self.path_trust().problems([PathUse(spec.source_dir, "source_dir"),
+                                               PathUse(spec.out_dir, "out_dir", must_exist=False)])
+        if problems:
+            self._events.warning("request_denied", f"refused a pack job: {'; '.join(problems)}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "; ".join(problems))
         self._systemd.reset_failed(PACK_UNIT)
         argv = [sys.executable, "-B", "-m", "agent.pack", "--model", spec.source_dir, "--out", spec.out_dir,
                 "--rank", str(spec.ranks[0]), "--tp", str(spec.tp), "--layers", ",".join(map(str, spec.layers))]
@@ -92,8 +132,9 @@ class PackRpcs:
                  ("Environment", "as", [f"PYTHONPATH={_module_path()}"]),
                  ("WorkingDirectory", "s", "/"), ("SyslogIdentifier", "s", "dsv41-pack"),
                  ("LogExtraFields", "aay", [f"DSV41_NODE={self._settings.node}".encode(), b"DSV41_UNIT=dsv41-pack"]),
-                 ("IOSchedulingClass", "i", 3)]  # idle: a pack must not starve a serving node's disk
-        os.makedirs(self._on_host(spec.out_dir), exist_ok=True)
+                 ("IOSchedulingClass", "i", 3),  # idle: a pack must not starve a serving node's disk
+                 ("ReadWritePaths", "as", [spec.out_dir]), *PACK_SANDBOX]
+        os.makedirs(self._on_host(spec.out_dir), mode=0o755, exist_ok=True)
         try:
             job = self._systemd.start_transient(PACK_UNIT, props, 120.0)
         except SystemdError as exc:

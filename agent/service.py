@@ -24,7 +24,7 @@ from .events import EventHub
 from .images import ImageIds
 from .memory import ChangeFilter, MeminfoInvalid, MemorySampler, Sample, SendPolicy, TriggerWatcher, Wakeup
 from .rank import ExitRecord, RankError, RankManager, RankStatus
-from .rankspec import RANK_UNIT, SpecDenied, SpecInvalid, check_launch
+from .rankspec import RANK_UNIT, RankLaunch, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
 from .pressure import NodePressure
 from .rpc_diagnostics import DiagnosticsRpcs
@@ -146,6 +146,12 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRp
         self._digest: tuple[float, str] = (0.0, "")
         self._pressure = pressure or NodePressure()
 
+    def launch_problems(self, launch: RankLaunch) -> list[str]:
+        trust = self.path_trust()
+        problems = trust.problems(launch.trust)
+        problems += [p for p in (trust.shadow_problem(t) for t in launch.targets) if p]
+        return problems
+
     def _adapter_digest(self) -> str:
         with self._digest_lock:
             at, value = self._digest
@@ -205,6 +211,10 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRp
         except SpecDenied as exc:
             self._events.warning("rank_request_denied", f"refused a rank request: {exc}")
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        problems = self.launch_problems(launch)
+        if problems:
+            self._events.warning("rank_request_denied", f"refused a rank request: {'; '.join(problems)}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "; ".join(problems))
         timeout = request.start_timeout_s or 60
         if timeout > 600:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start_timeout_s: must be at most 600")
@@ -331,5 +341,6 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRp
 
 
 def ensure_dirs(settings: AgentSettings) -> None:
-    for directory in (settings.state_dir, os.path.join(settings.state_dir, "state"), settings.cache_dir):
+    for directory in (settings.state_dir, os.path.join(settings.state_dir, "state"), settings.cache_dir,
+                      settings.rank_cache_dir, settings.container_cache_dir):
         os.makedirs(directory, mode=0o755, exist_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +16,20 @@ from typing import Mapping
 
 from dsv41 import envfile
 
+from .nfs.errors import Invalid as PathInvalid
+from .nfs.paths import check_path as check_root_path
+
 DEFAULT_PATH = "/etc/dsv41/agent.env"
+DEFAULT_PORT = 7441
+PIN_FILE = "coordinator.pin"  # beside TLS_CA, from the node's bundle
 _NODE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
-_IMAGE = re.compile(r"[a-z0-9][a-z0-9._/:-]*(@sha256:[0-9a-f]{64})?")
+# Immutable image references only: a tag can be moved to other content after it was allowed.
+_IMAGE = re.compile(r"[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}|sha256:[0-9a-f]{64}")
+# Programs that run whatever code their arguments name (`python -c`, `sh -c`): an entry point of
+# the host runtime receives the plan's flags, so it must not be one of these.
+_INTERPRETER = re.compile(r"(python|pypy)[0-9.]*(-dbg)?|(ba|da|z|k|c|tc|fi|mk|a)?sh|busybox|env|perl[0-9.]*|"
+                          r"ruby[0-9.]*|node(js)?|lua[0-9.]*|php[0-9.]*|tclsh[0-9.]*|wish[0-9.]*|[gm]?awk|"
+                          r"sudo|su|setpriv|nsenter|chroot|systemd-run|xargs|find")
 
 
 class SettingsError(Exception):
@@ -41,28 +53,56 @@ class AgentSettings:
     sysfs_root: str
     cache_dir: str
     allowed_mount_types: tuple[str, ...] = ("nfs4",)
+    # Pythons of the host runtime: each runs only `-m sglang.launch_server` with the plan's flags.
+    allowed_pythons: tuple[str, ...] = ()
+    # Directories the rank may be shown (model, Engram packs, a NCCL build): bind sources, mount
+    # points, the export, the pack job's directories and every path in the rank's argv and
+    # environment lie under one of them (or the adapter, the state and the cache directories).
+    allowed_paths: tuple[str, ...] = ()
+    allowed_mount_servers: tuple[str, ...] = ()  # addresses or networks the weights may be mounted from
+    tls_pin: str | None = None  # file of sha256 fingerprints of the coordinator certificates accepted
+    max_connections: int = 256
+    max_connections_per_source: int = 32
+    handshake_timeout_s: float = 5.0
 
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
 
+    @property
+    def rank_cache_dir(self) -> str:
+        """The host runtime's caches (JIT kernels, byte code, autotune), written by root ranks only."""
+        return posixpath.join(self.cache_dir, "rank")
+
+    @property
+    def container_cache_dir(self) -> str:
+        """The container's /root/.cache: written from inside the container, so never loaded by a host rank."""
+        return posixpath.join(self.cache_dir, "container")
+
 
 _KEYS = {
     "NODE_NAME": None,
-    "LISTEN": "0.0.0.0:7441",
+    "LISTEN": "",  # empty: 0.0.0.0:7441 with TLS, 127.0.0.1:7441 with INSECURE_NO_TLS=1
     "TLS_CA": "",
     "TLS_CERT": "",
     "TLS_KEY": "",
+    "TLS_PIN": "",  # empty: coordinator.pin beside TLS_CA
     "COORDINATOR_NAME": "dsv41-coordinator",
     "INSECURE_NO_TLS": "0",
     "ALLOWED_RUNTIMES": "container",
     "ALLOWED_IMAGES": "",
+    "ALLOWED_PYTHONS": "",
     "ALLOWED_EXECUTABLES": "",
+    "ALLOWED_PATHS": "",
+    "ALLOWED_MOUNT_SERVERS": "",
     "STATE_DIR": "/var/lib/dsv41",
     "ADAPTER_DIR": "/usr/share/dsv41/rank",
     "SYSFS_ROOT": "/sys",
     "CACHE_DIR": "/var/cache/dsv41",
     "ALLOWED_MOUNT_TYPES": "nfs4",
+    "MAX_CONNECTIONS": "256",
+    "MAX_CONNECTIONS_PER_SOURCE": "32",
+    "TLS_HANDSHAKE_TIMEOUT_S": "5",
 }
 
 
@@ -92,7 +132,13 @@ def parse(text: str, path: str, environ: Mapping[str, str]) -> AgentSettings:
         problems.append(f"{path}: NODE_NAME: is required (this node's name as the cluster config knows it)")
     elif not _NODE.fullmatch(values["NODE_NAME"]):
         bad("NODE_NAME", "must be a host name of letters, digits and -")
-    host, _, port = values["LISTEN"].rpartition(":")
+    if values["INSECURE_NO_TLS"] not in ("0", "1"):
+        bad("INSECURE_NO_TLS", "must be 0 or 1")
+    insecure = values["INSECURE_NO_TLS"] == "1"
+    # Without TLS anyone who reaches the port can start processes as root: unless LISTEN says
+    # otherwise, listen on loopback only.
+    listen = values["LISTEN"] or (f"127.0.0.1:{DEFAULT_PORT}" if insecure else f"0.0.0.0:{DEFAULT_PORT}")
+    host, _, port = listen.rpartition(":")
     try:
         ipaddress.ip_address(host.strip("[]"))
         if not 1 <= int(port) <= 65535:
@@ -102,12 +148,12 @@ def parse(text: str, path: str, environ: Mapping[str, str]) -> AgentSettings:
     tls = [values[k] for k in ("TLS_CA", "TLS_CERT", "TLS_KEY")]
     if any(tls) and not all(tls):
         bad("TLS_CERT", "TLS_CA, TLS_CERT and TLS_KEY go together")
-    for key in ("TLS_CA", "TLS_CERT", "TLS_KEY", "STATE_DIR", "ADAPTER_DIR", "SYSFS_ROOT", "CACHE_DIR"):
-        if values[key] and not values[key].startswith("/"):
-            bad(key, "must be an absolute path")
-    if values["INSECURE_NO_TLS"] not in ("0", "1"):
-        bad("INSECURE_NO_TLS", "must be 0 or 1")
-    insecure = values["INSECURE_NO_TLS"] == "1"
+    for key in ("TLS_CA", "TLS_CERT", "TLS_KEY", "TLS_PIN", "STATE_DIR", "ADAPTER_DIR", "SYSFS_ROOT",
+                "CACHE_DIR"):
+        if values[key] and (not values[key].startswith("/") or ".." in values[key].split("/")):
+            bad(key, "must be an absolute path without '..'")
+    pin = values["TLS_PIN"] or (posixpath.join(posixpath.dirname(values["TLS_CA"]), PIN_FILE)
+                                if values["TLS_CA"] else "")
     if not all(tls) and not insecure:
         problems.append(f"{path}: TLS_CA/TLS_CERT/TLS_KEY are required (make them with `dsv41ctl pki init`); "
                         "INSECURE_NO_TLS=1 serves without authentication, for isolated test networks only")
@@ -117,23 +163,68 @@ def parse(text: str, path: str, environ: Mapping[str, str]) -> AgentSettings:
     images = _list(values["ALLOWED_IMAGES"])
     for image in images:
         if not _IMAGE.fullmatch(image):
-            bad("ALLOWED_IMAGES", f"{image!r} is not an image reference")
+            bad("ALLOWED_IMAGES", f"{image!r} is not an image pinned by digest: list NAME[:TAG]@sha256:<64 hex> "
+                "(docker image inspect --format '{{index .RepoDigests 0}}' IMAGE) or a local build's ID "
+                "sha256:<64 hex> (docker image inspect --format '{{.Id}}' IMAGE); a tag can be moved to other "
+                "content after it was allowed")
+    pythons = _list(values["ALLOWED_PYTHONS"])
+    for exe in pythons:
+        if not exe.startswith("/") or ".." in exe.split("/"):
+            bad("ALLOWED_PYTHONS", f"{exe!r} must be an absolute path")
     executables = _list(values["ALLOWED_EXECUTABLES"])
     for exe in executables:
         if not exe.startswith("/") or ".." in exe.split("/"):
             bad("ALLOWED_EXECUTABLES", f"{exe!r} must be an absolute path")
+        elif _INTERPRETER.fullmatch(posixpath.basename(exe)):
+            bad("ALLOWED_EXECUTABLES", f"{exe}: runs any code its arguments name (e.g. `-c`); an entry point "
+                "receives the plan's flags as they come. List a Python in ALLOWED_PYTHONS instead, where it "
+                "runs only `-m sglang.launch_server`")
+    paths = _list(values["ALLOWED_PATHS"])
+    for root in paths:
+        try:
+            check_root_path(root, "ALLOWED_PATHS entry")
+        except PathInvalid as exc:
+            bad("ALLOWED_PATHS", str(exc))
+            continue
+        for key in ("STATE_DIR", "CACHE_DIR", "ADAPTER_DIR"):
+            other = values[key]
+            if other and (root == other or root.startswith(other + "/") or other.startswith(root + "/")):
+                bad("ALLOWED_PATHS", f"{root} overlaps {key}={other}: the rank's data roots must be apart from "
+                    "the agent's own directories")
+    servers = _list(values["ALLOWED_MOUNT_SERVERS"])
+    for server in servers:
+        try:
+            ipaddress.ip_network(server, strict=True)
+        except ValueError:
+            bad("ALLOWED_MOUNT_SERVERS", f"{server!r} must be an IP address or network (host bits zero), "
+                "e.g. 10.0.22.1 (the head's NFS_SERVER_IP_k on this node's link)")
+    limits = {}
+    for key, lo, hi in (("MAX_CONNECTIONS", 4, 65536), ("MAX_CONNECTIONS_PER_SOURCE", 2, 65536),
+                        ("TLS_HANDSHAKE_TIMEOUT_S", 1, 120)):
+        try:
+            limits[key] = int(values[key])
+            if not lo <= limits[key] <= hi:
+                raise ValueError
+        except ValueError:
+            bad(key, f"must be an integer from {lo} to {hi}")
+            limits[key] = lo
+    if limits["MAX_CONNECTIONS_PER_SOURCE"] > limits["MAX_CONNECTIONS"]:
+        bad("MAX_CONNECTIONS_PER_SOURCE", f"must not exceed MAX_CONNECTIONS={limits['MAX_CONNECTIONS']}")
     mount_types = _list(values["ALLOWED_MOUNT_TYPES"])
     if not mount_types or any(t not in ("nfs4", "nfs", "none") for t in mount_types):
         bad("ALLOWED_MOUNT_TYPES", "must list mount types from nfs4, nfs, none (none: bind mounts, for tests)")
     if problems:
         raise SettingsError("\n".join(problems))
     return AgentSettings(
-        node=values["NODE_NAME"], listen=values["LISTEN"],
+        node=values["NODE_NAME"], listen=listen,
         tls_ca=values["TLS_CA"] or None, tls_cert=values["TLS_CERT"] or None, tls_key=values["TLS_KEY"] or None,
         coordinator_name=values["COORDINATOR_NAME"], insecure_no_tls=insecure,
         allowed_runtimes=runtimes, allowed_images=images, allowed_executables=executables,
         state_dir=values["STATE_DIR"], adapter_dir=values["ADAPTER_DIR"], sysfs_root=values["SYSFS_ROOT"],
-        cache_dir=values["CACHE_DIR"], allowed_mount_types=mount_types)
+        cache_dir=values["CACHE_DIR"], allowed_mount_types=mount_types, allowed_pythons=pythons,
+        allowed_paths=paths, allowed_mount_servers=servers, tls_pin=(pin or None) if all(tls) else None,
+        max_connections=limits["MAX_CONNECTIONS"], max_connections_per_source=limits["MAX_CONNECTIONS_PER_SOURCE"],
+        handshake_timeout_s=float(limits["TLS_HANDSHAKE_TIMEOUT_S"]))
 
 
 def _list(raw: str) -> tuple[str, ...]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .sglang_cli import canonicalize
+
 
 def _value(args: Sequence[str], name: str) -> str | None:
     """The flag's value; like argparse, the last occurrence wins."""
@@ -31,8 +33,9 @@ def _int(args: Sequence[str], name: str, default: int) -> int | str:
 
 
 def check_sglang_args(args: Sequence[str]) -> list[str]:
-    """Errors in the rank's SGLang arguments (without the program name); empty when consistent."""
-    errors: list[str] = []
+    """Errors in the rank's SGLang arguments (without the program name); empty when consistent.
+    Flags are read as SGLang reads them (`--node-ra 3` is `--node-rank 3`)."""
+    args, errors = canonicalize(args)
     nnodes, rank, tp = _int(args, "--nnodes", 1), _int(args, "--node-rank", 0), _int(args, "--tp-size", 1)
     ep = _int(args, "--ep-size", 1)
     for value in (nnodes, rank, tp, ep):

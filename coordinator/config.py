@@ -16,6 +16,7 @@ from dsv41 import envfile
 
 from . import adapterkeys, schema
 from . import values as v
+from .sglang_cli import canonicalize
 
 _WORKER_KEY = re.compile(r"(WORKER(\d+)_(IP|HOST)|NFS_SERVER_IP_(\d+))")
 
@@ -244,7 +245,13 @@ def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[N
             err("METRICS_LISTEN", f"port {s['METRICS_LISTEN'].port} is already {' and '.join(clash)} on the head; "
                 "choose another (default 9441)", raw["METRICS_LISTEN"])
     if have("EXTRA_SGLANG_ARGS"):
-        _check_extra_args(s["EXTRA_SGLANG_ARGS"], raw["EXTRA_SGLANG_ARGS"], s, err)
+        # SGLang expands abbreviations (--node-ra is --node-rank): check, and render, what it will read.
+        written = tuple(s["EXTRA_SGLANG_ARGS"])
+        words, problems = canonicalize(written)
+        for problem in problems:
+            err("EXTRA_SGLANG_ARGS", problem)  # no value: it could hold a key
+        s["EXTRA_SGLANG_ARGS"] = tuple(words)  # type: ignore[index]
+        _check_extra_args(s["EXTRA_SGLANG_ARGS"], raw["EXTRA_SGLANG_ARGS"], s, err, written)
 
 
 # Flags the plan renders from keys: setting them again in EXTRA_SGLANG_ARGS would make ranks disagree
@@ -265,16 +272,29 @@ _SECRET_FLAGS = {
     "--api-key": "set API_KEY_FILE instead (the key then reaches rank 0 as a 0600 file)",
     "--admin-api-key": "dsv41 runs SGLang without an admin key",
 }
+# Flags that make SGLang read more flags from elsewhere, past every check here.
+_INDIRECT_FLAGS = {
+    "--config": "it reads more flags from a file, which no check here sees; put the flags in EXTRA_SGLANG_ARGS",
+}
 
 
-def _check_extra_args(words: tuple[str, ...], raw: str, s: Mapping[str, object], err) -> None:
+def _check_extra_args(words: tuple[str, ...], raw: str, s: Mapping[str, object], err,
+                      written: tuple[str, ...] | None = None) -> None:
+    """`words` as SGLang reads them (canonical flags); `written` as the file spells them."""
+    written = written or words
+    if any(w.partition("=")[0] in _SECRET_FLAGS for w in words):
+        raw = None  # no error may quote the value: it holds a key
     for i, word in enumerate(words):
         flag, _, inline = word.partition("=")
+        given = written[i].partition("=")[0] if i < len(written) else flag
+        named = flag if given == flag else f"{given} (SGLang reads it as {flag})"
         if flag in _OWNED_FLAGS:
-            err("EXTRA_SGLANG_ARGS", f"{flag} is set from {_OWNED_FLAGS[flag]}; remove it here", raw)
+            err("EXTRA_SGLANG_ARGS", f"{named} is set from {_OWNED_FLAGS[flag]}; remove it here", raw)
+        if flag in _INDIRECT_FLAGS:
+            err("EXTRA_SGLANG_ARGS", f"{named} is refused: {_INDIRECT_FLAGS[flag]}", raw)
         if flag in _SECRET_FLAGS:
             # No value in this error: it would copy the key into the journal.
-            err("EXTRA_SGLANG_ARGS", f"{flag} would put a key in argv, visible to every local user in ps; "
+            err("EXTRA_SGLANG_ARGS", f"{named} would put a key in argv, visible to every local user in ps; "
                 f"remove it: {_SECRET_FLAGS[flag]}")
         if flag == "--speculative-num-draft-tokens" and s.get("SPEC_ALGO") == "DSPARK":
             given = inline or (words[i + 1] if i + 1 < len(words) else "")
@@ -288,6 +308,10 @@ def _check_extra_args(words: tuple[str, ...], raw: str, s: Mapping[str, object],
 
 def _warnings(s: Mapping[str, object]) -> list[str]:
     out = []
+    if s["RANK_RUNTIME"] == "container" and s["IMAGE"] and not v.is_pinned_image(str(s["IMAGE"])):
+        out.append(f"IMAGE={s['IMAGE']} is a tag: agents run images by digest only (a tag can be moved to other "
+                   "content); set IMAGE to the build's ID, `docker image inspect --format '{{.Id}}' "
+                   f"{s['IMAGE']}`, and list that ID in every node's ALLOWED_IMAGES")
     if s["DSV41_VERIFY_CAP"] and not s["DSV41_BLOCK_VERIFY"]:
         out.append("DSV41_VERIFY_CAP is set but DSV41_BLOCK_VERIFY=0: the cap then ignores sampled rows")
     if s["SPEC_ALGO"] != "DSPARK" and (s["DSPARK_SPS_TABLE"] or s["DSPARK_STS_TABLE"]):

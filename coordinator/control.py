@@ -1,18 +1,29 @@
-"""The coordinator's control service for dsv41ctl, on a unix socket (0660 root:dsv41)."""
+"""The coordinator's control service for dsv41ctl, on unix sockets: control.sock (0660 root:dsv41)
+for everything, status.sock (0660 root:dsv41-read) for what only reads.
+
+Both sockets belong to a relay (dsv41/relay.py) that counts connections and tells the service who
+called (SO_PEERCRED): every action is a journal event with the caller's uid, and an action asked
+on the read-only socket is refused. Streams are bounded (MAX_STREAMS) so that followers cannot take
+every thread, and end with their caller.
+"""
 
 from __future__ import annotations
 
 import grp
 import os
+import pwd
 import queue
 import tempfile
 import threading
 import time
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
+from dsv41.journal import EventLog
+from dsv41.relay import Limits, Peer, Relay, parse_peer
 from dsv41.v1 import agent_pb2 as apb
 from dsv41.v1 import control_pb2 as pb
 from dsv41.v1 import control_pb2_grpc
@@ -23,7 +34,37 @@ from .agents import AgentClient, AgentUnavailable
 from .packstate import incomplete
 from .config import ClusterConfig
 from .runtime import ClusterRuntime, Incident, Snapshot
-from .sockets import CONTROL_GROUP, CONTROL_SOCKET
+from .sockets import CONTROL_GROUP, CONTROL_SOCKET, STATUS_GROUP, private_socket, status_socket
+
+MAX_WORKERS = 32
+MAX_STREAMS = 16  # events/logs/pack streams at once; unary calls always find a thread
+MAX_CONNECTIONS = 64
+MAX_CONNECTIONS_PER_USER = 32
+# What the read-only socket answers; everything else changes the cluster.
+READ_ONLY = frozenset({"GetStatus", "Events", "Logs", "Pack"})
+
+
+@dataclass(frozen=True)
+class Caller:
+    uid: int
+    pid: int
+    user: str
+    socket: str  # "control" or "status"; "internal" for a root process on the private socket
+
+    def describe(self) -> str:
+        return f"uid {self.uid} ({self.user}, pid {self.pid}) on {self.socket}.sock"
+
+
+def caller_of(context) -> Caller:
+    peer: Peer | None = parse_peer(context.peer())
+    if peer is None or peer.uid < 0:
+        # Only root reaches the private socket directly (its directory is 0700).
+        return Caller(0, 0, "root", "internal")
+    try:
+        user = pwd.getpwuid(peer.uid).pw_name
+    except KeyError:
+        user = str(peer.uid)
+    return Caller(peer.uid, peer.pid, user, peer.tag)
 
 
 
@@ -81,13 +122,50 @@ def bundle_sources(cfg: ClusterConfig, status: pb.ClusterStatus, incidents: list
 
 
 class ControlService(control_pb2_grpc.ControlServicer):
-    def __init__(self, cfg: ClusterConfig, runtime: ClusterRuntime, api_key: str | None = None):
+    def __init__(self, cfg: ClusterConfig, runtime: ClusterRuntime, log: EventLog | None = None,
+                 max_streams: int = MAX_STREAMS, api_key: str | None = None):
         self._cfg = cfg
         self._runtime = runtime
+        self._log = log or EventLog("dsv41-coordinator", {"DSV41_NODE": cfg.head.name})
         self._api_key = api_key  # removed from every file of a bundle
         self._event_lock = threading.Lock()
         self._subscribers: list[queue.Queue] = []
+        self._streams = threading.BoundedSemaphore(max_streams)
+        self._max_streams = max_streams
         runtime.on_incident(self._publish)
+
+    def _authorize(self, context, method: str, action: bool = True) -> Caller:
+        """The caller; an action (`action`) on the read-only socket is refused, and every action is
+        a journal event naming the caller's uid."""
+        caller = caller_of(context)
+        if not action:
+            return caller
+        fields = dict(caller_uid=caller.uid, caller_user=caller.user, caller_pid=caller.pid, method=method,
+                      socket=caller.socket)
+        if caller.socket == "status":
+            self._log.warning("control_refused", f"refused {method} from {caller.describe()}: the read-only socket "
+                              "only reads", **fields)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{method} changes the cluster: it needs the control socket (group {CONTROL_GROUP}); "
+                          f"the {STATUS_GROUP} group may only read (status, events, logs)")
+        self._log.event("control_call", f"{method} requested by {caller.describe()}", "notice", **fields)
+        return caller
+
+    def _stream(self, context, method: str):
+        """Takes one of MAX_STREAMS; RESOURCE_EXHAUSTED when all are in use. Released when the RPC
+        ends for any reason, the caller going away included."""
+        if not self._streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method}: {self._max_streams} dsv41ctl streams are open already (events -f, logs -f, "
+                          "pack): end one and try again")
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                self._streams.release()
+        context.add_callback(release)
+        return release
 
     def _publish(self, incident: Incident) -> None:
         with self._event_lock:
@@ -104,21 +182,23 @@ class ControlService(control_pb2_grpc.ControlServicer):
     def GetStatus(self, request, context):
         return self._status()
 
-    def _act(self, action: str, message: str):
+    def _act(self, context, method: str, action: str, message: str):
+        caller = self._authorize(context, method)
         self._runtime.request(action)
-        return pb.ActionReply(ok=True, message=message, status=self._status())
+        return pb.ActionReply(ok=True, message=f"{message} (by {caller.user})", status=self._status())
 
     def Start(self, request, context):
-        return self._act("start", "start requested")
+        return self._act(context, "Start", "start", "start requested")
 
     def Stop(self, request, context):
-        return self._act("stop", "stop requested")
+        return self._act(context, "Stop", "stop", "stop requested")
 
     def Restart(self, request, context):
-        return self._act("restart", "restart requested")
+        return self._act(context, "Restart", "restart", "restart requested")
 
     def Events(self, request, context):
-        q: queue.Queue = queue.Queue()
+        release = self._stream(context, "Events")
+        q: queue.Queue = queue.Queue(maxsize=1024)
         with self._event_lock:
             self._subscribers.append(q)
         try:
@@ -133,29 +213,54 @@ class ControlService(control_pb2_grpc.ControlServicer):
         finally:
             with self._event_lock:
                 self._subscribers.remove(q)
+            release()
 
     def Logs(self, request, context):
         nodes = [n for n in self._cfg.nodes if not request.node or n.name == request.node]
         if not nodes:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no node {request.node!r}")
+        release = self._stream(context, "Logs")
         lines: queue.Queue = queue.Queue(maxsize=10_000)
-        streams = []
+        streams: list = []
+        streams_lock = threading.Lock()
+        ended = threading.Event()
         finished = threading.Semaphore(0)
+
+        def end() -> None:
+            # The caller went away or the stream is over: the agents' journal streams and every
+            # pump thread stop with it, instead of blocking on a queue nobody reads.
+            ended.set()
+            with streams_lock:
+                for stream in streams:
+                    stream.cancel()
+        context.add_callback(end)
+
+        def put(line) -> bool:
+            while not ended.is_set():
+                try:
+                    lines.put(line, timeout=0.2)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def pump(node: str) -> None:
             try:
                 stream = self._runtime.clients[node].read_journal(request.lines or 50, request.follow)
-                streams.append(stream)
+                with streams_lock:
+                    streams.append(stream)
+                    if ended.is_set():
+                        stream.cancel()
                 for line in stream:
-                    lines.put(line)
+                    if not put(line):
+                        break
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.CANCELLED:
-                    lines.put(apb.JournalLine(node=node, priority="err",
-                                              message=f"cannot read the journal: {exc.details()}"))
+                    put(apb.JournalLine(node=node, priority="err", message=f"cannot read the journal: {exc.details()}"))
             finally:
                 finished.release()
 
-        threads = [threading.Thread(target=pump, args=(n.name,), daemon=True) for n in nodes]
+        threads = [threading.Thread(target=pump, args=(n.name,), name=f"logs-{n.name}", daemon=True) for n in nodes]
         for thread in threads:
             thread.start()
         done = 0
@@ -166,13 +271,22 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 except queue.Empty:
                     while finished.acquire(blocking=False):
                         done += 1
-            while not lines.empty():
+            while context.is_active() and not lines.empty():
                 yield lines.get_nowait()
         finally:
-            for stream in streams:
-                stream.cancel()
+            end()
+            release()
 
     def Pack(self, request, context):
+        if request.start:
+            self._authorize(context, "Pack(start)")
+        release = self._stream(context, "Pack")
+        try:
+            yield from self._pack(request, context)
+        finally:
+            release()
+
+    def _pack(self, request, context):
         plans = {p.node: p for p in plan_mod.render_cluster(self._cfg)}
         clients = self._runtime.clients
         done: set[str] = set()
@@ -196,11 +310,13 @@ class ControlService(control_pb2_grpc.ControlServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     def AutotuneReset(self, request, context):
+        self._authorize(context, "AutotuneReset")
         ok, message = self._runtime.autotune_reset()
         return pb.ActionReply(ok=ok, message=message)
 
     def Bundle(self, request, context):
         from .bundle import BundleWriter
+        self._authorize(context, "Bundle")  # every node's logs: not for the read-only socket
         if request.journal_max_bytes > 64 << 20:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "journal_max_bytes: at most 64 MiB")
         snap = self._runtime.snapshot()
@@ -219,6 +335,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
             yield pb.BundleChunk(notes=notes)
 
     def UnexportShare(self, request, context):
+        self._authorize(context, "UnexportShare" + ("(force)" if request.force else "")
+                        + ("(unmount)" if request.unmount else ""))
         ok, message = self._runtime.unexport(bool(request.force), bool(request.unmount))
         return pb.ActionReply(ok=ok, message=message, status=self._status())
 
@@ -228,25 +346,53 @@ def _event(incident: Incident) -> apb.Event:
                      message=incident.message)
 
 
-def serve(cfg: ClusterConfig, runtime: ClusterRuntime, socket_path: str = CONTROL_SOCKET,
-          api_key: str | None = None) -> grpc.Server:
-    os.makedirs(os.path.dirname(socket_path), mode=0o755, exist_ok=True)
+def _gid(name: str) -> int | None:
     try:
-        os.unlink(socket_path)
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        return None  # no such group (a source checkout): root only
+
+
+class ControlServer:
+    """The gRPC server on its private socket and the relay that owns the public ones."""
+
+    def __init__(self, server: grpc.Server, relay: Relay):
+        self.server = server
+        self.relay = relay
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        self.relay.stop()
+        return self.server.stop(grace)
+
+
+def server_options() -> list[tuple[str, int]]:
+    return [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.max_connection_idle_ms", 600_000),
+            ("grpc.max_concurrent_streams", 32)]
+
+
+def serve(cfg: ClusterConfig, runtime: ClusterRuntime, socket_path: str = CONTROL_SOCKET,
+          log: EventLog | None = None, api_key: str | None = None) -> ControlServer:
+    """control.sock and status.sock beside it, through the relay; the gRPC server itself on a socket
+    in a 0700 directory."""
+    directory = os.path.dirname(socket_path) or "."
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    private = private_socket(socket_path)
+    os.makedirs(os.path.dirname(private), mode=0o700, exist_ok=True)
+    os.chmod(os.path.dirname(private), 0o700)
+    try:
+        os.unlink(private)
     except FileNotFoundError:
         pass
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="control"))
-    control_pb2_grpc.add_ControlServicer_to_server(ControlService(cfg, runtime, api_key), server)
-    old = os.umask(0o117)  # the socket is born 0660: no window where others could connect
-    try:
-        server.add_insecure_port(f"unix:{socket_path}")
-    finally:
-        os.umask(old)
-    try:
-        os.chown(socket_path, 0, grp.getgrnam(CONTROL_GROUP).gr_gid)
-    except (KeyError, PermissionError):
-        pass  # no dsv41 group (source checkout): root only
-    os.chmod(socket_path, 0o660)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="control"),
+                         options=server_options(), maximum_concurrent_rpcs=MAX_WORKERS - 4)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlService(cfg, runtime, log, api_key=api_key), server)
+    server.add_insecure_port(f"unix:{private}")
+    log = log or EventLog("dsv41-coordinator", {"DSV41_NODE": cfg.head.name})
+    relay = Relay(private, Limits(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_USER),
+                  refused=lambda peer, why: log.warning("control_connection_refused", why, source=peer.source_key))
+    relay.listen_unix(socket_path, "control", mode=0o660, group=_gid(CONTROL_GROUP))
+    relay.listen_unix(status_socket(socket_path), "status", mode=0o660, group=_gid(STATUS_GROUP))
     server.start()
-    return server
-
+    relay.start()
+    return ControlServer(server, relay)

@@ -15,7 +15,7 @@ from dsv41.v1 import control_pb2 as pb
 from dsv41.v1 import control_pb2_grpc
 
 from .ctl_pki import expiry_warning
-from .sockets import CONTROL_SOCKET
+from .sockets import CONTROL_GROUP, CONTROL_SOCKET, STATUS_GROUP, status_socket
 
 # The status path imports only what it needs: dsv41ctl's start-up time is most of its latency.
 
@@ -26,13 +26,27 @@ class ControlUnavailable(Exception):
     pass
 
 
-def _stub(socket_path: str) -> control_pb2_grpc.ControlStub:
-    if os.path.exists(socket_path) and not os.access(socket_path, os.R_OK | os.W_OK):
-        raise PermissionError(f"permission denied on {socket_path}: add yourself to the dsv41 group "
-                              "(sudo usermod -aG dsv41 $USER, then log in again)")
-    if not os.path.exists(socket_path):
-        raise ControlUnavailable(f"{socket_path} does not exist")
-    return control_pb2_grpc.ControlStub(grpc.insecure_channel(f"unix:{socket_path}"))
+def _usable(path: str) -> bool:
+    return os.path.exists(path) and os.access(path, os.R_OK | os.W_OK)
+
+
+def _stub(socket_path: str, read_only: bool = False) -> control_pb2_grpc.ControlStub:
+    """A stub on the control socket; for a command that only reads, the read-only socket beside
+    it when the control socket is not ours to use."""
+    path = socket_path
+    if read_only and not _usable(socket_path) and _usable(status_socket(socket_path)):
+        path = status_socket(socket_path)
+    if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+        if read_only:
+            raise PermissionError(f"permission denied on {socket_path}: add yourself to the {STATUS_GROUP} group "
+                                  f"(read only) or the {CONTROL_GROUP} group (also start and stop): sudo usermod "
+                                  f"-aG {STATUS_GROUP} $USER, then log in again")
+        raise PermissionError(f"permission denied on {socket_path}: add yourself to the {CONTROL_GROUP} group "
+                              f"(sudo usermod -aG {CONTROL_GROUP} $USER, then log in again); members of "
+                              f"{STATUS_GROUP} may only read")
+    if not os.path.exists(path):
+        raise ControlUnavailable(f"{path} does not exist")
+    return control_pb2_grpc.ControlStub(grpc.insecure_channel(f"unix:{path}"))
 
 
 def control_command(handler):
@@ -111,7 +125,7 @@ def _colour(out: TextIO):
 def fetch_status(args) -> pb.ClusterStatus:
     """From the coordinator; when it is not running, from the agents directly."""
     try:
-        return _stub(args.socket).GetStatus(pb.ClusterStatusRequest(), timeout=15)
+        return _stub(args.socket, read_only=True).GetStatus(pb.ClusterStatusRequest(), timeout=15)
     except (ControlUnavailable, grpc.RpcError):
         pass
     from . import config as config_mod
@@ -244,7 +258,7 @@ def _action(args, out: TextIO, err: TextIO) -> int:
 
 @control_command
 def _events(args, out: TextIO, err: TextIO) -> int:
-    for event in _stub(args.socket).Events(pb.EventsRequest(follow=args.follow, last=args.last)):
+    for event in _stub(args.socket, read_only=True).Events(pb.EventsRequest(follow=args.follow, last=args.last)):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at_unix_s))
         print(f"{when} {event.node} {event.kind}: {event.message}", file=out, flush=True)
     return 0
@@ -253,7 +267,7 @@ def _events(args, out: TextIO, err: TextIO) -> int:
 @control_command
 def _logs(args, out: TextIO, err: TextIO) -> int:
     request = pb.LogsRequest(node=args.node or "", lines=args.lines, follow=args.follow)
-    for line in _stub(args.socket).Logs(request):
+    for line in _stub(args.socket, read_only=True).Logs(request):
         when = time.strftime("%H:%M:%S", time.localtime(line.at_unix_s))
         print(f"{when} {line.node} {line.unit}: {line.message}", file=out, flush=True)
     return 0
@@ -275,7 +289,7 @@ def progress_line(node: str, state: apb.PackState, width: int = 24) -> str:
 def _pack(args, out: TextIO, err: TextIO) -> int:
     last: dict[str, apb.PackState] = {}
     tty = hasattr(out, "isatty") and out.isatty()
-    for progress in _stub(args.socket).Pack(pb.PackRequest(start=args.start)):
+    for progress in _stub(args.socket, read_only=not args.start).Pack(pb.PackRequest(start=args.start)):
         last[progress.node] = progress.state
         if tty:
             out.write("\x1b[%dA" % (len(last) - 1) if len(last) > 1 else "")

@@ -20,7 +20,7 @@ import time
 from typing import TextIO
 
 DEFAULT_DIR = "/etc/dsv41/pki"
-DEFAULT_DAYS = 730  # pki.DEFAULT_LEAF_DAYS, repeated so that building the parser imports no certificate code
+DEFAULT_DAYS = 180  # pki.DEFAULT_LEAF_DAYS, repeated so that building the parser imports no certificate code
 # `dsv41ctl status` warns this long before a certificate expires: time to rotate and copy bundles.
 EXPIRY_WARNING_S = 42 * 86400
 
@@ -142,9 +142,14 @@ def _rotate(args, out: TextIO, err: TextIO) -> int:
         return 1
     print(f"{directory}: re-issued under the same CA:", file=out)
     _print_written(written, out)
-    print("Install the new bundles (`dsv41ctl pki bundle NODE`); agents use them from the next connection "
-          "on. A new coordinator certificate needs `systemctl restart dsv41-coordinator` (ranks keep running).",
-          file=out)
+    coordinator = args.node in (None, "dsv41-coordinator")
+    print("Install the new bundles (`dsv41ctl pki bundle NODE` on every node); agents use them from the next "
+          "connection on.", file=out)
+    if coordinator:
+        print("The bundles pin the new coordinator certificate: an agent with a new bundle refuses the old one. "
+              "Restart the coordinator (`systemctl restart dsv41-coordinator`; ranks keep running) and install "
+              "every node's new bundle right after; until both are done, the coordinator cannot reach those "
+              "agents.", file=out)
     return 0
 
 
@@ -159,10 +164,11 @@ def _bundle(args, out: TextIO, err: TextIO) -> int:
         print(f"dsv41ctl pki bundle: {exc}", file=err)
         return 1
     if args.output:
-        fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(data)
+        try:
+            write_private(args.output, data)
+        except OSError as exc:
+            print(f"dsv41ctl pki bundle: {args.output}: {exc.strerror or exc}", file=err)
+            return 1
         print(f"{args.output}: {args.node}'s bundle (holds its private key: delete it once installed)", file=err)
         return 0
     stream = getattr(out, "buffer", None)
@@ -179,6 +185,14 @@ def _bundle(args, out: TextIO, err: TextIO) -> int:
     stream.write(data)
     stream.flush()
     return 0
+
+
+def write_private(path: str, data: bytes) -> None:
+    """`data` as a new file at `path`, mode 0600, owned by the caller: written to a temporary name
+    made with O_EXCL|O_NOFOLLOW beside it, then renamed over `path`. A symbolic link planted at
+    `path` is replaced, never followed, and an existing file's owner and mode are not kept."""
+    from dsv41.atomicfile import replace_file
+    replace_file(os.path.abspath(path), data, 0o600, owner=(os.geteuid(), os.getegid()))
 
 
 def _list(args, out: TextIO, err: TextIO) -> int:

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime.on_incident(hook.offer)  # only queues: the hook runs in its own thread
     guard = MemoryGuard.for_runtime(runtime, log, api_key)  # watches memory whenever the cluster serves
     metrics = start_metrics(cfg, runtime, log, guard, tls)  # before run(): it counts the first bring-up's steps
-    server = serve(cfg, runtime, args.control_socket, api_key=api_key)
+    server = serve(cfg, runtime, args.control_socket, log, api_key=api_key)
     notify = SdNotify.from_env()
     runtime.run(autostart=not args.no_autostart)
     probe = ServingProbe.for_runtime(runtime, api_key).start()  # work pending, for the hang check

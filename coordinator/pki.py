@@ -37,9 +37,12 @@ from dsv41.atomicfile import replace_file
 
 COORDINATOR_NAME = "dsv41-coordinator"
 PKI_GROUP = "dsv41"
+PIN_FILE = "coordinator.pin"
 CA_DAYS = 3650
-DEFAULT_LEAF_DAYS = 730
-MAX_LEAF_DAYS = 3650
+# A leaf that leaks stays usable until it expires or is rotated away (the coordinator's is pinned,
+# so rotation ends it at once); half a year, and `dsv41ctl status` warns six weeks before.
+DEFAULT_LEAF_DAYS = 180
+MAX_LEAF_DAYS = 397
 # Where a bundle puts the agent's files on the node (the paths its agent.env snippet names).
 NODE_TLS_DIR = "/etc/dsv41/tls"
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
@@ -161,7 +164,21 @@ def agent_env_snippet(node: str, directory: str = NODE_TLS_DIR) -> str:
     return (f"# TLS for the dsv41-agent on {node}: put these lines into /etc/dsv41/agent.env\n"
             f"NODE_NAME={node}\n"
             f"TLS_CA={directory}/ca.crt\nTLS_CERT={directory}/node.crt\nTLS_KEY={directory}/node.key\n"
+            f"TLS_PIN={directory}/{PIN_FILE}\n"
             f"COORDINATOR_NAME={COORDINATOR_NAME}\nINSECURE_NO_TLS=0\n")
+
+
+def fingerprint(cert: x509.Certificate) -> str:
+    """sha256 over the certificate's DER, lowercase hex: what an agent pins."""
+    return cert.fingerprint(hashes.SHA256()).hex()
+
+
+def pin_text(cert: x509.Certificate) -> str:
+    """The bundle's coordinator.pin: the one coordinator certificate the node's agent accepts. A
+    rotated coordinator certificate is refused by every agent that has the new bundle."""
+    return (f"# The dsv41-coordinator certificate this node's agent accepts (serial {cert.serial_number:x}, "
+            f"until {not_after_of(cert):%Y-%m-%d}).\n# `dsv41ctl pki rotate` issues a new one; install the "
+            f"new bundle to pin it.\nsha256:{fingerprint(cert)}\n")
 
 
 # ------------------------------------------------------------------ the directory
@@ -296,14 +313,15 @@ class PkiStore:
         return out
 
     def bundle_tar(self, node: str) -> bytes:
-        """What one node's agent needs, as a tar of etc/dsv41/tls/{ca.crt,node.crt,node.key,agent.env}
-        (owner root, keys 0600): `tar -xpf BUNDLE -C /` on the node as root."""
+        """What one node's agent needs, as a tar of etc/dsv41/tls/{ca.crt,node.crt,node.key,agent.env,
+        coordinator.pin} (owner root, keys 0600): `tar -xpf BUNDLE -C /` on the node as root."""
         if node == COORDINATOR_NAME:
             raise PkiError(f"{COORDINATOR_NAME} is the coordinator's identity, not a node")
         stem = self.node_stem(node)
         files = [("ca.crt", self._read("ca", "crt"), 0o640), ("node.crt", self._read(stem, "crt"), 0o640),
                  ("node.key", self._read(stem, "key"), 0o600),
-                 ("agent.env", agent_env_snippet(node).encode(), 0o640)]
+                 ("agent.env", agent_env_snippet(node).encode(), 0o640),
+                 (PIN_FILE, pin_text(self.load_cert("coordinator")).encode(), 0o640)]
         check_leaf(files[0][1], files[1][1], files[2][1], node)
         mtime = int(self._now().timestamp())
         buffer = io.BytesIO()

@@ -22,6 +22,8 @@ CONTAINER_ADAPTER_DIR = "/opt/dsv41/rank"
 CONTAINER_NCCL_DIR = "/opt/dsv41/nccl"
 STATE_DIR = "/var/lib/dsv41/state"  # DSpark tables copied from the head live here on every node
 RANK_CACHE_DIR = "/var/cache/dsv41/rank"  # JIT and autotune caches that should survive a restart
+# The container's caches are its own: what a container wrote is never loaded by a host-runtime rank.
+CONTAINER_CACHE_DIR = "/var/cache/dsv41/container"
 CONTAINER_NAME = "dsv41-rank"
 # The API key (API_KEY_FILE on the head) is put here on the head, 0600; only rank 0 serves HTTP. The rank
 # reads the file named by DSV41_API_KEY_FILE: a key in argv would be visible in ps.
@@ -31,8 +33,11 @@ DOCKER = "/usr/bin/docker"
 
 GID_PLACEHOLDER = "@ROCE_GID_INDEX@"
 ENGRAM_LAYERS = (1, 14)
-EXPORT_OPTIONS = "ro,sync,no_subtree_check,no_root_squash,insecure,fsid=0"
-MOUNT_OPTIONS = "nfsvers=4.2,ro,nconnect=8,rsize=1048576,wsize=1048576,hard,timeo=600"
+# The recipe exported with no_root_squash,insecure; NFS_EXPORT_OPTIONS restores that when asked to.
+EXPORT_OPTIONS = "ro,sync,no_subtree_check,root_squash,secure,fsid=0"
+MOUNT_OPTIONS = "nfsvers=4.2,ro,nosuid,nodev,nconnect=8,rsize=1048576,wsize=1048576,hard,timeo=600"
+# A rank needs IPC_LOCK (RDMA pins memory) and no other capability of root.
+CONTAINER_HARDENING = ("--cap-drop", "ALL", "--cap-add", "IPC_LOCK", "--security-opt", "no-new-privileges")
 # Keys that become something else in the rank's environment, or nothing.
 _ENV_RENAMES = {"IB_HCA": "NCCL_IB_HCA"}
 
@@ -231,7 +236,7 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
     env["PYTHONPATH"] = CONTAINER_ADAPTER_DIR if container else ADAPTER_DIR
     if cfg["NCCL_HOST_DIR"]:
         env["LD_LIBRARY_PATH"] = CONTAINER_NCCL_DIR if container else str(cfg["NCCL_HOST_DIR"])
-    # One cache location for both runtimes, so `dsv41ctl autotune reset` knows where to clear.
+    # /root/.cache is CONTAINER_CACHE_DIR: `dsv41ctl autotune reset` clears both runtimes' caches.
     env["SGLANG_CACHE_DIR"] = "/root/.cache/sglang" if container else f"{RANK_CACHE_DIR}/sglang"
     if not container:
         env["XDG_CACHE_HOME"] = RANK_CACHE_DIR
@@ -256,7 +261,7 @@ def _binds(cfg: ClusterConfig, node: Node, tables: Mapping[str, str], container:
         binds.append(Bind(ADAPTER_DIR, CONTAINER_ADAPTER_DIR))
         if cfg["NCCL_HOST_DIR"]:
             binds.append(Bind(str(cfg["NCCL_HOST_DIR"]), CONTAINER_NCCL_DIR))
-        binds.append(Bind(RANK_CACHE_DIR, "/root/.cache", read_only=False))
+        binds.append(Bind(CONTAINER_CACHE_DIR, "/root/.cache", read_only=False))
         if cfg["API_KEY_FILE"] and node.is_head:
             binds.append(Bind(API_KEY_NODE_PATH, CONTAINER_API_KEY_PATH))
     # A bind onto itself is a no-op for the host runtime; keep the list to what changes the view.
@@ -278,7 +283,7 @@ def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> Ran
         return RankSpec("host", tuple(argv), env, fills, tuple(binds), (), (), stop)
     image = str(cfg["IMAGE"] or cfg["BASE_IMAGE"])
     docker = [DOCKER, "run", "--rm", "--name", CONTAINER_NAME, "--network", "host", "--ipc", "host",
-              "--gpus", "all", "--device", "/dev/infiniband:/dev/infiniband", "--cap-add", "IPC_LOCK",
+              "--gpus", "all", "--device", "/dev/infiniband:/dev/infiniband", *CONTAINER_HARDENING,
               "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864", "--stop-timeout", str(stop)]
     for bind in binds:
         docker += ["-v", f"{bind.source}:{bind.target}:{'ro' if bind.read_only else 'rw'}"]
@@ -292,8 +297,8 @@ def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> Ran
 
 
 def _export(cfg: ClusterConfig) -> ExportSpec:
-    return ExportSpec(str(cfg["MODEL_DIR"]), tuple(cfg["NFS_CLIENTS"] or ()), EXPORT_OPTIONS, str(cfg["NFS_BACKEND"]),
-                      str(cfg["NFS_EXPORT_NAME"]))
+    return ExportSpec(str(cfg["MODEL_DIR"]), tuple(cfg["NFS_CLIENTS"] or ()), str(cfg["NFS_EXPORT_OPTIONS"]),
+                      str(cfg["NFS_BACKEND"]), str(cfg["NFS_EXPORT_NAME"]))
 
 
 def _mount(cfg: ClusterConfig, node: Node) -> MountSpec:

@@ -72,8 +72,9 @@ KEYS: tuple[Key, ...] = (
     _k("SERVED_MODEL_NAME", v.name, "deepseek-v4.1-flash", "model name the API serves"),
     _k("BASE_IMAGE", v.image_by_digest, None, "SGLang image, pinned by @sha256 digest"),
     _k("IMAGE", v.optional(v.image_ref), "",
-       "image the container runtime runs (a local build on BASE_IMAGE); empty runs BASE_IMAGE. Preflight "
-       "refuses to launch when nodes hold different image IDs"),
+       "image the container runtime runs (a local build on BASE_IMAGE, by its ID sha256:<64 hex>); empty runs "
+       "BASE_IMAGE. Agents run images by digest only: a tag is accepted here with a warning and refused by them. "
+       "Preflight refuses to launch when nodes hold different image IDs"),
     _k("PORT", v.integer(1, 65535), "8888", "rank 0's HTTP API port"),
     # rank runtime
     _k("RANK_RUNTIME", v.choice("container", "host"), "container",
@@ -121,6 +122,9 @@ KEYS: tuple[Key, ...] = (
     _k("NFS_EXPORT_NAME", v.name, "dsv41-native", "name of the export (nfs-ganesha pseudo path /NAME)"),
     _k("NFS_CLIENTS", v.optional(v.listing(v.ipv4_or_network, what="IPv4 addresses or networks")), "",
        "clients allowed to mount the export: one export entry each"),
+    _k("NFS_EXPORT_OPTIONS", v.export_options, "ro,sync,no_subtree_check,root_squash,secure,fsid=0",
+       "exports(5) options of the weights' export: root on a client is squashed and clients use reserved ports; "
+       "the recipe's ro,sync,no_subtree_check,no_root_squash,insecure,fsid=0 only when written here"),
     # parallelism
     _k("NNODES", v.integer(2, MAX_NODES), None, "number of nodes (head + workers)"),
     _k("TP_SIZE", v.integer(1, 64), None, "tensor-parallel size; a multiple of NNODES"),

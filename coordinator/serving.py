@@ -102,12 +102,28 @@ def requires_key(base: str, timeout: float) -> CheckResult:
                               "the rank's PYTHONPATH, and does DSV41_API_KEY_FILE reach rank 0?)")
 
 
+def key_not_shown(base: str, timeout: float, api_key: str) -> CheckResult:
+    """SGLang answers /server_info and /get_server_info with its server args, the key in clear,
+    unless the adapter redacts it: a rank without the adapter would hand the key to anyone who
+    reads those routes (dashboards, proxies, logs of clients)."""
+    for route in ("/server_info", "/get_server_info"):
+        status, body = _request(f"{base}{route}", None, timeout, api_key)
+        text = json.dumps(body) if isinstance(body, dict) else str(body)
+        if api_key in text:
+            return CheckResult(False, f"{base}{route} answers with the API key in clear (status {status}): rank 0 "
+                                      "runs without the adapter's redaction (is the adapter on its PYTHONPATH?)")
+    return CheckResult(True, "the API key is not in /server_info")
+
+
 def smoke(base: str, model: str, quick: bool, batch: int, timeout: float, api_key: str | None = None) -> CheckResult:
     try:
         if api_key:
             guarded = requires_key(base, timeout)
             if not guarded.ok:
                 return guarded
+            hidden = key_not_shown(base, timeout, api_key)
+            if not hidden.ok:
+                return hidden
         message, finish = _choice(_chat(base, model, [{"role": "user", "content": "What is 19+23? Answer with the "
                                                         "number only."}], timeout, api_key))
         content = str(message.get("content") or "")

@@ -24,7 +24,9 @@ _HCA = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]{0,63}")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _DIGEST_REF = re.compile(r"[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}")
+_IMAGE_ID = re.compile(r"sha256:[0-9a-f]{64}")
 _LOCAL_REF = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
+_EXPORT_OPTION = re.compile(r"[a-z_]+(=[A-Za-z0-9_.:-]+)?")
 
 
 def integer(lo: int, hi: int) -> Parser:
@@ -187,8 +189,27 @@ def image_by_digest(raw: str) -> str:
 
 
 def image_ref(raw: str) -> str:
-    if not (_DIGEST_REF.fullmatch(raw) or _LOCAL_REF.fullmatch(raw)):
-        raise Invalid("must be an image reference NAME[:TAG] or NAME[:TAG]@sha256:<64 hex>")
+    if not (_DIGEST_REF.fullmatch(raw) or _IMAGE_ID.fullmatch(raw) or _LOCAL_REF.fullmatch(raw)):
+        raise Invalid("must be an image reference NAME[:TAG]@sha256:<64 hex>, a local build's ID sha256:<64 hex>, "
+                      "or NAME[:TAG]")
+    return raw
+
+
+def is_pinned_image(ref: str) -> bool:
+    """By digest or by image ID: the content cannot change under the name."""
+    return bool(_DIGEST_REF.fullmatch(ref) or _IMAGE_ID.fullmatch(ref))
+
+
+def export_options(raw: str) -> str:
+    """exports(5) options for the weights: read-only; the agent checks each against its list."""
+    options = raw.split(",")
+    if not all(_EXPORT_OPTION.fullmatch(o) for o in options):
+        raise Invalid("must be comma-separated exports(5) options like ro,sync,no_subtree_check,root_squash,secure")
+    names = [o.split("=")[0] for o in options]
+    if "ro" not in names or "rw" in names:
+        raise Invalid("must include ro and not rw: the weights are shared read-only")
+    if len(set(names)) != len(names):
+        raise Invalid("lists an option twice")
     return raw
 
 

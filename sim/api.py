@@ -13,6 +13,8 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator
 
+from adapter.redact import redact_secrets
+
 from .answers import Answer, answer
 from .args import SimArgs
 from .engine import Engine, Rejected, Request
@@ -258,11 +260,15 @@ def make_handler(state: ApiState) -> type[BaseHTTPRequestHandler]:
                              "engine": "dsv41-sim-rank"})
 
         def _server_info(self) -> None:
-            info = {k: v for k, v in state.args.values.items() if k != "api_key"}
+            # As SGLang 0.5.23 answers: its server args, the API key among them, and each scheduler's
+            # resolved args again in internal_states. Only the adapter's redaction hides the key, and
+            # only where the adapter would run: when the key came from DSV41_API_KEY_FILE.
             loads = state.engine.loads()
-            info.update({"version": VERSION, "engine": "dsv41-sim-rank", "state": state.state,
-                         "internal_states": [{"last_gen_throughput": 0.0,
-                                              "memory_usage": {"sim_prefill_bytes": loads["memory_bytes"]}}]})
+            info = {**state.args.values, "version": VERSION, "engine": "dsv41-sim-rank", "state": state.state,
+                    "internal_states": [{**state.args.values, "last_gen_throughput": 0.0,
+                                         "memory_usage": {"sim_prefill_bytes": loads["memory_bytes"]}}]}
+            if state.args.key_from_file:
+                info = redact_secrets(info)
             self._send(200, info)
 
         def _loads(self) -> None:

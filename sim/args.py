@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from adapter.keyfile import VARIABLE, read_key_file
 from coordinator.argcheck import check_sglang_args
+from coordinator.sglang_cli import canonicalize
 
 from .flags import DEFAULTS, FLAGS, SPECULATIVE_ALGORITHMS
 
@@ -21,7 +22,8 @@ PROG = "dsv41-sim-rank"
 DESCRIPTION = f"""\
 {PROG}: a STAND-IN for one SGLang rank, for tests and the local demo of dsv41.
 It loads no model and uses no GPU. It accepts the argv of `python -m sglang.launch_server`
-(the SGLang 0.5.23 flags listed below; full names only) and rejects what SGLang would reject.
+(the SGLang 0.5.23 flags listed below, abbreviated as far as SGLang's own parser allows:
+--node-ra 2 is --node-rank 2) and rejects what SGLang would reject.
 
 Ranks form a group like a TP group: rank 0 listens on --dist-init-addr, ranks 1..nnodes-1 connect
 to it; if any rank is lost the others exit with status 1. Rank 0 serves, on --host/--port, /health,
@@ -59,8 +61,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse's own wording and status 2, plus a hint for the stand-in's narrower flag set.
         if message.startswith("unrecognized arguments"):
-            message += (f" ({PROG} knows SGLang 0.5.23's flags by their full names only; "
-                        "see --help for the list)")
+            message += f" ({PROG} knows a subset of SGLang 0.5.23's flags; see --help for the list)"
         super().error(message)
 
 
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass(frozen=True)
 class SimArgs:
     values: dict[str, Any] = field(default_factory=dict)  # every flag by its dest name
+    # The key came from DSV41_API_KEY_FILE, as the adapter inside SGLang loads it: then (and only
+    # then) the adapter's redaction applies where SGLang would show the key.
+    key_from_file: bool = False
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -162,14 +166,20 @@ def with_key_file(args: SimArgs, env: Mapping[str, str]) -> SimArgs:
     if args.api_key is not None:
         raise ValueError(f"--api-key is given while {VARIABLE} names the key file; a key in argv is visible "
                          "to every local user in ps and /proc/PID/cmdline: remove --api-key")
-    return SimArgs({**args.values, "api_key": read_key_file(env[VARIABLE])})  # KeyFileError is a ValueError
+    return SimArgs({**args.values, "api_key": read_key_file(env[VARIABLE])},  # KeyFileError is a ValueError
+                   key_from_file=True)
 
 
 def parse(argv: Sequence[str]) -> SimArgs:
-    """SimArgs for argv (without the program name); exits with status 2 on an argv SGLang rejects."""
+    """SimArgs for argv (without the program name); exits with status 2 on an argv SGLang rejects.
+    Flags are read as SGLang's parser reads them: abbreviations expand (`--node-ra 2`), an
+    ambiguous one is an error."""
     parser = build_parser()
-    values = vars(parser.parse_args(list(argv)))
-    errors = check_sglang_args(canonical_argv(argv)) + semantic_errors(values)
+    words, problems = canonicalize(list(argv))
+    if problems:
+        parser.error("; ".join(problems))
+    values = vars(parser.parse_args(words))
+    errors = check_sglang_args(canonical_argv(words)) + semantic_errors(values)
     if errors:
         parser.error("; ".join(dict.fromkeys(errors)))
     return SimArgs(values)

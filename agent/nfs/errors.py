@@ -7,3 +7,7 @@ class Invalid(ValueError):
 
 class Refused(RuntimeError):
     """FAILED_PRECONDITION: well-formed, but the node's state does not allow it now."""
+
+
+class Denied(PermissionError):
+    """PERMISSION_DENIED: well-formed, but this node's agent.env does not allow it."""

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from .errors import Invalid
+from .errors import Denied, Invalid
 from .paths import check_path, check_unit_path
 
 BACKENDS = ("kernel", "ganesha")
@@ -84,6 +84,8 @@ NFS_MOUNT_VALUES = {
 }
 # A bind mount stands in for NFS only where agent.env allows the type `none` (tests).
 BIND_MOUNT_FLAGS = frozenset({"bind", "ro", "nosuid", "nodev", "noexec"})
+# Whoever controls the server controls the files: no set-user-ID programs or device nodes from it.
+MOUNT_REQUIRED = ("ro", "nosuid", "nodev")
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,8 @@ def check_options(raw: str, what: str, flags: Iterable[str], values: Mapping[str
             raise Invalid(f"{what}: option {key!r} is not allowed; allowed: {_allowed(flags, values)}")
     missing = [r for r in required if r not in seen]
     if missing:
-        raise Invalid(f"{what} {raw!r}: must include {', '.join(missing)} (the model is shared read-only)")
+        raise Invalid(f"{what} {raw!r}: must include {', '.join(missing)} (the model is shared read-only, and "
+                      "nothing on it may be a set-user-ID program or a device node)")
     return tuple(options)
 
 
@@ -194,7 +197,7 @@ def check_mount(*, what: str, where: str, type: str, options: str, server: str, 
         if server:
             raise Invalid("server: must be empty for a bind mount")
         check_path(what, "what")
-        opts = check_options(options, "options", BIND_MOUNT_FLAGS, {}, required=("bind", "ro"))
+        opts = check_options(options, "options", BIND_MOUNT_FLAGS, {}, required=("bind", *MOUNT_REQUIRED))
         return Mount(what, where, type, opts, "", expected_shards)
     if type not in ("nfs4", "nfs"):
         raise Invalid(f"type {type!r}: only nfs4 (or nfs with nfsvers=4.x) and bind mounts are supported")
@@ -214,7 +217,7 @@ def check_mount(*, what: str, where: str, type: str, options: str, server: str, 
                 raise Invalid(f"what {what!r}: the export path must be normalized, of letters, digits and ._+@%=,~-")
     if server != bare:
         raise Invalid(f"server {server!r}: must be the address in what ({bare})")
-    opts = check_options(options, "options", NFS_MOUNT_FLAGS, NFS_MOUNT_VALUES, required=("ro",))
+    opts = check_options(options, "options", NFS_MOUNT_FLAGS, NFS_MOUNT_VALUES, required=MOUNT_REQUIRED)
     if type == "nfs" and not any(o.split("=")[0] in ("nfsvers", "vers") for o in opts):
         raise Invalid("options: type nfs needs nfsvers=4.x (NFSv3 needs rpcbind and locking helpers; use nfs4)")
     return Mount(what, where, type, opts, bare, expected_shards)
@@ -228,3 +231,31 @@ def check_mounted_by(names: Iterable[str]) -> tuple[str, ...]:
         if not _NODE.fullmatch(name):
             raise Invalid(f"mounted_by {name!r}: must be a node name (letters, digits and -)")
     return tuple(dict.fromkeys(names))
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def check_mount_allowed(mount: Mount, roots: Iterable[str], servers: Iterable[str]) -> None:
+    """The mount point (and a bind mount's source) under ALLOWED_PATHS, the server in
+    ALLOWED_MOUNT_SERVERS; Denied names the setting and the fix."""
+    roots, servers = tuple(roots), tuple(servers)
+    paths = [("where", mount.where)] + ([("what", mount.what)] if mount.type == "none" else [])
+    for what, path in paths:
+        if not _under(path, roots):
+            raise Denied(f"{what} {path}: not under this node's ALLOWED_PATHS ({', '.join(roots) or 'none'}); add "
+                         "the directory to ALLOWED_PATHS in /etc/dsv41/agent.env")
+    if mount.type != "none":
+        address = ipaddress.ip_address(mount.server)
+        if not any(address in ipaddress.ip_network(s) for s in servers):
+            raise Denied(f"server {mount.server}: not in this node's ALLOWED_MOUNT_SERVERS "
+                         f"({', '.join(servers) or 'none'}); list the head's address on this node's link "
+                         "(NFS_SERVER_IP_k) there")
+
+
+def check_export_allowed(export: Export, roots: Iterable[str]) -> None:
+    roots = tuple(roots)
+    if not _under(export.path, roots):
+        raise Denied(f"path {export.path}: not under this node's ALLOWED_PATHS ({', '.join(roots) or 'none'}); add "
+                     "the model's directory to ALLOWED_PATHS in /etc/dsv41/agent.env")

@@ -4,6 +4,7 @@ driven only through systemctl, dsv41ctl and journalctl inside the nodes."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import sys
@@ -41,9 +42,15 @@ def install(node: Node, debs: Path, packages: list[str], remote: str = "/var/tmp
     node.run([*APT, "install", *files], env=APT_ENV, timeout=300)
 
 
+# The stand-in's model and packs, and scenario 8's export and mount point (tests/cluster/test_cluster.py).
+ALLOWED_PATHS = "/var/tmp/model,/var/tmp/engram,/srv/dsv41-model,/var/tmp/dsv41-model"
+
+
 def agent_env(node: Node) -> str:
+    # The head exports on the bridge: workers may mount from its network only.
+    network = ipaddress.ip_interface(f"{node.address}/24").network
     return (f"NODE_NAME={node.name}\nLISTEN={node.address}:7441\nINSECURE_NO_TLS=1\nALLOWED_RUNTIMES=host\n"
-            f"ALLOWED_EXECUTABLES={SIM}\n")
+            f"ALLOWED_EXECUTABLES={SIM}\nALLOWED_PATHS={ALLOWED_PATHS}\nALLOWED_MOUNT_SERVERS={network}\n")
 
 
 def boot_sparks(rootfs, debs: Path, node_options: dict | None = None, **extra_env: str) -> Cluster:

@@ -30,13 +30,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def install_agent(node: Node, port: int, extra: str = "", listen: str | None = None) -> None:
-    for part in ("agent", "dsv41", "adapter", "tests/integration/standin_rank.py"):
+# What the test nodes may show a rank: the stand-in engine's model and pack directories.
+ALLOWED_PATHS = "/var/tmp/model,/var/tmp/engram"
+
+
+def copy_source(node: Node, parts=("agent", "dsv41", "adapter", "tests/integration/standin_rank.py")) -> None:
+    for part in parts:
         node.copy_in(REPO / part, f"{SRC}/{part}")
+    node.run(["chmod", "0755", STANDIN])  # an entry point: the agent runs it directly
+
+
+def install_agent(node: Node, port: int, extra: str = "", listen: str | None = None) -> None:
+    copy_source(node)
     node.write_file("/etc/systemd/system/dsv41-agent.service", (REPO / "units/dsv41-agent.service").read_text())
     node.write_file("/etc/systemd/system/dsv41-agent.service.d/source.conf", DROP_IN)
     settings = {"NODE_NAME": node.name, "LISTEN": listen or f"127.0.0.1:{port}", "INSECURE_NO_TLS": "1",
-                "ALLOWED_RUNTIMES": "host", "ALLOWED_EXECUTABLES": "/usr/bin/python3,/usr/local/bin/missing-rank",
+                "ALLOWED_RUNTIMES": "host", "ALLOWED_PYTHONS": "/usr/bin/python3",
+                "ALLOWED_EXECUTABLES": f"{STANDIN},/usr/local/bin/missing-rank", "ALLOWED_PATHS": ALLOWED_PATHS,
                 "ADAPTER_DIR": f"{SRC}/adapter"}
     for line in extra.splitlines():
         key, _, value = line.partition("=")
@@ -54,7 +64,7 @@ def channel(port: int) -> agent_pb2_grpc.AgentStub:
 
 def spec(*args: str, fingerprint: str = "a1", rank: int = 1, stop_timeout_s: int = 10,
          env: dict | None = None, **fields) -> pb.RankSpec:
-    return pb.RankSpec(runtime="host", argv=["/usr/bin/python3", STANDIN, *args],
+    return pb.RankSpec(runtime="host", argv=[STANDIN, *args],
                        env={"PYTHONPATH": f"{SRC}/adapter", **(env or {})}, fingerprint=fingerprint, rank=rank,
                        stop_timeout_s=stop_timeout_s, cluster_generation="g1", **fields)
 

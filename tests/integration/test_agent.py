@@ -246,7 +246,12 @@ def test_memory_stream_sends_a_quiet_node_at_the_heartbeat_and_every_sample_arou
 
 def test_memory_sample_sees_the_node_cgroup_limit_and_the_rank(booted, agent):
     node, stub = agent
-    stub.StartRank(pb.StartRankRequest(spec=spec("--allocate-mb", "96", fingerprint="c9")), timeout=30)
+    started = stub.StartRank(pb.StartRankRequest(spec=spec("--allocate-mb", "96", fingerprint="c9")), timeout=30)
+    # The stand-in says it is up once every page is touched: until then its memory still grows, and
+    # GetStatus reads MemoryCurrent before the sample.
+    this_run = [f"_SYSTEMD_INVOCATION_ID={started.rank.invocation_id}"]
+    assert wait(lambda: any("stand-in rank up" in e.get("MESSAGE", "") for e in node.journal(matches=this_run)),
+                timeout=20), "the stand-in did not finish allocating"
     status = wait(lambda: (s := stub.GetStatus(pb.GetStatusRequest(), timeout=10)).memory.rank_memory_bytes
                   > 90 << 20 and s)
     assert status, "the rank's cgroup memory shows up in the samples"
@@ -271,7 +276,9 @@ def test_memory_stream_rejects_bad_requests(agent, request_fields, fragment):
     (lambda s: s.env.update({"LD_PRELOAD": "/x.so"}), "PERMISSION_DENIED", "LD_PRELOAD"),
     (lambda s: s.argv.__setitem__(0, "/bin/sh"), "PERMISSION_DENIED", "executable /bin/sh: not allowed"),
     (lambda s: setattr(s, "runtime", "container"), "PERMISSION_DENIED", "runtime container: not allowed"),
-    (lambda s: s.binds.add(source="/", target="/mnt"), "PERMISSION_DENIED", "may not mount"),
+    (lambda s: s.binds.add(source="/", target="/mnt"), "PERMISSION_DENIED", "read-write binds are refused"),
+    (lambda s: s.binds.add(source="/", target="/mnt", read_only=True), "PERMISSION_DENIED",
+     "bind source /: not under this node's ALLOWED_PATHS"),
     (lambda s: setattr(s, "fingerprint", "NOT HEX"), "INVALID_ARGUMENT", "fingerprint"),
     (lambda s: setattr(s, "stop_timeout_s", 0), "INVALID_ARGUMENT", "stop_timeout_s"),
     (lambda s: s.env.update({"BAD NAME": "1"}), "INVALID_ARGUMENT", "env 'BAD NAME'"),

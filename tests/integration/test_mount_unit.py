@@ -17,19 +17,22 @@ import pytest
 
 from dsv41.v1 import agent_pb2 as pb
 from tests.harness.nspawn import Node
-from tests.integration.agentnode import DROP_IN, REPO, SRC, channel, free_port, spec, wait
+from tests.integration.agentnode import DROP_IN, REPO, SRC, STANDIN, channel, copy_source, free_port, spec, wait
 
 pytestmark = pytest.mark.integration
 
+# Where these tests mount and from where they bind (and test_nfs_ganesha.py exports).
+ALLOWED_PATHS = "/srv/export,/srv/fuse,/srv/models,/var/tmp/dsv41-model,/var/tmp/dsv41-fuse"
+
+
 def install(node: Node, listen: str, extra: str = "") -> None:
     """The agent from this tree as its real unit (like agentnode.install_agent), listening on `listen`."""
-    for part in ("agent", "dsv41", "adapter", "tests/integration/standin_rank.py"):
-        node.copy_in(REPO / part, f"{SRC}/{part}")
+    copy_source(node)
     node.write_file("/etc/systemd/system/dsv41-agent.service", (REPO / "units/dsv41-agent.service").read_text())
     node.write_file("/etc/systemd/system/dsv41-agent.service.d/source.conf", DROP_IN)
     node.write_file("/etc/dsv41/agent.env",
                     f"NODE_NAME={node.name}\nLISTEN={listen}\nINSECURE_NO_TLS=1\nALLOWED_RUNTIMES=host\n"
-                    f"ALLOWED_EXECUTABLES=/usr/bin/python3\nADAPTER_DIR={SRC}/adapter\n{extra}")
+                    f"ALLOWED_EXECUTABLES={STANDIN}\nALLOWED_PATHS={ALLOWED_PATHS}\nADAPTER_DIR={SRC}/adapter\n{extra}")
     node.run(["systemctl", "daemon-reload"])
     node.run(["systemctl", "start", "dsv41-agent.service"], timeout=60)
 
@@ -48,6 +51,9 @@ def shard_bytes() -> bytes:
 
 def model_dir(path, shards: int = 2):
     path.mkdir(parents=True, exist_ok=True)
+    # root's, readable by all: an export squashes root on the clients, and the agent refuses a model
+    # directory that anyone but root could write
+    path.chmod(0o755)
     (path / "config.json").write_text('{"model_type": "deepseek_v4"}\n')
     for i in range(1, shards + 1):
         (path / f"model-{i:05d}-of-{shards:05d}.safetensors").write_bytes(shard_bytes())
@@ -102,7 +108,7 @@ def worker(rootfs, tmp_path_factory):
 
 
 def bind(what: str, where: str, shards: int = 2) -> pb.MountSpec:
-    return pb.MountSpec(what=what, where=where, type="none", options="bind,ro", expected_shards=shards)
+    return pb.MountSpec(what=what, where=where, type="none", options="bind,ro,nosuid,nodev", expected_shards=shards)
 
 
 def mounted(node: Node, where: str) -> bool:

@@ -289,8 +289,9 @@ def test_pki_init_on_the_head_the_coordinator_over_tls_and_the_control_socket(ro
 
         refused = ctl(node, "status", user="outsider")
         assert refused.returncode == 4
-        assert refused.stderr.strip() == (f"permission denied on {sock}: add yourself to the dsv41 group "
-                                          "(sudo usermod -aG dsv41 $USER, then log in again)")
+        assert refused.stderr.strip() == (f"permission denied on {sock}: add yourself to the dsv41-read group "
+                                          "(read only) or the dsv41 group (also start and stop): sudo usermod "
+                                          "-aG dsv41-read $USER, then log in again")
         # a member gets the status, which the coordinator read from spark1's agent over mutual TLS
         deadline = time.monotonic() + 30
         while True:

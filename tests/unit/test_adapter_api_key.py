@@ -183,6 +183,7 @@ def test_the_key_from_the_file_reaches_server_args(tmp_path: Path) -> None:
         ("sglang.srt.entrypoints.engine", "_server_args_for_logging", "after"),
         ("sglang.srt.managers.tokenizer_manager", "TokenizerManager._server_args_for_dump", "after"),
         ("sglang.srt.managers.tokenizer_manager", "TokenizerManager._dump_config_snapshot", "after"),
+        ("sglang.srt.sampling.watermarking.core", "redact_watermark_secrets", "after"),
     ]
     server_args = spec.state.around_prepare(prepared(), ["--model-path", "/m"])
     assert server_args.api_key == KEY and server_args.argv == ["--model-path", "/m"]
@@ -300,6 +301,13 @@ SOURCE = textwrap.dedent(
 
         def _dump_config_snapshot(self):
             return {"api_key": self.server_args.api_key, "port": 1}
+
+    def redact_watermark_secrets(value):
+        return value  # SGLang's own hides only its watermark keys
+
+    def server_info(server_args, internal_states):
+        # as /server_info: the resolved args, each scheduler's again, through the redaction
+        return redact_watermark_secrets({**server_args.resolved_dict(), "internal_states": internal_states})
     """
 )
 
@@ -330,6 +338,9 @@ def test_installed_hooks_set_and_redact_the_key(pkg: str, tmp_path: Path) -> Non
     assert dump == {"server_args": {"api_key": "<redacted>", "argv": ["--port", "1"]},
                     "resolved_config": {"api_key": "<redacted>", "port": 1}}
     assert KEY.encode() not in pickle.dumps(dump)
+    info = module.server_info(args, [{"api_key": KEY, "admin_api_key": None, "tp_size": 3}])
+    assert info == {"api_key": "<redacted>", "argv": ["--port", "1"],
+                    "internal_states": [{"api_key": "<redacted>", "admin_api_key": None, "tp_size": 3}]}
     assert buf.getvalue().startswith("dsv41-adapter: api_key installed (key from ")
 
 

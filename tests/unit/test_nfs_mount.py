@@ -57,7 +57,7 @@ class Clock:
 
 
 def spec(what, where, shards=2):
-    return check_mount(what=what, where=where, type="none", options="bind,ro", server="", expected_shards=shards,
+    return check_mount(what=what, where=where, type="none", options="bind,ro,nosuid,nodev", server="", expected_shards=shards,
                        allowed_types=("none",))
 
 
@@ -95,10 +95,10 @@ def test_unit_states_map_to_mount_states():
 
 def test_mount_unit_properties():
     s = check_mount(what="10.0.22.1:/", where="/var/tmp/DeepSeek-V4.1-Flash", type="nfs4",
-                    options="nfsvers=4.2,ro,hard", server="10.0.22.1", expected_shards=48)
+                    options="nfsvers=4.2,ro,nosuid,nodev,hard", server="10.0.22.1", expected_shards=48)
     props = {k: (sig, v) for k, sig, v in mount_properties(s, 90)}
     assert props["What"] == ("s", "10.0.22.1:/") and props["Where"] == ("s", "/var/tmp/DeepSeek-V4.1-Flash")
-    assert props["Type"] == ("s", "nfs4") and props["Options"] == ("s", "nfsvers=4.2,ro,hard")
+    assert props["Type"] == ("s", "nfs4") and props["Options"] == ("s", "nfsvers=4.2,ro,nosuid,nodev,hard")
     assert props["TimeoutUSec"] == ("t", 90_000_000) and props["LazyUnmount"] == ("b", True)
     assert props["ForceUnmount"] == ("b", True)
     bind = dict((k, v) for k, _, v in mount_properties(spec("/srv/a", "/srv/b"), 90))

@@ -1,5 +1,6 @@
 """The node-check RPCs' answers to bad and refused requests (agent.rpc_nodechecks), without systemd."""
 
+import os
 from dataclasses import dataclass
 
 import grpc
@@ -42,6 +43,8 @@ class Rank:
 class Settings:
     state_dir: str
     sysfs_root: str = "/sys"
+    allowed_paths: tuple = ("/srv", "/var/tmp/DeepSeek-V4.1-Flash")
+    allowed_mount_servers: tuple = ("10.0.22.0/24",)
 
 
 class NoSystemd:
@@ -61,8 +64,10 @@ class Service(NodeCheckRpcs):
         self._rank = Rank(running)
         # An empty host view: no request can reach this machine's real directories.
         view = tmp_path / "host"
-        view.mkdir(exist_ok=True)
-        self._node_checks_built = build_node_checks(self._settings, self._systemd, self._events, str(view))
+        (view / "var" / "tmp").mkdir(parents=True, exist_ok=True)
+        # Files of this test's user count as root's: the paths' owners are checked, not who runs the test.
+        self._node_checks_built = build_node_checks(self._settings, self._systemd, self._events, str(view),
+                                                    owner=os.getuid())
 
 
 def abort_of(call, request):
@@ -73,8 +78,8 @@ def abort_of(call, request):
 
 
 GOOD_EXPORT = dict(path="/srv/models/m", clients=["10.0.0.2"], options="ro,sync", backend="kernel", name="n")
-GOOD_MOUNT = dict(what="10.0.22.1:/", where="/var/tmp/DeepSeek-V4.1-Flash", type="nfs4", options="ro,hard",
-                  server="10.0.22.1", expected_shards=48)
+GOOD_MOUNT = dict(what="10.0.22.1:/", where="/var/tmp/DeepSeek-V4.1-Flash", type="nfs4",
+                  options="ro,hard,nosuid,nodev", server="10.0.22.1", expected_shards=48)
 
 
 @pytest.mark.parametrize("field,value,why", [
@@ -88,7 +93,8 @@ def test_ensure_export_rejects_bad_fields(tmp_path, field, value, why):
 
 @pytest.mark.parametrize("field,value,why", [
     ("where", "/", "refused"), ("where", "/usr/lib/x", "refused"), ("type", "none", "ALLOWED_MOUNT_TYPES"),
-    ("type", "ext4", "not allowed"), ("options", "ro,hard,suid", "not allowed"), ("what", "spark1:/", "IP address"),
+    ("type", "ext4", "not allowed"), ("options", "ro,hard,nosuid,nodev,suid", "not allowed"),
+    ("options", "ro,hard", "must include nosuid, nodev"), ("what", "spark1:/", "IP address"),
     ("expected_shards", 0, "expected_shards"), ("server", "10.0.0.9", "must be the address in what")])
 def test_ensure_mount_rejects_bad_fields(tmp_path, field, value, why):
     code, details = abort_of(Service(tmp_path).EnsureMount, pb.MountSpec(**{**GOOD_MOUNT, field: value}))
@@ -98,6 +104,19 @@ def test_ensure_mount_rejects_bad_fields(tmp_path, field, value, why):
 def test_a_valid_request_without_systemd_is_unavailable(tmp_path):
     code, details = abort_of(Service(tmp_path).EnsureMount, pb.MountSpec(**GOOD_MOUNT))
     assert code == grpc.StatusCode.UNAVAILABLE and details.startswith("systemd over D-Bus:")
+    # the agent made the mount point itself, before anyone else could
+    assert (tmp_path / "host/var/tmp/DeepSeek-V4.1-Flash").is_dir()
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("where", "/var/tmp/Other", "not under this node's ALLOWED_PATHS"),
+    ("what", "10.0.99.1:/", "not in this node's ALLOWED_MOUNT_SERVERS")])
+def test_mounts_outside_the_allowed_paths_and_servers_are_denied(tmp_path, field, value, why):
+    request = {**GOOD_MOUNT, field: value}
+    if field == "what":
+        request["server"] = "10.0.99.1"
+    code, details = abort_of(Service(tmp_path).EnsureMount, pb.MountSpec(**request))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and why in details
 
 def test_bind_mounts_only_where_the_settings_allow_them(tmp_path):
     @dataclass(frozen=True)

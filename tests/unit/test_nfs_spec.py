@@ -12,6 +12,9 @@ pytestmark = pytest.mark.unit
 
 RECIPE_EXPORT = "ro,sync,no_subtree_check,no_root_squash,insecure,fsid=0"
 RECIPE_MOUNT = "nfsvers=4.2,ro,nconnect=8,rsize=1048576,wsize=1048576,hard,timeo=600"
+# What the plan renders: the recipe's mount with nosuid,nodev, and an export that squashes root.
+PLAN_EXPORT = "ro,sync,no_subtree_check,root_squash,secure,fsid=0"
+PLAN_MOUNT = "nfsvers=4.2,ro,nosuid,nodev,nconnect=8,rsize=1048576,wsize=1048576,hard,timeo=600"
 
 
 def export(**kw):
@@ -22,7 +25,7 @@ def export(**kw):
 
 
 def mount(**kw):
-    args = dict(what="10.0.22.1:/", where="/var/tmp/DeepSeek-V4.1-Flash", type="nfs4", options=RECIPE_MOUNT,
+    args = dict(what="10.0.22.1:/", where="/var/tmp/DeepSeek-V4.1-Flash", type="nfs4", options=PLAN_MOUNT,
                 server="10.0.22.1", expected_shards=48)
     args.update(kw)
     return check_mount(**args)
@@ -35,7 +38,7 @@ def test_what_the_coordinator_renders_from_the_recipe_is_accepted(backend):
     head = plans[0].export
     e = check_export(path=head.path, clients=head.clients, options=head.options, backend=head.backend, name=head.name)
     assert e.path == "/home/op/NewModels/DeepSeek-V4.1-Flash" and len(e.clients) == 5
-    assert e.options == tuple(RECIPE_EXPORT.split(","))
+    assert e.options == tuple(PLAN_EXPORT.split(","))
     for worker in plans[1:]:
         m = worker.mount
         checked = check_mount(what=m.what, where=m.where, type=m.type, options=m.options, server=m.server,
@@ -108,13 +111,13 @@ def test_export_backend_and_name():
 
 def test_mount_types_come_from_the_node_settings():
     with pytest.raises(Invalid, match="type 'none': not allowed on this node; allowed: nfs4"):
-        mount(what="/srv/m", type="none", options="bind,ro", server="")
-    bind = mount(what="/srv/m", type="none", options="bind,ro", server="", allowed_types=("nfs4", "none"))
-    assert bind.options == ("bind", "ro") and bind.server == ""
+        mount(what="/srv/m", type="none", options="bind,ro,nosuid,nodev", server="")
+    bind = mount(what="/srv/m", type="none", options="bind,ro,nosuid,nodev", server="", allowed_types=("nfs4", "none"))
+    assert bind.options == ("bind", "ro", "nosuid", "nodev") and bind.server == ""
     with pytest.raises(Invalid, match="must include bind"):
         mount(what="/srv/m", type="none", options="ro", server="", allowed_types=("none",))
     with pytest.raises(Invalid, match="refused"):
-        mount(what="/etc", type="none", options="bind,ro", server="", allowed_types=("none",))
+        mount(what="/etc", type="none", options="bind,ro,nosuid,nodev", server="", allowed_types=("none",))
     with pytest.raises(Invalid, match="only nfs4"):
         mount(type="cifs", allowed_types=("cifs",))
 
@@ -131,11 +134,13 @@ def test_mount_fields():
     with pytest.raises(Invalid, match="'rw' is not allowed"):
         mount(options="rw,hard")
     with pytest.raises(Invalid, match="nconnect=64.*value not allowed"):
-        mount(options="ro,nconnect=64")
+        mount(options="ro,nosuid,nodev,nconnect=64")
     with pytest.raises(Invalid, match="nfsvers=3.*value not allowed"):
-        mount(options="ro,nfsvers=3")
+        mount(options="ro,nosuid,nodev,nfsvers=3")
+    with pytest.raises(Invalid, match="must include nosuid, nodev"):
+        mount(options="ro,hard")
     with pytest.raises(Invalid, match="nfs needs nfsvers"):
-        mount(type="nfs", options="ro", allowed_types=("nfs",))
+        mount(type="nfs", options="ro,nosuid,nodev", allowed_types=("nfs",))
     with pytest.raises(Invalid, match="refused"):
         mount(where="/usr/lib")
     with pytest.raises(Invalid, match="mount unit name"):

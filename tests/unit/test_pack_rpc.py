@@ -4,6 +4,7 @@ and table size come back in the reply, for the coordinator's partition check."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_pack_checkpoint import ROWS, write_checkpoint
@@ -19,10 +20,11 @@ pytestmark = pytest.mark.unit
 
 
 class Service(PackRpcs):
-    def __init__(self) -> None:
+    def __init__(self, root: Path) -> None:
         self._systemd = NoSystemd()  # no pack unit: not running
         self._rank = Rank()
         self._host_root = "/"  # paths as they are: this test's tree is not behind a PrivateTmp
+        self._settings = SimpleNamespace(allowed_paths=(str(root),))  # the node's ALLOWED_PATHS
 
 
 def test_pack_state_carries_each_files_rows(tmp_path: Path) -> None:
@@ -31,7 +33,7 @@ def test_pack_state_carries_each_files_rows(tmp_path: Path) -> None:
     Packer(PackJob(model_dir=model, out_dir=out, rank=2, tp=3, layers=(14,)), SdNotify(None),
            log=lambda _line: None).run()
     spec = pb.PackSpec(source_dir=str(model), out_dir=str(out), tp=3, ranks=[2], layers=[1, 14])
-    state = Service().GetPackState(spec, Context())
+    state = Service(tmp_path).GetPackState(spec, Context())
     assert not state.running
     by_layer = {s.layer: s for s in state.layers}
     assert by_layer[14].state == "complete" and by_layer[14].rank == 2

@@ -11,8 +11,10 @@ import tarfile
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from agent import auth as agent_auth
 from agent import settings as agent_settings
 from coordinator import pki
 
@@ -179,10 +181,11 @@ def test_bundle_holds_exactly_what_the_node_needs(store, tmp_path):
     with tarfile.open(fileobj=io.BytesIO(store.bundle_tar("spark2"))) as tar:
         members = {m.name: m for m in tar.getmembers()}
         assert sorted(members) == ["etc/dsv41/tls", "etc/dsv41/tls/agent.env", "etc/dsv41/tls/ca.crt",
-                                   "etc/dsv41/tls/node.crt", "etc/dsv41/tls/node.key"]
+                                   "etc/dsv41/tls/coordinator.pin", "etc/dsv41/tls/node.crt", "etc/dsv41/tls/node.key"]
         modes = {n: m.mode for n, m in members.items()}
         assert modes == {"etc/dsv41/tls": 0o750, "etc/dsv41/tls/agent.env": 0o640, "etc/dsv41/tls/ca.crt": 0o640,
-                         "etc/dsv41/tls/node.crt": 0o640, "etc/dsv41/tls/node.key": 0o600}
+                         "etc/dsv41/tls/coordinator.pin": 0o640, "etc/dsv41/tls/node.crt": 0o640,
+                         "etc/dsv41/tls/node.key": 0o600}
         assert all(m.uid == 0 and m.gid == 0 for m in members.values())
         content = {n: tar.extractfile(m).read() for n, m in members.items() if m.isfile()}
     assert content["etc/dsv41/tls/node.key"] == read(store.path("nodes/spark2", "key"))
@@ -194,6 +197,11 @@ def test_bundle_holds_exactly_what_the_node_needs(store, tmp_path):
     assert (s.node, s.tls_ca, s.tls_cert, s.tls_key) == ("spark2", "/etc/dsv41/tls/ca.crt", "/etc/dsv41/tls/node.crt",
                                                         "/etc/dsv41/tls/node.key")
     assert s.coordinator_name == pki.COORDINATOR_NAME and not s.insecure_no_tls
+    # the pin is the coordinator certificate's fingerprint, in the file the settings name
+    assert s.tls_pin == "/etc/dsv41/tls/coordinator.pin"
+    coordinator = x509.load_pem_x509_certificate(read(store.path("coordinator", "crt")))
+    assert agent_auth.parse_pins(content["etc/dsv41/tls/coordinator.pin"].decode()) == \
+        {coordinator.fingerprint(hashes.SHA256()).hex()}
 
 
 def test_bundle_refuses_the_coordinator_and_unknown_nodes(store):

@@ -93,10 +93,12 @@ def test_host_rank_0_reads_the_copy_in_the_state_directory():
 
 def test_the_key_path_passes_the_agents_bind_and_env_checks():
     from agent import rankspec, settings
-    cfg, plans = cluster(API_KEY_FILE="/etc/dsv41/api-key")
+    image = "sha256:" + "cd" * 32
+    cfg, plans = cluster(API_KEY_FILE="/etc/dsv41/api-key", IMAGE=image)
     head = plans[0].rank_spec
-    image = head.argv[head.argv.index("python3") - 1]
-    s = settings.parse(f"NODE_NAME=spark1\nINSECURE_NO_TLS=1\nALLOWED_IMAGES={image}\n", "agent.env", {})
+    assert head.argv[head.argv.index("python3") - 1] == image
+    s = settings.parse(f"NODE_NAME=spark1\nINSECURE_NO_TLS=1\nALLOWED_IMAGES={image}\n"
+                       f"ALLOWED_PATHS=/home/op/NewModels,/home/op/dsv41-engram,/home/op/nccl-2.30.7\n", "agent.env", {})
     launch = rankspec.check_launch(
         runtime=head.runtime, argv=head.argv, env=head.env, fills=head.agent_fills,
         binds=[(b.source, b.target, b.read_only) for b in head.binds], exec_start_pre=head.exec_start_pre,

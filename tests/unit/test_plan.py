@@ -144,11 +144,11 @@ def test_export_on_the_head_and_mounts_on_workers():
     head, w1, w2 = plans
     assert head.mount is None and w1.export is None
     assert head.export.path == "/home/op/NewModels/DeepSeek-V4.1-Flash"
-    assert head.export.options == "ro,sync,no_subtree_check,no_root_squash,insecure,fsid=0"
+    assert head.export.options == "ro,sync,no_subtree_check,root_squash,secure,fsid=0"
     assert head.export.clients == ("10.0.0.2", "10.0.0.3", "10.0.22.0/24", "10.0.23.0/24", "10.0.33.0/24")
     assert (w1.mount.what, w2.mount.what) == ("10.0.22.1:/", "10.0.23.1:/")
     assert w1.mount.where == "/var/tmp/DeepSeek-V4.1-Flash" and w1.mount.type == "nfs4"
-    assert w1.mount.options == "nfsvers=4.2,ro,nconnect=8,rsize=1048576,wsize=1048576,hard,timeo=600"
+    assert w1.mount.options == "nfsvers=4.2,ro,nosuid,nodev,nconnect=8,rsize=1048576,wsize=1048576,hard,timeo=600"
     assert w1.mount.expected_shards == 48
     _, ganesha = cluster(edited(NFS_BACKEND="ganesha"))
     assert ganesha[1].mount.what == "10.0.22.1:/dsv41-native"

@@ -8,13 +8,15 @@ from coordinator import config, plan
 
 pytestmark = pytest.mark.unit
 
-IMAGE = "dsv41-3x-spark:local"
+IMAGE = "sha256:" + "ab" * 32  # the local build dsv41-3x-spark:local, by its ID
+# The seed's paths: the model and packs under the operator's home, the workers' mount point.
+ROOTS = "/home/op/NewModels,/home/op/dsv41-engram,/home/op/nccl-2.30.7,/var/tmp/DeepSeek-V4.1-Flash"
 
 
 def agent_settings(**over):
     values = {"NODE_NAME": "spark2", "INSECURE_NO_TLS": "1", "ALLOWED_RUNTIMES": "container,host",
-              "ALLOWED_IMAGES": IMAGE, "ALLOWED_EXECUTABLES": "/opt/sglang/bin/python,/usr/bin/dsv41-sim-rank",
-              **over}
+              "ALLOWED_IMAGES": IMAGE, "ALLOWED_PYTHONS": "/opt/sglang/bin/python",
+              "ALLOWED_EXECUTABLES": "/usr/bin/dsv41-sim-rank", "ALLOWED_PATHS": ROOTS, **over}
     return settings.parse("".join(f"{k}={v}\n" for k, v in values.items()), "agent.env", {})
 
 
@@ -31,7 +33,7 @@ def launch_of(node_plan, s=None):
 @pytest.mark.parametrize("changes", [{}, {"RANK_RUNTIME": "host", "RANK_PYTHON": "/opt/sglang/bin/python"},
                                      {"RANK_RUNTIME": "host", "RANK_ENGINE": "sim"}])
 def test_every_plan_the_coordinator_renders_is_accepted(changes):
-    cfg = config.parse(edited(**changes), "cluster.env", HOME)
+    cfg = config.parse(edited(IMAGE=IMAGE, **changes), "cluster.env", HOME)
     for node_plan in plan.render_cluster(cfg, dspark_tables=True):
         s = agent_settings(ADAPTER_DIR=plan.ADAPTER_DIR)
         launch = launch_of(node_plan, s)
@@ -39,19 +41,21 @@ def test_every_plan_the_coordinator_renders_is_accepted(changes):
 
 
 def test_the_image_must_be_allowed_on_the_node():
-    cfg = config.parse(SEED_TEXT, "cluster.env", HOME)
+    cfg = config.parse(SEED_TEXT, "cluster.env", HOME)  # IMAGE=dsv41-3x-spark:local, a tag
     node_plan = plan.render_node(cfg, "spark2")
     with pytest.raises(rankspec.SpecDenied, match="image dsv41-3x-spark:local: not allowed on this node"):
-        launch_of(node_plan, agent_settings(ALLOWED_IMAGES="other:tag"))
+        launch_of(node_plan, agent_settings())
+    with pytest.raises(settings.SettingsError, match="'other:tag' is not an image pinned by digest"):
+        agent_settings(ALLOWED_IMAGES="other:tag")
 
 
 def test_container_argv_cannot_smuggle_flags():
-    cfg = config.parse(SEED_TEXT, "cluster.env", HOME)
+    cfg = config.parse(edited(IMAGE=IMAGE), "cluster.env", HOME)
     node_plan = plan.render_node(cfg, "spark2")
     argv = list(node_plan.rank_spec.argv)
     for bad, message in [(["--privileged"], "--privileged is not one a rank needs"),
-                         (["-v", "/:/host:rw"], "may not mount"),
-                         (["-v", "/var/run/docker.sock:/s:rw"], "may not mount"),
+                         (["-v", "/:/host:rw"], "the only read-write bind is the cache"),
+                         (["-v", "/var/run/docker.sock:/s:ro"], "not under this node's ALLOWED_PATHS"),
                          (["--network", "bridge"], "--network bridge: not allowed")]:
         tampered = argv[:2] + bad + argv[2:]
         with pytest.raises((rankspec.SpecDenied, rankspec.SpecInvalid), match=message):
@@ -78,6 +82,11 @@ def test_unit_properties_carry_what_the_design_asks_for():
     assert props["BindReadOnlyPaths"][1] == [("/home/op/NewModels/DeepSeek-V4.1-Flash",
                                               "/var/tmp/DeepSeek-V4.1-Flash", False, 0),
                                              ("/home/op/dsv41-engram", "/engram", False, 0)]
+    # sandboxed; writes only its cache, which is also its home and working directory
+    assert props["NoNewPrivileges"] == ("b", True) and props["ProtectSystem"] == ("s", "strict")
+    assert props["ReadWritePaths"] == ("as", ["/var/cache/dsv41/rank"])
+    assert "HOME=/var/cache/dsv41/rank" in props["Environment"][1]
+    assert "PYTHONSAFEPATH=1" in props["Environment"][1]
 
 
 @pytest.mark.parametrize("name", ["LD_PRELOAD", "LD_AUDIT", "PYTHONSTARTUP", "BASH_ENV", "PATH", "LD_FOO"])
