@@ -104,12 +104,13 @@ def test_each_failed_step_names_the_cause_and_leaves_no_rank(nodes, coordinator,
 def test_an_unreachable_agent_is_waited_for_and_fails_only_at_node_wait_timeout_naming_the_node(nodes, coordinator):
     nodes["spark3"].run(["systemctl", "stop", "dsv41-agent.service"])
     try:
-        c = coordinator(NODE_WAIT_TIMEOUT_S="3")
+        # long enough to see the phase waiting: a status call waits up to 3 s for the down agent
+        c = coordinator(NODE_WAIT_TIMEOUT_S="10")
         status = c.wait_phase("waiting", "failed", "serving", timeout=60)
         assert status.phase == "waiting" and status.phase_detail.startswith("waiting for spark3: agent at ")
         status = c.wait_phase("failed", "serving", timeout=60)
         assert status.phase == "failed" and status.phase_detail.startswith("preflight: spark3: agent at ")
-        assert status.phase_detail.endswith("(still unreachable after 3 s)"), status.phase_detail
+        assert status.phase_detail.endswith("(still unreachable after 10 s)"), status.phase_detail
         assert no_rank_anywhere(nodes)
         proc = ctl(c, "status")
         assert proc.returncode == 1 and "spark3" in proc.stdout and "down" in proc.stdout
