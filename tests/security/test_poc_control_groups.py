@@ -28,7 +28,7 @@ def head(rootfs):
         node.run(["useradd", "--no-create-home", "--groups", "dsv41-read", "watcher"])
         node.run(["useradd", "--no-create-home", "--groups", "dsv41", "operator1"])
         node.run(["useradd", "--no-create-home", "passerby"])
-        for part in ("coordinator", "dsv41"):
+        for part in ("coordinator", "dsv41", "adapter"):  # adapter/: dsv41-coordinator depends on dsv41-adapter
             node.copy_in(REPO / part, f"{SRC}/{part}")
         nodes = {"spark1": SimpleNamespace(address="127.0.0.1"), "spark2": SimpleNamespace(address="127.0.0.2")}
         node.write_file("/etc/dsv41/cluster.env", cluster_env(nodes, AGENT_PORT=str(free_port())))
