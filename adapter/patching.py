@@ -96,6 +96,18 @@ class Refused(SystemExit):
         super().__init__(PREFIX + message.replace("\n", " ") + "; the rank does not start")
 
 
+def refusing(name: str, module: str, reason: str) -> AdapterSpec:
+    """A fail_closed adapter that was asked for but cannot run as asked (a setting it cannot use):
+    the process stops with `reason` right after `module` is imported, on every rank alike, instead
+    of running without the adapter while its peers might not."""
+
+    def refuse(_module: types.ModuleType) -> None:
+        raise Refused(f"{name}: {reason}")
+
+    return AdapterSpec(name=name, detail=f"refuses: {reason}", fail_closed=True,
+                       patches=(Patch(module, "", ON_IMPORT, refuse),))
+
+
 def resolve_target(module: types.ModuleType, attr: str) -> tuple[Any, str, Callable[..., Any], Any]:
     """(owner, name, function, raw attribute) for `attr` inside `module`; PatchError if absent."""
     owner: Any = module
