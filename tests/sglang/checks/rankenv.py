@@ -37,7 +37,7 @@ def start_rank(root: str, rank: int = 0, tp: int = 1, port: int | None = None) -
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import prepare_server_args
 
-    model = Path(root) / "model"
+    model = Path(root) / f"model-r{rank}"
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(LLAMA))
     server_args = prepare_server_args(["--model-path", str(model), "--tp-size", str(tp), "--device", "cpu"])
