@@ -6,7 +6,7 @@ shard (421 MiB per rank at TP 3). The target's own logits keep the bf16 head. Ho
 
 - AFTER DeepseekV4ForCausalLMDSpark.attach_shared_modules (the worker hands the draft the target's
   head, after both models loaded and before any CUDA graph): an fp8 copy of the head with 32 x 32
-  power-of-two tiles (adapter/fp8_blocks.py), +211.5 MiB per rank at TP 3. Not for a quantised head
+  power-of-two tiles (adapter/fp8_blocks.py), +211.4 MiB per rank at TP 3. Not for a quantised head
   (SGLang applies its quant method) or under SGLANG_DSPARK_FP32_LM_HEAD=1 (the draft then projects
   in float32 without this function).
 - AROUND sglang.srt.models.dspark.project_through_lm_head(hidden, lm_head), the draft's projection:
