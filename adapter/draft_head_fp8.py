@@ -54,6 +54,7 @@ class DraftHeadFp8:
         self._log = log
         self._copies: dict[int, tuple[Any, Any]] = {}  # id(lm_head) -> (lm_head, Fp8Blocks)
         self.fp8_calls = 0
+        self.kernel_failed = False  # the fp8 kernel raised once: the bf16 head from then on
 
     def patches(self) -> tuple[Patch, ...]:
         return (
@@ -91,12 +92,19 @@ class DraftHeadFp8:
 
     def around_project(self, original: Callable[..., Any], hidden: Any, lm_head: Any) -> Any:
         blocks = self.copy_of(lm_head)
-        if blocks is None or hidden.dim() != 2 or hidden.shape[0] == 0:
+        if blocks is None or self.kernel_failed or hidden.dim() != 2 or hidden.shape[0] == 0:
             return original(hidden, lm_head)
         from adapter.fp8_gemm import linear_w8a16
 
+        try:
+            out = linear_w8a16(hidden.to(lm_head.weight.dtype), blocks)
+        except Exception as e:  # noqa: BLE001 - the bf16 head is still there
+            self.kernel_failed = True
+            self._log.line(f"{NAME}: the fp8 kernel failed ({type(e).__name__}: {e}); the draft projects through "
+                           "the bf16 head")
+            return original(hidden, lm_head)
         self.fp8_calls += 1
-        return linear_w8a16(hidden.to(lm_head.weight.dtype), blocks)
+        return out
 
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:

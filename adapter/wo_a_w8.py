@@ -94,6 +94,8 @@ def skip_reason(module: Any, role: str) -> str | None:
         return "SGLang's fp8 wo_a"
     if getattr(module, "use_mega_attention", False):
         return "mega attention"
+    if getattr(module, "use_fused_wo_a", False):  # SM100: the fused RoPE + wo_a kernel reads the weight itself
+        return "SGLang's fused RoPE + wo_a kernel"
     if str(getattr(weight, "dtype", "")) != "torch.bfloat16":
         return f"wo_a is {weight.dtype}"
     if role == DRAFT and not getattr(module, "_use_fast_kernel", True):
@@ -113,6 +115,7 @@ class WoAW8:
         self.twins: dict[int, Twin] = {}  # weight data_ptr (the placeholder's after DROP) -> twin
         self.fp8_calls = 0
         self.bf16_calls = 0
+        self.kernel_failed = False  # the fp8 kernel raised once: bf16 from then on (only with the bf16 kept)
 
     def patches(self) -> tuple[Patch, ...]:
         patches = [
@@ -205,12 +208,21 @@ class WoAW8:
                 raise Refused(f"{NAME}: a wo_a weight released by {DROP_KEY}=1 reached SGLang's bf16 path "
                               "without its fp8 twin")
             return original(o, wo_a, is_decode, **rest)
-        if serves_fp8(int(o.shape[0]), decode=is_decode, verify=is_target_verify, prefill=is_prefill,
-                      mid=self.settings.mid):
+        if not self.kernel_failed and serves_fp8(int(o.shape[0]), decode=is_decode, verify=is_target_verify,
+                                                 prefill=is_prefill, mid=self.settings.mid):
             from adapter.fp8_gemm import grouped_w8a16
 
-            self.fp8_calls += 1
-            return grouped_w8a16(o, twin.blocks)
+            try:
+                out = grouped_w8a16(o, twin.blocks)
+            except Exception as e:  # noqa: BLE001 - with the bf16 weight kept, SGLang's path still serves
+                if twin.dropped:
+                    raise
+                self.kernel_failed = True
+                self._log.line(f"{NAME}: the fp8 kernel failed ({type(e).__name__}: {e}); wo_a stays on "
+                               "SGLang's bf16 path")
+            else:
+                self.fp8_calls += 1
+                return out
         self.bf16_calls += 1
         if twin.dropped:
             from adapter.fp8_blocks import dequantize

@@ -98,6 +98,13 @@ def test_wo_a_rows_are_served_as_configured_and_match_bf16(wo_a, name, mid, draf
     assert result["strided_rel"] <= BF16_ROUNDING
 
 
+def test_wo_a_kernel_failure_falls_back_only_while_the_bf16_weight_is_kept(wo_a) -> None:
+    assert wo_a["w8"][0]["after_kernel_failure"] == {"same_as_sglang": True, "kernel_failed": True}
+    assert "dsv41-adapter: wo_a_w8: the fp8 kernel failed (RuntimeError: stand-in kernel failure); wo_a stays on " \
+           "SGLang's bf16 path" in adapter_lines(wo_a["w8"][1])
+    assert wo_a["all"][0]["after_kernel_failure"] == {"raised": "stand-in kernel failure"}
+
+
 def test_wo_a_triton_kernel_matches_the_float32_product(wo_a) -> None:
     for name in ("w8", "all"):
         kernel = wo_a[name][0]["triton_max_rel_vs_float32"]
@@ -137,6 +144,7 @@ def test_draft_head_projects_through_the_fp8_copy_within_its_quantisation_error(
         assert BF16_ROUNDING < v["rel_vs_float32"] <= E4M3_ROUNDING, v
     # The target's head is the same tensor with the same values: the target's logits are untouched.
     assert result["head_unchanged"] is True
+    assert result["after_kernel_failure"] == {"same_as_sglang": True, "kernel_failed": True}
     line = next(line for line in adapter_lines(err) if "draft LM head" in line)
     assert line == f"dsv41-adapter: draft_head_fp8: draft LM head [{n} x {k}] per rank: fp8 copy +0.1 MiB; " \
                    "the target keeps the bf16 head"

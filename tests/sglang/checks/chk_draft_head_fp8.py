@@ -49,6 +49,7 @@ def main():
                   "dtype": str(adapter.copy_of(head).weight.dtype)}}
     original = getattr(dspark.project_through_lm_head, "__wrapped__", dspark.project_through_lm_head)
     logits = {}
+    torch.set_grad_enabled(False)
     for rows in ROWS:
         x = torch.randn(rows, model.hc_mult, cfg.hidden_size).to(torch.bfloat16)
         calls = adapter.fp8_calls if adapter else 0
@@ -67,6 +68,21 @@ def main():
             "argmax_agrees": float((got.float().argmax(-1) == want.float().argmax(-1)).float().mean()),
         }
     result["logits"] = logits
+    if adapter is not None and adapter.copy_of(head) is not None:
+        # A kernel that fails (a stand-in for a Triton build error on some GPU): the bf16 head serves.
+        from adapter import fp8_gemm
+
+        def broken(*_a, **_k):
+            raise RuntimeError("stand-in kernel failure")
+
+        fp8_gemm.linear_w8a16 = broken
+        x = torch.randn(5, model.hc_mult, cfg.hidden_size).to(torch.bfloat16)
+        got, x_post_hc = model.compute_base_logits(x)
+        want = original(model.stages[-1].norm(x_post_hc), head)
+        if not model._opt_markov_w2_tp_shard:
+            want = dspark.gather_and_crop_vocab(want, head)
+        result["after_kernel_failure"] = {"same_as_sglang": bool(torch.equal(got.view(torch.int16), want.view(torch.int16))),
+                                          "kernel_failed": adapter.kernel_failed}
     result["head_unchanged"] = bool(torch.equal(head.weight.view(torch.int16), before.view(torch.int16))) \
         and head.weight.data_ptr() == pointer
     emit(result)

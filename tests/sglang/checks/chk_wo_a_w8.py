@@ -143,6 +143,23 @@ def main():
             ref = torch.einsum("tgk,gnk->tgn", o.float(), fp8_blocks.dequantize(blocks, torch.float32))
             kernel[label] = float((y - ref).abs().max() / ref.abs().max())
         result["triton_max_rel_vs_float32"] = kernel
+
+        # A kernel that fails (a stand-in for a Triton build error on some GPU): with the bf16 weight
+        # kept SGLang's path takes over; with DROP there is nothing to fall back to and the error stands.
+        def broken(*_a, **_k):
+            raise RuntimeError("stand-in kernel failure")
+
+        fp8_gemm.grouped_w8a16 = broken
+        o = torch.randn(6, g, loaded[0].shape[1], generator=gen).to(torch.bfloat16)
+        try:
+            out = dsv4._apply_wo_a_bf16_matmul(o, layers[0].wo_a.weight.view(g, r, -1), is_decode=False,
+                                               is_target_verify=True, fast_path=True)
+            result["after_kernel_failure"] = {
+                "same_as_sglang": bool(torch.equal(out.view(torch.int16), original(
+                    o, loaded[0].view(g, r, -1), is_decode=False, is_target_verify=True,
+                    fast_path=True).view(torch.int16))), "kernel_failed": adapter.kernel_failed}
+        except RuntimeError as e:
+            result["after_kernel_failure"] = {"raised": str(e)}
     emit(result)
 
 
