@@ -183,6 +183,18 @@ def test_warnings_for_settings_that_do_nothing():
     assert any("DSV41_BLOCK_VERIFY=0" in w for w in cfg.warnings)
 
 
+def test_a_ragged_verify_mode_with_the_verify_cap_is_an_error_the_ranks_would_refuse():
+    text = SEED_TEXT.rstrip("\n") + "\nSGLANG_RAGGED_VERIFY_MODE=cap-accept\n"
+    errors = errors_of(text)
+    assert errors == [f"cluster.env:{line_of(text, 'SGLANG_RAGGED_VERIFY_MODE')}: SGLANG_RAGGED_VERIFY_MODE=cap-accept: "
+                      "SGLang then schedules verify lengths itself, and the verify cap (DSV41_VERIFY_CAP) caps its "
+                      "static verify: every rank would refuse to start; remove SGLANG_RAGGED_VERIFY_MODE or set "
+                      "DSV41_VERIFY_CAP=0"]
+    assert load(edited(DSV41_VERIFY_CAP="0").rstrip("\n") + "\nSGLANG_RAGGED_VERIFY_MODE=cap-accept\n").passthrough == {
+        "SGLANG_RAGGED_VERIFY_MODE": "cap-accept"}
+    assert load(SEED_TEXT.rstrip("\n") + "\nSGLANG_RAGGED_VERIFY_MODE=static\n").no_effect == ()
+
+
 DECODE_KEYS = ["DSV41_WO_A_W8", "DSV41_WO_A_W8_MID", "DSV41_WO_A_W8_DROP", "DSV41_WO_A_W8_DRAFT",
                "DSV41_DRAFT_HEAD_FP8", "DSV41_VERIFY_CAP", "DSV41_DRAFT_TAU", "DSV41_BLOCK_VERIFY",
                "DSV41_FOLDED_FENCE"]
