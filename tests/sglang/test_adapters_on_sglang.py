@@ -27,6 +27,12 @@ EVERY_ADAPTER = [
     "inflight",
     "api_key",
     "engram_offload",
+    "wo_a_w8",
+    "draft_head_fp8",
+    "verify_cap",
+    "block_verify",
+    "draft_tau",
+    "folded_fence",
 ]
 
 
