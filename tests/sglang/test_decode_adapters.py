@@ -333,3 +333,42 @@ def test_folded_fence_returns_the_same_results_in_their_own_memory(accept) -> No
     assert all(armed["changed_by_next_step"]) and all(plain["changed_by_next_step"])
     assert all(armed["own_memory"]) and all(armed["kept_after_next_step"])
     assert not any(plain["own_memory"]) and not any(plain["kept_after_next_step"])
+
+
+# --- the example configuration's decode block, every adapter at once ---------------------------
+
+def rank_env(**changes) -> dict[str, str]:
+    """The adapters' variables in the environment the coordinator renders for spark2's rank."""
+    from adapter import boot
+    from coordinator import config, plan
+    from tests.configtext import HOME, SEED_TEXT, edited
+
+    cfg = config.parse(edited(**changes) if changes else SEED_TEXT, "cluster.env", HOME)
+    env = plan.render_node(cfg, "spark2").to_json()["env"]
+    return {k: v for k, v in env.items() if k in boot.env_keys() and k != "DSV41_SOURCE"}
+
+
+@pytest.mark.parametrize("mode", ["HookRegistry", "import hook"])
+@pytest.mark.parametrize("changes", [{}, {"DSV41_WO_A_W8_DRAFT": "1", "DSV41_DRAFT_TAU": "0.8",
+                                          "DSV41_FOLDED_FENCE": "1"}], ids=["example", "every-key-on"])
+def test_the_decode_adapters_install_together(sglang: Sglang, changes, mode) -> None:
+    env = rank_env(**changes)
+    assert env["DSV41_VERIFY_CAP"] == "conf:0.1" and env["DSV41_WO_A_W8_DROP"] == "1"
+    legacy = mode == "import hook"
+    result, err = sglang.check("chk_decode_stack", *(["legacy"] if legacy else []), env=env, armed=not legacy)
+    assert all(line.endswith(f"; via {mode})") for line in adapter_lines(err) if " installed (" in line)
+    on = {"wo_a_w8", "draft_head_fp8", "verify_cap", "block_verify"} | ({"draft_tau", "folded_fence"} if changes else set())
+    assert {a for a, v in result["on"].items() if v} == on
+    assert not [line for line in adapter_lines(err) if "could not patch" in line or "stays out" in line
+                or "does not start" in line]
+    assert set(installed(err)) >= on and all(installed(err).count(a) == 1 for a in on)
+    # Every hook of every adapter landed, including on the targets two adapters share.
+    targets = result["targets"]
+    assert result["not_applied"] == []
+    verify = "sglang.srt.speculative.dspark_components.dspark_verify"
+    assert targets[f"{verify}.TargetVerifyExecutor.__init__"] == ["block_verify", "verify_cap"]
+    assert set(targets[f"{verify}._draft_probs"]) == ({"verify_cap", "draft_tau"} if changes else {"verify_cap"})
+    if changes:
+        assert targets[f"{verify}.TargetVerifyExecutor.accept_and_finalize"] == ["folded_fence"]
+        assert "sglang.srt.models.deepseek_v4_dspark.DeepseekV4ForCausalLMDSpark.post_load_weights" in targets
+    assert result["fail_closed"]["wo_a_w8"] is True and result["fail_closed"]["draft_head_fp8"] is False
