@@ -90,7 +90,9 @@ if triton is not None:
             x_mask = (rm[:, None] < M) & (kk[None, :] < K)
             x = tl.load(x_base + rm[:, None] * sxm + kk[None, :] * sxk, mask=x_mask, other=0.0)
             w_mask = (rn[:, None] < N) & (kk[None, :] < K)
-            w = tl.load(w_base + rn[:, None] * swn + kk[None, :] * swk, mask=w_mask, other=0.0)
+            # The codes arrive as bytes: a masked load needs no fp8 constant, then a bitcast to E4M3.
+            w = tl.load(w_base + rn[:, None] * swn + kk[None, :] * swk, mask=w_mask, other=0)
+            w = w.to(tl.float8e4nv, bitcast=True)
             # One scale per SCALE_BLOCK x SCALE_BLOCK tile: a warp's lanes mostly read one address.
             s = tl.load(s_base + (rn[:, None] // SCALE_BLOCK) * ssn + (kk[None, :] // SCALE_BLOCK) * ssk,
                         mask=w_mask, other=0.0)
@@ -117,7 +119,7 @@ def triton_w8a16(x: torch.Tensor, blocks: Fp8Blocks, tiles: Tiles | None = None,
     if t == 0:
         return out
     cfg = tiles or tiles_for(t)
-    w, s = blocks.weight, blocks.scale
+    w, s = blocks.weight.view(torch.uint8), blocks.scale
     grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), g)
     _w8a16_kernel[grid](
         x, w, s, out, t, n, k,
