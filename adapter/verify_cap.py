@@ -104,10 +104,9 @@ class Routing:
 
 
 class VerifyCap:
-    def __init__(self, threshold: float, log: AdapterLog, broadcast: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, threshold: float, log: AdapterLog) -> None:
         self.threshold = threshold
         self._log = log
-        self._broadcast = broadcast if broadcast is not None else _tp_broadcast
         self.stride: int | None = None
         self.live: Any = None  # int64 [LIVE_ROWS]: 1 + k per request of the step
         self._routing: contextvars.ContextVar[Routing | None] = contextvars.ContextVar(f"{NAME}_routing",
@@ -191,7 +190,7 @@ class VerifyCap:
 
             self.live[:rows].copy_(live_lengths(confidence[:rows], self.threshold, MIN_DRAFTS))
             self.capped_steps += 1
-        self._broadcast(self.live[:rows])
+        _tp_broadcast(self.live[:rows])
         return None
 
     def cutoff(self, bs: int) -> Any:
