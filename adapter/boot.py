@@ -14,8 +14,12 @@ from collections.abc import Callable, Mapping
 from adapter import (
     api_key,
     autotune_keep,
+    block_verify,
+    draft_head_fp8,
+    draft_tau,
     engram_offload,
     forward_progress,
+    folded_fence,
     inflight,
     loop_abort,
     max_new_tokens,
@@ -23,6 +27,8 @@ from adapter import (
     prefill_empty_cache,
     reasoning_effort,
     tp3_pad,
+    verify_cap,
+    wo_a_w8,
 )
 from adapter.log import AdapterLog
 from adapter.patching import AdapterSpec, Installer, arm, armed_finder
@@ -45,6 +51,12 @@ ADAPTERS: tuple[tuple[types.ModuleType, Builder], ...] = (
     (api_key, api_key.build),
     (engram_offload, engram_offload.build),
     (forward_progress, lambda env, log: forward_progress.build(env)),
+    (wo_a_w8, wo_a_w8.build),
+    (draft_head_fp8, draft_head_fp8.build),
+    (verify_cap, verify_cap.build),
+    (block_verify, block_verify.build),
+    (draft_tau, draft_tau.build),
+    (folded_fence, folded_fence.build),
 )
 BUILDERS: tuple[tuple[str, Builder], ...] = tuple((module.NAME, build) for module, build in ADAPTERS)
 

@@ -6,7 +6,8 @@ which checks that the target still exists with the expected parameters and then 
 
 - through SGLang's own HookRegistry (`sglang.srt.plugins.hook_registry`, SGLang >= 0.5.2x) when the
   running SGLang has it: same BEFORE/AFTER/AROUND semantics, and it rebinds stale
-  `from X import Y` references in other modules;
+  `from X import Y` references in other modules. It applies a target once, so a second adapter
+  hooking the same target wraps the first one's result with the wrappers below;
 - otherwise (older images) with equivalent wrappers of our own.
 
 Patching at import time, rather than importing every target up front, keeps each SGLang process
@@ -94,6 +95,18 @@ class Refused(SystemExit):
 
     def __init__(self, message: str) -> None:
         super().__init__(PREFIX + message.replace("\n", " ") + "; the rank does not start")
+
+
+def refusing(name: str, module: str, reason: str) -> AdapterSpec:
+    """A fail_closed adapter that was asked for but cannot run as asked (a setting it cannot use):
+    the process stops with `reason` right after `module` is imported, on every rank alike, instead
+    of running without the adapter while its peers might not."""
+
+    def refuse(_module: types.ModuleType) -> None:
+        raise Refused(f"{name}: {reason}")
+
+    return AdapterSpec(name=name, detail=f"refuses: {reason}", fail_closed=True,
+                       patches=(Patch(module, "", ON_IMPORT, refuse),))
 
 
 def resolve_target(module: types.ModuleType, attr: str) -> tuple[Any, str, Callable[..., Any], Any]:
@@ -225,11 +238,11 @@ class Installer:
             hook(module)
             return
         owner, name, func, _raw = resolve_target(module, patch.attr)
-        if getattr(func, MARK, None) == armed.spec.name:
+        if _wrapped_by(func, armed.spec.name):
             return  # armed twice in one process (sitecustomize and the plugin entry point)
         check_params(func, patch.params, patch.target)
         registry = self._hook_registry()
-        if registry is not None:
+        if registry is not None and not _registry_applied(registry[0], patch.target):
             hook_registry, hook_type = registry
             hook_registry.register(patch.target, hook, getattr(hook_type, patch.kind.upper()))
             hook_registry.apply_hooks()
@@ -289,6 +302,23 @@ class Installer:
             self._registry_probed = True
             self._registry = self._registry_loader()
         return self._registry
+
+
+def _wrapped_by(func: Any, name: str) -> bool:
+    """Whether `func` or a function it wraps (hooks chain through __wrapped__) carries `name`'s mark."""
+    for _ in range(32):
+        if getattr(func, MARK, None) == name:
+            return True
+        func = getattr(func, "__wrapped__", None)
+        if func is None:
+            return False
+    return False
+
+
+def _registry_applied(hook_registry: Any, target: str) -> bool:
+    """SGLang's HookRegistry applies each target once (apply_hooks skips the targets it patched): a
+    second adapter's hook on a target already applied is chained with our own wrapper instead."""
+    return target in getattr(hook_registry, "_patched", ())
 
 
 def _load_hook_registry() -> Any:

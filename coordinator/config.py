@@ -151,6 +151,8 @@ def parse(text: str, path: str, environ: Mapping[str, str],
 
     nodes = _nodes(settings, worker_given, err)
     _cross_checks(settings, raw, nodes, err)
+    for key, message in _passthrough_conflicts(settings, passthrough):
+        err(key, message, passthrough[key])
     if file_problem is not None and settings.get("INCIDENT_HOOK"):
         problem = file_problem(str(settings["INCIDENT_HOOK"]))
         if problem:
@@ -306,6 +308,17 @@ def _check_extra_args(words: tuple[str, ...], raw: str, s: Mapping[str, object],
         err("EXTRA_SGLANG_ARGS", f"must start with a --flag, not {words[0]!r}", raw)
 
 
+def _passthrough_conflicts(s: Mapping[str, object], passthrough: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Passed-through SGLang variables the adapters cannot run with (every rank would refuse)."""
+    out = []
+    mode = passthrough.get("SGLANG_RAGGED_VERIFY_MODE", "static").strip()
+    if s.get("DSV41_VERIFY_CAP") and mode not in ("", "static"):
+        out.append(("SGLANG_RAGGED_VERIFY_MODE", f"SGLang then schedules verify lengths itself, and the verify cap "
+                    f"(DSV41_VERIFY_CAP) caps its static verify: every rank would refuse to start; remove "
+                    f"SGLANG_RAGGED_VERIFY_MODE or set DSV41_VERIFY_CAP=0"))
+    return out
+
+
 def _warnings(s: Mapping[str, object]) -> list[str]:
     out = []
     if s["RANK_RUNTIME"] == "container" and s["IMAGE"] and not v.is_pinned_image(str(s["IMAGE"])):
@@ -313,7 +326,8 @@ def _warnings(s: Mapping[str, object]) -> list[str]:
                    "content); set IMAGE to the build's ID, `docker image inspect --format '{{.Id}}' "
                    f"{s['IMAGE']}`, and list that ID in every node's ALLOWED_IMAGES")
     if s["DSV41_VERIFY_CAP"] and not s["DSV41_BLOCK_VERIFY"]:
-        out.append("DSV41_VERIFY_CAP is set but DSV41_BLOCK_VERIFY=0: the cap then ignores sampled rows")
+        out.append("DSV41_VERIFY_CAP is set but DSV41_BLOCK_VERIFY=0: sampled rows are then verified token by token "
+                   "(the recipe measured the cap with block verification)")
     if s["SPEC_ALGO"] != "DSPARK" and (s["DSPARK_SPS_TABLE"] or s["DSPARK_STS_TABLE"]):
         out.append("DSPARK_*_TABLE is set but SPEC_ALGO is not DSPARK: the tables are not used")
     return out

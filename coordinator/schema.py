@@ -169,20 +169,36 @@ KEYS: tuple[Key, ...] = (
     # kernels and decode adapters
     _k("EXTRA_SGLANG_ARGS", v.shell_words, "", "more SGLang flags, split like a shell would"),
     _k("DSV41_MXFP8_BACKEND", v.choice("b12x", "cudnn", "cutlass"), "b12x", "FlashInfer MXFP8 dense kernel", env=True),
-    _k("DSV41_WO_A_W8", v.flag, "1", "fp8 twin of wo_a", env=True),
-    _k("DSV41_WO_A_W8_MID", v.flag, "1", "fp8 wo_a for 9-192-row verifies", env=True),
-    _k("DSV41_WO_A_W8_DROP", v.flag, "1", "release the bf16 wo_a copies", env=True),
-    _k("DSV41_WO_A_W8_DRAFT", v.flag, "0", "fp8 wo_a for the draft", env=True),
-    _k("DSV41_DRAFT_HEAD_FP8", v.flag, "1", "fp8 draft LM head", env=True),
-    _k("DSV41_VERIFY_CAP", v.verify_cap, "conf:0.1", "confidence cap: 0 or conf:<x>", env=True),
-    _k("DSV41_DRAFT_TAU", v.real(0.0, 1.0, lo_open=True), "1", "draft temperature factor (1: off)", env=True),
-    _k("DSV41_BLOCK_VERIFY", v.flag, "1", "block verification of sampled rows", env=True),
+    _k("DSV41_WO_A_W8", v.flag, "1",
+       "fp8 twin of the target's wo_a (the checkpoint's values) serves decode/verify forwards of up to 8 rows "
+       "(wo_a_w8 adapter); +16 MiB per layer and rank", env=True),
+    _k("DSV41_WO_A_W8_MID", v.flag, "1", "with DSV41_WO_A_W8: the twin also serves 9-192-row verifies (2-32 requests)",
+       env=True),
+    _k("DSV41_WO_A_W8_DROP", v.flag, "1",
+       "with DSV41_WO_A_W8: release the bf16 wo_a of every twinned layer (-32 MiB each; other rows dequantise the "
+       "twin per call); the rank then refuses to start without the adapter", env=True),
+    _k("DSV41_WO_A_W8_DRAFT", v.flag, "0", "with DSV41_WO_A_W8: twins for the DSpark draft's layers too", env=True),
+    _k("DSV41_DRAFT_HEAD_FP8", v.flag, "1",
+       "the DSpark draft projects through an fp8 copy of the shared LM head (+211 MiB per rank); the target keeps "
+       "the bf16 head (draft_head_fp8 adapter)", env=True),
+    _k("DSV41_VERIFY_CAP", v.verify_cap, "conf:0.1",
+       "0 or conf:<T>: per request accept at most k drafts, k the leading drafts whose running product of the draft's "
+       "confidence stays >= T (at least 1); dead verify rows route to their anchor's experts (verify_cap adapter; "
+       "needs SGLang's static verify mode; every rank refuses to start without it)", env=True),
+    _k("DSV41_DRAFT_TAU", v.real(0.0, 1.0, lo_open=True), "1",
+       "sampled DSpark drafts at tau x the request's temperature, accepted against that distribution (1: off)",
+       env=True),
+    _k("DSV41_BLOCK_VERIFY", v.flag, "1",
+       "DSpark's sampled rows accepted by SGLang's block verification instead of token by token (lossless)",
+       env=True),
     _k("DSV41_ENGRAM_PREFETCH", v.flag, "1",
        "fetch Engram rows ahead on a side stream: extend batches staged by the scheduler, other batches right "
        "after the hasher", env=True),
     _k("DSV41_ENGRAM_PREFETCH_CHECK", v.flag, "0",
        "also run the synchronous lookup and log rows that differ from the prefetched ones (slow)", env=True),
-    _k("DSV41_FOLDED_FENCE", v.flag, "0", "folded fence experiment", env=True),
+    _k("DSV41_FOLDED_FENCE", v.flag, "0",
+       "clone the folded DSpark accept results off the verify graph's buffers before the next replay can overwrite "
+       "them (sglang#40919, overlap scheduling)", env=True),
     _k("DSV41_AUTOTUNE_KEEP", v.flag, "1", "keep FlashInfer autotune caches across boots of the same launch", env=True),
     _k("SGLANG_FLASHINFER_MOE_FUSED_FINALIZE", v.flag, "0",
        "FlashInfer fused MoE finalize (atomic bf16 adds: nondeterministic greedy output)", env=True),

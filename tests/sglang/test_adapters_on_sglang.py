@@ -28,6 +28,12 @@ EVERY_ADAPTER = [
     "api_key",
     "engram_offload",
     "forward_progress",
+    "wo_a_w8",
+    "draft_head_fp8",
+    "verify_cap",
+    "block_verify",
+    "draft_tau",
+    "folded_fence",
 ]
 
 

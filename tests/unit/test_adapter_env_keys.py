@@ -16,8 +16,12 @@ from adapter.log import AdapterLog
 pytestmark = pytest.mark.unit
 
 # Settings that reach the parts of build() that defaults do not: the Engram offload reads its keys
-# once OFFLOAD_MODE=nvme, the API key adapter only looks at its variable's presence.
+# once OFFLOAD_MODE=nvme, the API key adapter only looks at its variable's presence. The decode
+# adapters read all their keys whatever the values.
 CONFIGURATIONS = ({}, {"OFFLOAD_MODE": "nvme", "DSV41_ENGRAM_PREFETCH": "1"}, {"DSV41_API_KEY_FILE": "/k"})
+DECODE_KEYS = ("DSV41_WO_A_W8", "DSV41_WO_A_W8_MID", "DSV41_WO_A_W8_DROP", "DSV41_WO_A_W8_DRAFT",
+               "DSV41_DRAFT_HEAD_FP8", "DSV41_VERIFY_CAP", "DSV41_BLOCK_VERIFY", "DSV41_DRAFT_TAU",
+               "DSV41_FOLDED_FENCE")
 
 
 class Recording(Mapping):
@@ -52,4 +56,10 @@ def test_every_adapter_module_is_armed_and_the_builders_follow_it() -> None:
     assert [name for name, _ in boot.BUILDERS] == [m.NAME for m, _ in boot.ADAPTERS]
     keys = boot.env_keys()
     assert keys["DSV41_SOURCE"] == ("boot",) and keys["DSV41_RESIDENT_SCALES"] == ("engram_offload",)
-    assert "DSV41_WO_A_W8" not in keys and "DSV41_ENGRAM_PREFETCH" in keys
+    assert keys["DSV41_ENGRAM_PREFETCH"] == ("engram_offload",)
+    # The decode adapters: every key of the example configuration's decode block has its reader.
+    assert {k: keys[k] for k in DECODE_KEYS} == {
+        "DSV41_WO_A_W8": ("wo_a_w8",), "DSV41_WO_A_W8_MID": ("wo_a_w8",), "DSV41_WO_A_W8_DROP": ("wo_a_w8",),
+        "DSV41_WO_A_W8_DRAFT": ("wo_a_w8",), "DSV41_DRAFT_HEAD_FP8": ("draft_head_fp8",),
+        "DSV41_VERIFY_CAP": ("verify_cap",), "DSV41_BLOCK_VERIFY": ("block_verify",),
+        "DSV41_DRAFT_TAU": ("draft_tau",), "DSV41_FOLDED_FENCE": ("folded_fence",)}

@@ -209,6 +209,40 @@ def test_sglang_hook_registry_is_used_when_present(pkg: str) -> None:
     assert buf.getvalue().endswith("via HookRegistry)\n")
 
 
+class OnceRegistry(FakeRegistry):
+    """SGLang's HookRegistry applies a target once: apply_hooks skips targets it already patched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._patched: set[str] = set()
+
+    def apply_hooks(self) -> None:
+        self._pending = [p for p in self._pending if p[0] not in self._patched]
+        self._patched |= {p[0] for p in self._pending}
+        super().apply_hooks()
+
+
+def test_two_adapters_on_one_target_both_apply_through_the_registry(pkg: str) -> None:
+    registry = OnceRegistry()
+    buf = io.StringIO()
+    first = AdapterSpec("first", "d", (Patch(f"{pkg}.target", "free", AFTER, lambda r, a, b: r * 3),),
+                        fail_closed=True)
+    second = AdapterSpec("second", "d", (Patch(f"{pkg}.target", "free", BEFORE, lambda a, b: ((a, b + 10), {})),),
+                         fail_closed=True)
+    inst = installer([first, second], buf, registry=(registry, FakeRegistry.HookType))
+    arm(inst)
+    module = importlib.import_module(f"{pkg}.target")
+    # The second hook wraps the first's wrapper: (1 + (1 + 10)) * 3.
+    assert module.free(1, 1) == 36
+    assert registry.registered == [(f"{pkg}.target.free", AFTER)]
+    assert inst.is_on("first") and inst.is_on("second")
+    assert "could not patch" not in buf.getvalue()
+    # Arming the same adapters again (a second installer in the process) patches nothing twice,
+    # although the first adapter's mark is no longer on the outermost wrapper.
+    installer([first, second], io.StringIO(), registry=(registry, FakeRegistry.HookType)).on_import(module)
+    assert module.free(1, 1) == 36
+
+
 def test_registry_that_does_not_apply_is_reported(pkg: str) -> None:
     class Inert(FakeRegistry):
         def apply_hooks(self) -> None:

@@ -183,30 +183,52 @@ def test_warnings_for_settings_that_do_nothing():
     assert any("DSV41_BLOCK_VERIFY=0" in w for w in cfg.warnings)
 
 
+def test_a_ragged_verify_mode_with_the_verify_cap_is_an_error_the_ranks_would_refuse():
+    text = SEED_TEXT.rstrip("\n") + "\nSGLANG_RAGGED_VERIFY_MODE=cap-accept\n"
+    errors = errors_of(text)
+    assert errors == [f"cluster.env:{line_of(text, 'SGLANG_RAGGED_VERIFY_MODE')}: SGLANG_RAGGED_VERIFY_MODE=cap-accept: "
+                      "SGLang then schedules verify lengths itself, and the verify cap (DSV41_VERIFY_CAP) caps its "
+                      "static verify: every rank would refuse to start; remove SGLANG_RAGGED_VERIFY_MODE or set "
+                      "DSV41_VERIFY_CAP=0"]
+    assert load(edited(DSV41_VERIFY_CAP="0").rstrip("\n") + "\nSGLANG_RAGGED_VERIFY_MODE=cap-accept\n").passthrough == {
+        "SGLANG_RAGGED_VERIFY_MODE": "cap-accept"}
+    assert load(SEED_TEXT.rstrip("\n") + "\nSGLANG_RAGGED_VERIFY_MODE=static\n").no_effect == ()
+
+
 DECODE_KEYS = ["DSV41_WO_A_W8", "DSV41_WO_A_W8_MID", "DSV41_WO_A_W8_DROP", "DSV41_WO_A_W8_DRAFT",
                "DSV41_DRAFT_HEAD_FP8", "DSV41_VERIFY_CAP", "DSV41_DRAFT_TAU", "DSV41_BLOCK_VERIFY",
                "DSV41_FOLDED_FENCE"]
 
 
+def declared() -> frozenset[str]:
+    from adapter import boot
+
+    return frozenset(boot.env_keys())
+
+
+def test_every_rank_key_of_the_example_has_its_adapter():
+    assert load(SEED_TEXT).no_effect == ()
+
+
 def test_rank_keys_no_adapter_reads_are_reported_with_their_line():
-    cfg = load(SEED_TEXT)
+    # What an installed adapter package without the decode adapters would make of the example.
+    cfg = config.parse(SEED_TEXT, "cluster.env", HOME, implemented=declared() - set(DECODE_KEYS))
     assert [e.key for e in cfg.no_effect] == DECODE_KEYS
     first = cfg.no_effect[0]
     assert str(first) == (f"cluster.env:{line_of(SEED_TEXT, 'DSV41_WO_A_W8')}: DSV41_WO_A_W8=1: no adapter implements "
                           "this yet; it has no effect")
-    # The Engram keys now have their adapter; SGLang's and NCCL's own keys are not the adapters' to read.
+    # SGLang's and NCCL's own keys are not the adapters' to read.
     reported = {e.key for e in cfg.no_effect}
     assert not reported & {"OFFLOAD_MODE", "DSV41_ENGRAM_PREFETCH", "DSV41_RESIDENT_SCALES", "DSV41_PACKED_DIR",
                            "SGLANG_FLASHINFER_MOE_FUSED_FINALIZE", "NCCL_BUFFSIZE", "PYTORCH_CUDA_ALLOC_CONF"}
 
 
 def test_what_takes_effect_follows_the_adapters_declarations():
-    from adapter import boot
-
-    declared = frozenset(boot.env_keys())
-    more = config.parse(SEED_TEXT, "cluster.env", HOME, implemented=declared | {"DSV41_WO_A_W8"})
+    without_decode = declared() - set(DECODE_KEYS)
+    more = config.parse(SEED_TEXT, "cluster.env", HOME, implemented=without_decode | {"DSV41_WO_A_W8"})
     assert [e.key for e in more.no_effect] == DECODE_KEYS[1:]
-    fewer = config.parse(SEED_TEXT, "cluster.env", HOME, implemented=declared - {"DSV41_ENGRAM_PREFETCH"})
-    assert "DSV41_ENGRAM_PREFETCH" in [e.key for e in fewer.no_effect]
+    fewer = config.parse(SEED_TEXT, "cluster.env", HOME, implemented=declared() - {"DSV41_ENGRAM_PREFETCH"})
+    assert [e.key for e in fewer.no_effect] == ["DSV41_ENGRAM_PREFETCH"]
     # A key left at its default is not the file's claim: only keys written in the file are reported.
-    assert [e.key for e in load(edited(DSV41_FOLDED_FENCE=None)).no_effect] == DECODE_KEYS[:-1]
+    unset = config.parse(edited(DSV41_FOLDED_FENCE=None), "cluster.env", HOME, implemented=without_decode)
+    assert [e.key for e in unset.no_effect] == DECODE_KEYS[:-1]
