@@ -28,6 +28,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -40,12 +41,14 @@ constexpr uint64_t kScaleBytes = 8;
 constexpr uint64_t kRowBytes = kWeightBytes + kScaleBytes;
 constexpr int kBuckets = 65 * 4;                  // stats.py: quarter-octave buckets of a u64
 constexpr uint64_t kMix = 0x9E3779B97F4A7C15ull;  // cache.py: Fibonacci hashing of row ids
-// Up to this many missed rows are read by the calling thread alone: waking a worker costs more
-// than a few page-cache reads.
-constexpr uint64_t kInlineRows = 8;
-// One worker per this many missed rows, up to the pool: a cold batch needs a deep queue at the
-// drive, and every blocking pread holds one thread.
-constexpr uint64_t kRowsPerWorker = 2;
+// The calling thread first reads up to this many rows itself with RWF_NOWAIT (page cache only):
+// a row costs it well under a microsecond, less than waking a worker. The first row that is not
+// in the page cache hands the rest of the batch to the pool at once.
+constexpr uint64_t kInlineRows = 512;
+// Rows a participant takes at a time: a cold batch is hinted and read a chunk at a time (see
+// work), so that the drive's queue fills fast; a warm one is only spread for the copying.
+constexpr uint64_t kColdChunk = 16;
+constexpr uint64_t kWarmChunk = 256;
 // A woken worker wakes this many more while the job wants them (a wake tree, not one caller
 // paying for every futex wake).
 constexpr int kWakeFanout = 2;
@@ -201,6 +204,8 @@ struct Job {
   uint64_t count = 0;
   uint8_t* out = nullptr;
   std::atomic<uint64_t> next{0};
+  uint64_t chunk = 1;  // rows a worker takes at a time
+  bool hint = false;   // WILLNEED hints before each chunk's reads (rows not in the page cache)
   int wanted = 0;   // workers asked for (pool mutex)
   int claimed = 0;  // workers that took the job (pool mutex)
   std::atomic<int> active{0};
@@ -246,6 +251,9 @@ struct Reader {
   std::mutex launch_m;
   std::vector<std::unique_ptr<Launch[]>> launches;
 
+  // Cleared when the file system refuses RWF_NOWAIT: every row is then read by the pool.
+  std::atomic<bool> nowait{true};
+
   uint64_t read_bytes() const { return scales ? kWeightBytes : kRowBytes; }
 };
 
@@ -264,35 +272,78 @@ int64_t pread_full(int fd, uint8_t* dst, uint64_t len, uint64_t at) {
   return int64_t(done);
 }
 
-void work(Reader* r, Job* job) {
-  Histogram h;
+enum class Read { kDone, kWouldBlock, kFailed };
+
+// Row k of the job; with nowait only from the page cache (kWouldBlock when it is not all there).
+Read read_row(Reader* r, Job* job, uint64_t k, Histogram& h, bool nowait) {
   const uint64_t len = r->read_bytes();
+  const int64_t row = job->rows[k];
+  uint8_t* dst = job->out + uint64_t(job->pos[k]) * kRowBytes;
+  const uint64_t at = kHeaderBytes + uint64_t(row - r->lo) * kRowBytes;
+  const uint64_t t0 = now_ns();
+  int64_t got;
+  if (nowait) {
+    iovec iov{dst, len};
+    const ssize_t n = preadv2(r->fd, &iov, 1, off_t(at), RWF_NOWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return Read::kWouldBlock;
+    if (n < 0 && (errno == EOPNOTSUPP || errno == EINVAL || errno == ENOSYS)) {
+      r->nowait.store(false);
+      return Read::kWouldBlock;
+    }
+    // Part of the row cached, or the end of the file: the blocking read decides.
+    if (n >= 0 && uint64_t(n) != len) return Read::kWouldBlock;
+    got = n < 0 ? -int64_t(errno) : int64_t(n);
+  } else {
+    got = pread_full(r->fd, dst, len, at);
+  }
+  h.add(now_ns() - t0);
+  if (got < 0) {
+    job->fail(r->path + ": reading row " + std::to_string(row) + " failed: " + errno_text(int(-got)));
+    return Read::kFailed;
+  }
+  if (uint64_t(got) != len) {
+    job->fail(r->path + ": short read of row " + std::to_string(row) + " (" + std::to_string(got) + " of " +
+              std::to_string(len) + " bytes): the file changed under the rank; " + r->hint);
+    return Read::kFailed;
+  }
+  if (r->scales) {
+    std::memcpy(dst + kWeightBytes, r->scales + uint64_t(row - r->lo) * kScaleBytes, kScaleBytes);
+  }
+  return Read::kDone;
+}
+
+void add_reads(Reader* r, Job* job, const Histogram& h) {
+  if (h.total == 0 || job->failed.load()) return;  // as the store: a failed batch records nothing
+  std::lock_guard<std::mutex> guard(r->stats_m);
+  r->reads.merge(h);
+}
+
+// Blocking reads of the job's rows, a chunk at a time, until its cursor runs out. A cold job
+// first hints each chunk's rows (WILLNEED: asynchronous reads of exactly their pages), so the
+// drive sees every chunk in flight at once, not one read per thread.
+void work(Reader* r, Job* job, Histogram& h) {
+  const uint64_t chunk = job->chunk;
   for (;;) {
     if (job->failed.load(std::memory_order_relaxed)) break;
-    const uint64_t k = job->next.fetch_add(1, std::memory_order_relaxed);
+    const uint64_t k = job->next.fetch_add(chunk, std::memory_order_relaxed);
     if (k >= job->count) break;
-    const int64_t row = job->rows[k];
-    uint8_t* dst = job->out + uint64_t(job->pos[k]) * kRowBytes;
-    const uint64_t t0 = now_ns();
-    const int64_t got = pread_full(r->fd, dst, len, kHeaderBytes + uint64_t(row - r->lo) * kRowBytes);
-    h.add(now_ns() - t0);
-    if (got < 0) {
-      job->fail(r->path + ": reading row " + std::to_string(row) + " failed: " + errno_text(int(-got)));
-      break;
+    const uint64_t end = std::min(job->count, k + chunk);
+    if (job->hint && end - k > 1) {
+      for (uint64_t i = k; i < end; ++i) {
+        posix_fadvise(r->fd, off_t(kHeaderBytes + uint64_t(job->rows[i] - r->lo) * kRowBytes),
+                      off_t(r->read_bytes()), POSIX_FADV_WILLNEED);
+      }
     }
-    if (uint64_t(got) != len) {
-      job->fail(r->path + ": short read of row " + std::to_string(row) + " (" + std::to_string(got) + " of " +
-                std::to_string(len) + " bytes): the file changed under the rank; " + r->hint);
-      break;
-    }
-    if (r->scales) {
-      std::memcpy(dst + kWeightBytes, r->scales + uint64_t(row - r->lo) * kScaleBytes, kScaleBytes);
+    for (uint64_t i = k; i < end; ++i) {
+      if (read_row(r, job, i, h, false) != Read::kDone) return;
     }
   }
-  if (h.total && !job->failed.load()) {
-    std::lock_guard<std::mutex> guard(r->stats_m);
-    r->reads.merge(h);
-  }
+}
+
+void work(Reader* r, Job* job) {
+  Histogram h;
+  work(r, job, h);
+  add_reads(r, job, h);
 }
 
 void wake(Reader* r, int n) {
@@ -329,9 +380,28 @@ bool read_misses(Reader* r, const std::vector<int64_t>& rows, const std::vector<
   job.pos = pos.data();
   job.count = rows.size();
   job.out = out;
+  Histogram h;
   int wanted = 0;
-  if (r->threads > 0 && job.count > kInlineRows) {
-    wanted = int(std::min<uint64_t>(uint64_t(r->threads), (job.count + kRowsPerWorker - 1) / kRowsPerWorker));
+  if (r->threads > 0) {
+    uint64_t k = 0;
+    bool blocked = !r->nowait.load(std::memory_order_relaxed);
+    for (const uint64_t limit = std::min(job.count, kInlineRows); !blocked && k < limit; ++k) {
+      const Read done = read_row(r, &job, k, h, true);
+      if (done == Read::kFailed) break;
+      blocked = done == Read::kWouldBlock;
+      if (blocked) break;
+    }
+    job.next.store(k);
+    const uint64_t left = job.failed.load() ? 0 : job.count - k;
+    job.hint = blocked;
+    job.chunk = blocked ? kColdChunk : kWarmChunk;
+    if (left > job.chunk) {
+      wanted = int(std::min<uint64_t>(uint64_t(r->threads), (left + job.chunk - 1) / job.chunk));
+    }
+  } else {
+    // The caller alone: every row's hint first, then the reads (the store's Python path).
+    job.hint = true;
+    job.chunk = std::max<uint64_t>(job.count, 1);
   }
   if (wanted) {
     {
@@ -341,7 +411,8 @@ bool read_misses(Reader* r, const std::vector<int64_t>& rows, const std::vector<
     }
     wake(r, std::min(kWakeFanout, wanted));
   }
-  work(r, &job);
+  work(r, &job, h);
+  add_reads(r, &job, h);
   if (wanted) {
     {
       std::lock_guard<std::mutex> guard(r->pool_m);
