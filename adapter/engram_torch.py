@@ -273,8 +273,7 @@ class PackedTable:
     def _read_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """[n] int64 CPU ids into [n, 264] uint8 CPU rows, on this thread."""
         if self.native is not None:
-            if ids.numel():
-                self.native.read(ids.data_ptr(), ids.numel(), out.data_ptr())  # the GIL released
+            self.native.read(ids.data_ptr(), ids.numel(), out.data_ptr())  # the GIL released
         else:
             self.store.read_rows_into(ids.tolist(), memoryview(out.numpy().reshape(-1)))
         self._on_read()

@@ -175,10 +175,8 @@ class RowStore:
             packed = array("q", ids)
         except OverflowError:  # beyond int64: no rank owns it, as -1
             packed = array("q", (i if -2**63 <= i < 2**63 else -1 for i in ids))
-        if not packed:
-            return
-        target = (ctypes.c_char * out.nbytes).from_buffer(out)
-        self.native.read(packed.buffer_info()[0], len(packed), ctypes.addressof(target))
+        target = ctypes.addressof((ctypes.c_char * out.nbytes).from_buffer(out)) if packed else 0
+        self.native.read(packed.buffer_info()[0] if packed else 0, len(packed), target)
         self.stats.poll()
 
     def _read(self, rows: list[int], positions: list[int], out: memoryview) -> list[int]:
@@ -202,8 +200,11 @@ class RowStore:
         if len(rows) > 1:
             # Queue every row's page read first (asynchronous readahead of exactly that range),
             # so the drive sees the whole batch at once instead of one read per thread.
-            for row in rows:
-                os.posix_fadvise(fd, base + row * size, length, os.POSIX_FADV_WILLNEED)
+            try:
+                for row in rows:
+                    os.posix_fadvise(fd, base + row * size, length, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # only a hint: the reads below report what is wrong
         latencies = []
         clock = time.perf_counter_ns
         for row, pos in zip(rows, positions):
