@@ -12,14 +12,16 @@ torch is imported only to build; nothing else here needs more than the standard 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
 import os
+import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,9 +88,12 @@ def _first_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
         return "no message"
-    # A compiler's error is the informative line, not the build tool's summary.
-    errors = [line for line in lines if "error" in line.lower()]
-    return (errors[0] if errors else lines[0])[:400]
+    # A compiler's "error:" line says more than the build tool's summary.
+    for marker in ("error:", "error"):
+        found = [line for line in lines if marker in line.lower()]
+        if found:
+            return found[0][:400]
+    return lines[0][:400]
 
 
 def _build(root: Path, digest: str, source: str) -> Library:
@@ -113,10 +118,27 @@ def _build(root: Path, digest: str, source: str) -> Library:
                 tmp = src.with_suffix(f".tmp{os.getpid()}")
                 tmp.write_text(source)
                 os.replace(tmp, src)
-            path = cpp_extension.load(NAME, [str(src)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                                      build_directory=str(directory), is_python_module=False, verbose=False)
+            with _compiler():
+                path = cpp_extension.load(NAME, [str(src)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                                          build_directory=str(directory), is_python_module=False, verbose=False)
             library = Path(path)
     return Library(library)
+
+
+@contextlib.contextmanager
+def _compiler() -> Iterator[None]:
+    """cpp_extension compiles with $CXX or `c++`; a machine with only g++ or clang++ gets that one."""
+    if os.environ.get("CXX") or shutil.which("c++"):
+        yield
+        return
+    found = shutil.which("g++") or shutil.which("clang++")
+    if found is None:
+        raise NativeError("no C++ compiler (c++, g++ or clang++) on PATH, and CXX is not set")
+    os.environ["CXX"] = found
+    try:
+        yield
+    finally:
+        del os.environ["CXX"]
 
 
 class Library:

@@ -438,3 +438,21 @@ def test_the_rank_statistics_report_from_their_timer_and_skip_idle_intervals(pac
     assert len(lines) == 1, lines
     assert lines[0].startswith("engram_offload: rank 0/3: ") and "(0 hits, 2 rows read)" in lines[0]
     assert "layer 1 " in lines[0] and "layer 14 0 rows/s" in lines[0]
+
+
+def test_a_machine_with_only_g_plus_plus_builds_with_it(tmp_path, monkeypatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "g++").symlink_to(shutil.which("g++"))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("CXX", raising=False)
+    with native._compiler():
+        assert os.environ["CXX"] == str(bin_dir / "g++")
+    assert "CXX" not in os.environ
+    (bin_dir / "g++").unlink()
+    with pytest.raises(native.NativeError, match=r"no C\+\+ compiler \(c\+\+, g\+\+ or clang\+\+\) on PATH"):
+        with native._compiler():
+            pass
+    monkeypatch.setenv("CXX", "/opt/cc/bin/c++")  # an explicit choice is left alone
+    with native._compiler():
+        assert os.environ["CXX"] == "/opt/cc/bin/c++"
