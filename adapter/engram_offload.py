@@ -10,7 +10,9 @@ shards only; with this adapter, on every rank:
   tensors (SGLang's mmap loader then never reads them).
 - EngramEmbedding.finish_load opens this rank's `engram-l{L}-r{R}of{TP}.bin` in DSV41_PACKED_DIR
   through the row store (adapter/engram: DSV41_IO_THREADS, DSV41_CACHE_GIB/_WAYS,
-  DSV41_RESIDENT_SCALES). The ranks then exchange what they found over the TP group's CPU group:
+  DSV41_RESIDENT_SCALES), read by the native reader (adapter/engram/native.py, built at the first
+  finish_load of the process with torch's cpp_extension and cached under TORCH_EXTENSIONS_DIR),
+  or, when it cannot be built, by the Python path (logged once). The ranks then exchange what they found over the TP group's CPU group:
   when any rank's file is missing or its header disagrees with the rank, every rank refuses to
   start, naming the file and the fix (`dsv41ctl pack --start`); the adapter is fail_closed, since
   without it SGLang would allocate the table. The module's owned range becomes the header's (the
@@ -43,7 +45,7 @@ from adapter.engram import format as fmt
 from adapter.engram.settings import ENV_KEYS as STORE_ENV_KEYS
 from adapter.engram.settings import StoreSettings
 from adapter.engram.stats import RankStats
-from adapter.log import AdapterLog
+from adapter.log import PREFIX, AdapterLog
 from adapter.patching import AFTER, AROUND, BEFORE, ON_IMPORT, AdapterSpec, Patch, Refused
 from adapter.settings import SettingError, env_choice, env_flag
 
@@ -58,9 +60,11 @@ ENV_KEYS = ("OFFLOAD_MODE", "DSV41_PACKED_DIR", "DSV41_ENGRAM_PREFETCH", "DSV41_
             *STORE_ENV_KEYS, *CONFLICTS)
 TABLE_SUFFIXES = (".engram.embed.weight", ".engram.embed.scale")
 DEFAULT_PACKED_DIR = "/engram"
-# The host functions that read rows run on the CUDA driver's thread and need the GIL: with the
+READ_FAILED = f"{NAME}: reading Engram rows failed: "
+# The Python path's host functions run on the CUDA driver's thread and need the GIL: with the
 # default switch interval (5 ms) a scheduler thread busy in Python holds a read back by up to that
-# long (bench/engram_lookup measures the prefetch with such a thread at both intervals).
+# long (bench/engram_lookup measures the prefetch with such a thread at both intervals). The
+# native reader's need no GIL and leave the interval alone.
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -268,6 +272,7 @@ class EngramOffload:
     def around_finish_load(self, original: Callable[..., None], module: Any, label: str) -> None:
         import torch
 
+        from adapter.engram.native import NativeError
         from adapter.engram.store import RowStore, StoreError
         from adapter.engram_torch import PackedTable
         from sglang.srt.runtime_context import get_parallel
@@ -280,9 +285,19 @@ class EngramOffload:
         nnodes = _parallel_value(parallel, "nnodes", 1)
         settings = store_settings_per_table(self.settings.store, len(fmt.LAYERS), max(1, tp // max(1, nnodes)))
         store, found = None, None
+        library = self._native_library()
+
+        def open_store(native: Any) -> RowStore:
+            return RowStore.open_rank(self.settings.packed_dir, layer=layer, rank=rank, tp=tp, total_rows=total,
+                                      settings=settings, clock=self._clock, native=native)
+
         try:
-            store = RowStore.open_rank(self.settings.packed_dir, layer=layer, rank=rank, tp=tp, total_rows=total,
-                                       settings=settings, clock=self._clock)
+            try:
+                store = open_store(library)
+            except NativeError as e:  # a reader the library cannot start (threads, memory)
+                self._log.line(f"{NAME}: rank {rank}/{tp} {label}: native reader not started ({e}); "
+                               "the Python path reads this layer")
+                store = open_store(None)
             h = store.header
             found = Found(rank, None, h.row_lo, h.row_hi, h.total_rows)
         except (StoreError, OSError, ValueError) as e:
@@ -293,13 +308,14 @@ class EngramOffload:
             if store is not None:
                 store.close()
             raise Refused(why)
-        table = PackedTable(store, on_read=self._after_read, on_error=self._read_failed)
+        table = PackedTable(store, on_read=self._after_read, on_error=self._read_failed,
+                            exit_line=f"{PREFIX}{READ_FAILED}StoreError: ")
         if torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
             table.buffers("sync", device, 1)
             if self.settings.prefetch:
                 table.buffers("prefetch", device, 1)
-            if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            if table.native is None and sys.getswitchinterval() > SWITCH_INTERVAL_S:
                 self._log.line(f"{NAME}: interpreter switch interval {sys.getswitchinterval() * 1000:g} ms -> "
                                f"{SWITCH_INTERVAL_S * 1000:g} ms (the row reads run on the CUDA driver's thread "
                                "and wait for the GIL)")
@@ -311,9 +327,18 @@ class EngramOffload:
                 self.stats = RankStats(f"{NAME}: rank {rank}/{tp}", self.settings.store.stats_seconds, self._clock,
                                        self._log.line, cache_enabled=settings.cache_bytes > 0)
             self.stats.add(layer, store.stats)
+            self.stats.start_timer()
         skipped = f"; the loader skipped {len(self.dropped)} checkpoint tensors" if self.dropped else ""
+        reader = (f"native reader, {store.native.threads} threads" if store.native is not None
+                  else f"Python path, {settings.io_threads} threads")
         self._log.line(f"{NAME}: rank {rank}/{tp} {label}: rows [{store.header.row_lo}, {store.header.row_hi}) of "
-                       f"{total} from {store.path}{skipped}")
+                       f"{total} from {store.path} ({reader}){skipped}")
+
+    def _native_library(self) -> Any:
+        """The native reader's library, built once per process; None (logged once) without it."""
+        from adapter.engram import native
+
+        return native.load(log=lambda message: self._log.line(f"{NAME}: {message}"))
 
     def _table(self, module: Any) -> Any:
         table = getattr(module, "dsv41_table", None)
@@ -329,7 +354,8 @@ class EngramOffload:
 
     def _read_failed(self, error: BaseException) -> None:
         # On the CUDA driver's thread inside a stream: the forward would go on with unread rows.
-        self._log.line(f"{NAME}: reading Engram rows failed: {type(error).__name__}: {error}; the rank stops")
+        # (The native reader logs the same line and exits by itself: PackedTable's exit_line.)
+        self._log.line(f"{READ_FAILED}{type(error).__name__}: {error}; the rank stops")
         self._stop(1)
 
     # ----- lookups -----

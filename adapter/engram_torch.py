@@ -16,6 +16,11 @@ and host nodes. `prefetch` issues the same on a side stream as soon as the ids e
 joins it where the rows are needed; `stage` is the scheduler's variant for batches whose ids it
 knows before their forward (rows read on the calling thread, copied on a copy stream). On the CPU
 every step runs at once on the calling thread.
+
+With the store's native reader (adapter/engram/native.py) the host function is the reader's own C
+function and its argument a fixed record of the buffers and the row count: the driver's thread
+runs no Python and never waits for the GIL, and the synchronous and staged reads release the GIL
+for the whole batch. Without it (no compiler), the host function is a Python function.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from adapter.engram import format as fmt
-from adapter.engram.store import RowStore
+from adapter.engram.native import NativeReader
+from adapter.engram.store import RowStore, StoreError
 
 DIM = fmt.WEIGHT_BYTES  # values per row
 # Buffers of the synchronous and prefetch paths come in power-of-two classes of at least this many
@@ -53,35 +59,52 @@ _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 class HostFunctions:
-    """The driver's cuLaunchHostFunc: a Python function the stream calls when it reaches it.
+    """The driver's cuLaunchHostFunc: a function (by address) the stream calls when it reaches it.
 
-    The driver calls it on its own thread, which takes the GIL; it must not call CUDA (it only
-    reads files into pinned memory). Each function object is kept for the life of the process,
-    since a captured CUDA graph may call it again at any replay."""
+    The driver calls it on its own thread; it must not call CUDA (it only reads files into pinned
+    memory). A Python function takes the GIL there, the native reader's does not. Functions and
+    arguments are kept for the life of the process, since a captured CUDA graph may call them
+    again at any replay."""
 
     def __init__(self) -> None:
         self._driver = ctypes.CDLL("libcuda.so.1")
         self._launch = self._driver.cuLaunchHostFunc
-        self._launch.argtypes = (ctypes.c_void_p, _HOST_FN, ctypes.c_void_p)
+        self._launch.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
         self._launch.restype = ctypes.c_int
 
-    def launch(self, stream: torch.cuda.Stream, fn: _HOST_FN, arg: int) -> None:
-        rc = self._launch(ctypes.c_void_p(stream.cuda_stream), fn, ctypes.c_void_p(arg))
+    def launch(self, stream: torch.cuda.Stream, fn: int, arg: int) -> None:
+        rc = self._launch(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(fn), ctypes.c_void_p(arg))
         if rc:
             raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {rc}")
 
 
 class _Buffers:
-    """Fixed pinned and device buffers of one size class (CUDA graphs keep their addresses)."""
+    """Fixed pinned and device buffers of one size class (CUDA graphs keep their addresses), and
+    the host function that fills them: the native reader's, with one launch record per row count,
+    or a Python function taking the row count as its argument."""
 
-    def __init__(self, rows: int, device: torch.device, fill: Callable[[_Buffers, int], None]) -> None:
+    def __init__(self, rows: int, device: torch.device, native: NativeReader | None,
+                 fill: Callable[[_Buffers, int], None]) -> None:
         self.rows = rows
         self.ids = torch.empty(rows, dtype=torch.int64, pin_memory=True)
         self.ids_np = self.ids.numpy()
         self.host = torch.empty(rows, fmt.ROW_BYTES, dtype=torch.uint8, pin_memory=True)
         self.host_bytes = memoryview(self.host.numpy().reshape(-1))
         self.device = torch.empty(rows, fmt.ROW_BYTES, dtype=torch.uint8, device=device)
-        self.callback = _HOST_FN(lambda arg: fill(self, int(arg or 0)))
+        self._native = native
+        if native is not None:
+            self.callback = None
+            self.fn = native.host_fn
+            self._launches = native.launches(self.ids.data_ptr(), self.host.data_ptr(), rows)
+        else:
+            self.callback = _HOST_FN(lambda arg: fill(self, int(arg or 0)))
+            self.fn = ctypes.cast(self.callback, ctypes.c_void_p).value
+
+    def arg(self, n: int) -> int:
+        """The host function's argument that reads the first ``n`` ids."""
+        if not 0 <= n <= self.rows:
+            raise ValueError(f"{n} rows do not fit buffers of {self.rows}")
+        return self._native.launch_arg(self._launches, n) if self._native is not None else n
 
 
 @dataclass
@@ -126,15 +149,21 @@ class PackedTable:
 
     def __init__(self, store: RowStore, *, on_read: Callable[[], None] = lambda: None,
                  on_error: Callable[[BaseException], None] = lambda _error: None,
-                 host_functions: HostFunctions | None = None) -> None:
+                 exit_line: str | None = None, host_functions: HostFunctions | None = None) -> None:
         self.store = store
+        self.native = store.native  # None: the Python path reads
         self.layer = store.header.layer
         self.lo, self.hi = store.header.row_lo, store.header.row_hi
-        self._on_read = on_read  # after every read (statistics)
-        # Called on the driver's thread when a read fails there: nothing can be raised to the
-        # forward, so the adapter stops the process rather than let it use unread rows. The first
-        # failure is also kept and raised by the next lookup on a Python thread.
+        # After every read on a Python thread, and after every native launch (statistics).
+        self._on_read = on_read
+        # A read that fails on the driver's thread cannot raise into the forward, so the adapter
+        # stops the process rather than let it use unread rows: the Python path calls on_error
+        # there; the native reader, which cannot call Python, writes exit_line + the error to
+        # stderr and exits itself. Either way the first failure is also kept and raised by the
+        # next lookup on a Python thread.
         self._on_error = on_error
+        if self.native is not None and exit_line is not None:
+            self.native.exit_on_failure(exit_line)
         self.failed: BaseException | None = None
         self._host_functions = host_functions
         self._classes: dict[tuple[str, torch.device, int], _Buffers] = {}
@@ -182,11 +211,11 @@ class PackedTable:
 
     def stage(self, ids: torch.Tensor, device: torch.device, copy_stream: torch.cuda.Stream | None) -> Staged:
         """Rows of host ``ids`` read now on this thread; on CUDA copied on ``copy_stream``."""
-        ids = ids.reshape(-1).to(torch.int64)
+        ids = ids.reshape(-1).to("cpu", torch.int64).contiguous()
         if device.type != "cuda":
             return Staged(self._read(ids), ids, None)
         host = torch.empty(ids.numel(), fmt.ROW_BYTES, dtype=torch.uint8, pin_memory=True)
-        self._read_into(ids.tolist(), memoryview(host.numpy().reshape(-1)))
+        self._read_into(ids, host)
         with torch.cuda.stream(copy_stream):
             rows = host.to(device, non_blocking=True)
             done = torch.cuda.Event()
@@ -230,20 +259,30 @@ class PackedTable:
 
     # ----- reading -----
 
+    @property
+    def reader(self) -> str:
+        """Which path reads the rows: "native" or "python"."""
+        return self.store.reader
+
     def _read(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.reshape(-1).to("cpu", torch.int64).contiguous()
         out = torch.empty(ids.numel(), fmt.ROW_BYTES, dtype=torch.uint8)
-        self._read_into(ids.to(torch.int64).tolist(), memoryview(out.numpy().reshape(-1)))
+        self._read_into(ids, out)
         return out
 
-    def _read_into(self, ids: list[int], out: memoryview) -> None:
-        self.store.read_rows_into(ids, out)
+    def _read_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """[n] int64 CPU ids into [n, 264] uint8 CPU rows, on this thread."""
+        if self.native is not None:
+            self.native.read(ids.data_ptr(), ids.numel(), out.data_ptr())  # the GIL released
+        else:
+            self.store.read_rows_into(ids.tolist(), memoryview(out.numpy().reshape(-1)))
         self._on_read()
 
     def buffers(self, kind: str, device: torch.device, n: int) -> _Buffers:
         key = (kind, device, _class_rows(n))
         bufs = self._classes.get(key)
         if bufs is None:
-            bufs = self._classes[key] = _Buffers(key[2], device, self._fill)
+            bufs = self._classes[key] = _Buffers(key[2], device, self.native, self._fill)
         return bufs
 
     def _fetch(self, flat: torch.Tensor, kind: str, stream: torch.cuda.Stream) -> torch.Tensor:
@@ -253,21 +292,28 @@ class PackedTable:
         n = flat.numel()
         bufs = self.buffers(kind, flat.device, n)
         bufs.ids[:n].copy_(flat, non_blocking=True)
-        self._host_functions.launch(stream, bufs.callback, n)
+        self._host_functions.launch(stream, bufs.fn, bufs.arg(n))
         rows = bufs.device[:n]
         rows.copy_(bufs.host[:n], non_blocking=True)
+        if self.native is not None:
+            self._on_read()  # its reads run no Python: the statistics are looked at here
         return rows
 
     def _fill(self, bufs: _Buffers, n: int) -> None:
-        # On the driver's thread: no CUDA calls, no exception may escape.
+        # The Python host function, on the driver's thread: no CUDA calls, no exception may escape.
         try:
-            self._read_into(bufs.ids_np[:n].tolist(), bufs.host_bytes[:n * fmt.ROW_BYTES])
+            self.store.read_rows_into(bufs.ids_np[:n].tolist(), bufs.host_bytes[:n * fmt.ROW_BYTES])
+            self._on_read()
         except BaseException as e:  # noqa: BLE001 - see on_error
             if self.failed is None:
                 self.failed = e
             self._on_error(e)
 
     def _raise_failed(self) -> None:
+        if self.failed is None and self.native is not None:
+            why = self.native.failure()
+            if why is not None:
+                self.failed = StoreError(why)
         if self.failed is not None:
             raise RuntimeError(f"reading Engram rows of layer {self.layer} failed on the CUDA driver's thread: "
                                f"{type(self.failed).__name__}: {self.failed}") from self.failed

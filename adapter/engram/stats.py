@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 _BUCKETS = 65 * 4  # quarter-octave buckets over the whole u64 nanosecond range
 
@@ -36,6 +37,16 @@ class LatencyHistogram:
             self.total += 1
             if ns > self.max_ns:
                 self.max_ns = ns
+
+    def add_counts(self, total: int, max_ns: int, counts: Sequence[int]) -> None:
+        """Add a histogram given as its bucket counts (the native reader's)."""
+        if len(counts) != _BUCKETS:
+            raise ValueError(f"a latency histogram has {_BUCKETS} buckets, got {len(counts)}")
+        for b, count in enumerate(counts):
+            if count:
+                self.counts[b] += count
+        self.total += total
+        self.max_ns = max(self.max_ns, max_ns)
 
     def add(self, other: LatencyHistogram) -> None:
         for b, count in enumerate(other.counts):
@@ -89,7 +100,26 @@ class RowStats:
         self._clock = clock
         self._log = log
         self._lock = threading.Lock()
+        # Counters kept elsewhere (the native reader's), added in whenever the interval is read.
+        self._source: Callable[[], Any] | None = None
         self._reset(clock())
+
+    def attach(self, source: Callable[[], Any]) -> None:
+        """``source()`` returns the counters since its last call (adapter.engram.native.Counters)
+        or None; they are added at every take, poll and line."""
+        self._source = source
+
+    def _drain(self) -> None:
+        # Under self._lock.
+        counts = self._source() if self._source is not None else None
+        if counts is None or not counts.batches:
+            return
+        self.lookups += counts.lookups
+        self.hits += counts.hits
+        self.misses += counts.misses
+        self.batches += counts.batches
+        self.read_latency.add_counts(*counts.reads)
+        self.batch_latency.add_counts(*counts.batch)
 
     def _reset(self, now: float) -> None:
         self._start = now
@@ -109,24 +139,42 @@ class RowStats:
             self.batches += 1
             self.read_latency.add_all(read_ns)
             self.batch_latency.add_all((batch_ns,))
-            now = self._clock()
-            if self.interval_s > 0 and now - self._start >= self.interval_s:
-                line = self.line(now)
-                self._reset(now)
-            else:
-                line = None
+            line = self._due_line()
         if line is not None:
             self._log(line)
+
+    def poll(self) -> None:
+        """Log the line when the interval has passed (after reads that did not call record)."""
+        with self._lock:
+            self._drain()
+            line = self._due_line()
+        if line is not None:
+            self._log(line)
+
+    def _due_line(self) -> str | None:
+        # Under self._lock.
+        now = self._clock()
+        if self.interval_s > 0 and now - self._start >= self.interval_s:
+            line = self._line(now)
+            self._reset(now)
+            return line
+        return None
 
     def take(self, now: float) -> Interval:
         """The counters since the last take (or line), and start the next interval."""
         with self._lock:
+            self._drain()
             taken = Interval(max(now - self._start, 1e-9), self.lookups, self.hits, self.misses,
                              self.batches, self.read_latency, self.batch_latency)
             self._reset(now)
         return taken
 
     def line(self, now: float) -> str:
+        with self._lock:
+            self._drain()
+            return self._line(now)
+
+    def _line(self, now: float) -> str:
         elapsed = max(now - self._start, 1e-9)
         cached = self.hits + self.misses
         if not self.cache_enabled:
@@ -179,6 +227,8 @@ class RankStats:
         self._lock = threading.Lock()
         self._stores: dict[int, RowStats] = {}
         self._start = clock()
+        self._timer: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def add(self, layer: int, stats: RowStats) -> None:
         with self._lock:
@@ -186,7 +236,8 @@ class RankStats:
             stats.take(self._start)  # the store's interval starts with the rank's
 
     def maybe_report(self) -> None:
-        """Log the line once the interval has passed (called after every read)."""
+        """Log the line once the interval has passed (called after reads, and by the timer). An
+        interval without a lookup logs nothing."""
         if self.interval_s <= 0:
             return
         now = self._clock()
@@ -195,4 +246,28 @@ class RankStats:
                 return
             intervals = {layer: stats.take(now) for layer, stats in self._stores.items()}
             seconds, self._start = now - self._start, now
-        self._log(rank_line(self.label, seconds, intervals, self.cache_enabled))
+        if any(i.batches for i in intervals.values()):
+            self._log(rank_line(self.label, seconds, intervals, self.cache_enabled))
+
+    def start_timer(self) -> None:
+        """Report from a thread of its own every interval too: reads that a replayed CUDA graph's
+        host functions do natively run no Python that could report them."""
+        if self.interval_s <= 0 or self._timer is not None:
+            return
+        self._timer = threading.Thread(target=self._tick, name="engram-stats", daemon=True)
+        self._timer.start()
+
+    def _tick(self) -> None:
+        while True:
+            with self._lock:
+                left = self.interval_s - (self._clock() - self._start)
+            # Until the interval ends (another report may have restarted it), at least 1 % of it.
+            if self._stop.wait(min(self.interval_s, max(left, self.interval_s / 100))):
+                return
+            self.maybe_report()
+
+    def stop_timer(self) -> None:
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.join()
+            self._timer = None

@@ -5,21 +5,32 @@ Rows are addressed by global id. Ids outside the rank's range come back as zeros
 up every id and the partial embeddings are summed by the TP all-reduce, so exactly one rank
 contributes each row. Misses are read through a pool of threads (the drive only reaches its IOPS
 at a deep queue); an optional set-associative cache sits in front. Stdlib only.
+
+Given a native library (adapter/engram/native.py), the store reads through its native reader
+instead: the same rows, cache and statistics, on native threads and without the GIL. The Python
+path stays the reference the native one is tested against, and what serves when no compiler is
+there to build the library.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adapter.engram import format as fmt
 from adapter.engram.cache import RowCache
 from adapter.engram.settings import StoreSettings
 from adapter.engram.stats import RowStats
+
+if TYPE_CHECKING:
+    from adapter.engram.native import Library, NativeReader
 
 _ZERO_ROW = bytes(fmt.ROW_BYTES)
 # Queue depth comes from the WILLNEED hints each task issues for all its rows before reading them;
@@ -63,26 +74,44 @@ class RowStore:
     def __init__(self, path: str | Path, *, layer: int, rank: int, tp: int,
                  total_rows: int | None = None, settings: StoreSettings = StoreSettings(),
                  clock: Callable[[], float] = time.monotonic,
-                 log: Callable[[str], None] = _log.info) -> None:
+                 log: Callable[[str], None] = _log.info, native: Library | None = None) -> None:
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        self.native: NativeReader | None = None
         try:
             self.header = validate_file(self._fd, self.path, layer=layer, rank=rank, tp=tp,
                                         total_rows=total_rows)
             # Misses are random: readahead would only drag in neighbours nobody asked for.
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+            # The native reader keeps a cache of its own: this one would only double the memory.
             self._cache = RowCache(settings.cache_bytes, settings.cache_ways) \
-                if settings.cache_bytes > 0 else None
+                if settings.cache_bytes > 0 and native is None else None
             self._scales = self._load_scales() if settings.resident_scales else None
+            if native is not None:
+                self.native = native.open(self._fd, self.path, self.header, scales=self._scales_address(),
+                                          cache_bytes=settings.cache_bytes, cache_ways=settings.cache_ways,
+                                          threads=settings.io_threads if settings.io_threads > 1 else 0)
         except BaseException:
             os.close(self._fd)
             raise
         self.settings = settings
         self._pool = ThreadPoolExecutor(settings.io_threads,
                                         thread_name_prefix=f"engram-l{layer}-io") \
-            if settings.io_threads > 1 else None
+            if settings.io_threads > 1 and self.native is None else None
         self.stats = RowStats(f"engram layer {layer} rank {rank}/{tp}", settings.stats_seconds,
-                              clock, log, cache_enabled=self._cache is not None)
+                              clock, log, cache_enabled=settings.cache_bytes > 0)
+        if self.native is not None:
+            self.stats.attach(self.native.take_stats)
+
+    @property
+    def reader(self) -> str:
+        """Which path reads the rows: "native" or "python"."""
+        return "native" if self.native is not None else "python"
+
+    def _scales_address(self) -> int | None:
+        if self._scales is None:
+            return None
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._scales_bytes))
 
     @classmethod
     def open_rank(cls, packed_dir: str | Path, *, layer: int, rank: int, tp: int,
@@ -108,6 +137,9 @@ class RowStore:
             raise ValueError(f"buffer is {out.nbytes} bytes, {len(ids)} rows need "
                              f"{len(ids) * fmt.ROW_BYTES}")
         out = out.cast("B") if out.format != "B" else out
+        if self.native is not None:
+            self._read_native(ids, out)
+            return
         started = time.perf_counter_ns()
         lo, hi = self.header.row_lo, self.header.row_hi
         wanted: dict[int, list[int]] = {}  # row -> positions; a repeated id is read once
@@ -136,6 +168,17 @@ class RowStore:
         self.stats.record(len(ids), hits, len(rows), latencies,
                           time.perf_counter_ns() - started)
 
+    def _read_native(self, ids: Sequence[int], out: memoryview) -> None:
+        if out.readonly:
+            raise ValueError("the rows need a writable buffer")
+        try:
+            packed = array("q", ids)
+        except OverflowError:  # beyond int64: no rank owns it, as -1
+            packed = array("q", (i if -2**63 <= i < 2**63 else -1 for i in ids))
+        target = ctypes.addressof((ctypes.c_char * out.nbytes).from_buffer(out)) if packed else 0
+        self.native.read(packed.buffer_info()[0] if packed else 0, len(packed), target)
+        self.stats.poll()
+
     def _read(self, rows: list[int], positions: list[int], out: memoryview) -> list[int]:
         if not rows:
             return []
@@ -157,14 +200,21 @@ class RowStore:
         if len(rows) > 1:
             # Queue every row's page read first (asynchronous readahead of exactly that range),
             # so the drive sees the whole batch at once instead of one read per thread.
-            for row in rows:
-                os.posix_fadvise(fd, base + row * size, length, os.POSIX_FADV_WILLNEED)
+            try:
+                for row in rows:
+                    os.posix_fadvise(fd, base + row * size, length, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # only a hint: the reads below report what is wrong
         latencies = []
         clock = time.perf_counter_ns
         for row, pos in zip(rows, positions):
             at = pos * size
             t0 = clock()
-            n = os.preadv(fd, [out[at:at + length]], base + row * size)
+            try:
+                n = os.preadv(fd, [out[at:at + length]], base + row * size)
+            except OSError as e:
+                raise StoreError(f"{self.path}: reading row {row} failed: {e.strerror} "
+                                 f"(errno {e.errno})") from e
             latencies.append(clock() - t0)
             if n != length:
                 raise StoreError(f"{self.path}: short read of row {row} ({n} of {length} bytes): "
@@ -194,9 +244,12 @@ class RowStore:
         # The pass must not leave the whole shard in the page cache, nor readahead switched on.
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self._scales_bytes = scales  # the native reader reads them at this address
         return memoryview(scales)
 
     def close(self) -> None:
+        if self.native is not None:
+            self.native.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._cache is not None:

@@ -53,7 +53,9 @@ def packed(sglang: Sglang) -> tuple[Path, Path]:
 def run(sglang: Sglang, packed: tuple[Path, Path], name: str, env: dict[str, str] | None) -> tuple[dict, str, Path]:
     model, out = packed
     if env is not None:
-        env = {**env, "DSV41_PACKED_DIR": str(out)}
+        # A fresh build directory: the three ranks build the native reader at their first finish_load.
+        env = {"TORCH_EXTENSIONS_DIR": str(sglang.root / "engram" / f"{name}-extensions"), **env,
+               "DSV41_PACKED_DIR": str(out)}
     results = sglang.root / "engram" / name
     result, err = sglang.check("chk_engram_offload", str(model), str(out), str(results),
                                str(sglang.root / "engram" / "layout.json"), armed=env is not None, env=env,
@@ -69,6 +71,12 @@ def plain(sglang: Sglang, packed) -> tuple[dict, str, Path]:
 @pytest.fixture(scope="module")
 def armed(sglang: Sglang, packed) -> tuple[dict, str, Path]:
     return run(sglang, packed, "armed", ARMED)
+
+
+@pytest.fixture(scope="module")
+def fallback(sglang: Sglang, packed) -> tuple[dict, str, Path]:
+    """Armed, where the native reader cannot be built (no compiler): the Python path serves."""
+    return run(sglang, packed, "fallback", {**ARMED, "CXX": str(sglang.root / "no-such-compiler")})
 
 
 def blob(results: Path, rank: int, name: str) -> bytes:
@@ -88,8 +96,9 @@ def test_the_checkpoint_is_real_format_with_odd_tables(plain) -> None:
         for layer in LAYERS for part, dtype in (("weight", "torch.float8_e4m3fn"), ("scale", "torch.float8_e8m0fnu"))}
 
 
-def test_every_lookup_is_the_reference_table_bit_for_bit(armed, plain) -> None:
-    _, _, a = armed
+@pytest.mark.parametrize("served", ["armed", "fallback"])
+def test_every_lookup_is_the_reference_table_bit_for_bit(served, request, plain) -> None:
+    _, _, a = request.getfixturevalue(served)
     _, _, p = plain
     names = lookups(a)
     assert {"table_l1", "table_l14", "verify0_l1", "verify1_l14_sync", "extend1_l14"} <= set(names)
@@ -137,8 +146,9 @@ def test_every_row_matches_the_dequantised_checkpoint(armed) -> None:
     assert reduced  # the comparison did meet the fixture's NaNs and negative zeros
 
 
-def test_the_prefetched_and_staged_paths_were_taken_and_agree(armed) -> None:
-    result, err, a = armed
+@pytest.mark.parametrize("served", ["armed", "fallback"])
+def test_the_prefetched_and_staged_paths_were_taken_and_agree(served, request) -> None:
+    result, err, a = request.getfixturevalue(served)
     for r in result["ranks"]:
         # 2 verify batches x 2 layers prefetched after the hasher, 2 extend batches x 2 layers staged.
         assert r["counters"]["prefetched"] == 4 and r["counters"]["staged"] == 4, r["counters"]
@@ -205,3 +215,29 @@ def test_installed_once_with_its_patches_and_one_statistics_line_per_rank(armed)
         stats = [line for line in lines if line.startswith(f"dsv41-adapter: engram_offload: rank {rank}/3: ")]
         assert stats and all(" lookups/s, " in line and " rows/s over " in line and "row read p50 " in line
                              and "layer 1 " in line and "layer 14 " in line for line in stats), stats
+
+
+def test_the_native_reader_is_built_in_the_rank_and_reads_every_layer(armed) -> None:
+    result, err, _ = armed
+    lines = adapter_lines(err)
+    ready = [line for line in lines if line.startswith("dsv41-adapter: engram_offload: native Engram row reader ready in ")]
+    assert len(ready) == TP and all("/armed-extensions/dsv41_engram_reader-" in line for line in ready), ready
+    for rank in range(TP):
+        opened = [line for line in lines if f"engram_offload: rank {rank}/3 layer " in line]
+        assert len(opened) == 2 and all("(native reader, 4 threads)" in line for line in opened), opened
+    assert all(r["readers"] == ["native", "native"] for r in result["ranks"])
+    # Its reads need no GIL: the interpreter's switch interval is left alone.
+    assert not [line for line in lines if "switch interval" in line]
+
+
+def test_without_a_compiler_every_rank_says_so_once_and_reads_through_python(fallback) -> None:
+    result, err, _ = fallback
+    lines = adapter_lines(err)
+    unavailable = [line for line in lines if "native Engram row reader unavailable (" in line]
+    assert len(unavailable) == TP, unavailable  # once per rank process, not once per layer
+    assert all(line.endswith("); rows are read by the Python path, which needs the GIL") for line in unavailable)
+    assert not [line for line in lines if "native Engram row reader ready" in line]
+    for rank in range(TP):
+        opened = [line for line in lines if f"engram_offload: rank {rank}/3 layer " in line]
+        assert len(opened) == 2 and all("(Python path, 4 threads)" in line for line in opened), opened
+    assert all(r["readers"] == ["python", "python"] for r in result["ranks"])

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from adapter.engram.stats import LatencyHistogram, bucket_of, bucket_upper, format_duration
+from adapter.engram.stats import LatencyHistogram, RowStats, bucket_of, bucket_upper, format_duration
 
 pytestmark = pytest.mark.unit
 
@@ -86,3 +87,20 @@ def test_merged_histograms_keep_every_sample() -> None:
     a.add(b)
     assert a.total == 20 and a.max_ns == 900_000
     assert a.percentile(0.25) <= 1250 and a.percentile(0.99) >= 900_000
+
+
+def test_counts_from_elsewhere_add_into_the_interval() -> None:
+    buckets = [0] * len(LatencyHistogram().counts)
+    buckets[bucket_of(3000)] = 2
+    batch = [0] * len(buckets)
+    batch[bucket_of(9000)] = 1
+    drained = [SimpleNamespace(lookups=5, hits=1, misses=2, batches=1, reads=(2, 3100, buckets), batch=(1, 9000, batch))]
+    stats = RowStats("engram layer 1 rank 0/1", 0, lambda: 10.0, lambda _line: None, cache_enabled=True)
+    stats.attach(lambda: drained.pop() if drained else None)
+    taken = stats.take(11.0)
+    assert (taken.lookups, taken.hits, taken.misses, taken.batches) == (5, 1, 2, 1)
+    assert taken.read_latency.total == 2 and taken.read_latency.max_ns == 3100
+    assert taken.read_latency.percentile(0.5) <= 3100 and taken.batch_latency.max_ns == 9000
+    assert stats.take(12.0).lookups == 0  # drained once
+    with pytest.raises(ValueError, match="a latency histogram has 260 buckets, got 3"):
+        LatencyHistogram().add_counts(1, 1, [0, 1, 0])

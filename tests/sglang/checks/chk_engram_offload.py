@@ -249,6 +249,8 @@ def worker(rank, port, model_dir, packed_dir, out_root, moduli, armed):
     for engram, layer in zip(model.layers, LAYERS):
         engram.embed.finish_load(label=f"layer {layer}")
     facts["shard"] = [[e.row_start, e.rows] for e in embeds]
+    if offload is not None:
+        facts["readers"] = [e.dsv41_table.reader for e in embeds]
 
     # table: every row of each table, then a shuffled pass with repeats.
     for engram, layer in zip(model.layers, LAYERS):
