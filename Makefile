@@ -2,14 +2,18 @@
 PYTHON ?= /usr/bin/python3
 PROTOS := protos/dsv41/v1/agent.proto protos/dsv41/v1/control.proto
 
-.PHONY: test test-unit test-integration test-cluster test-sglang protos check-protos
+.PHONY: test test-unit test-integration test-cluster test-sglang protos check-protos deps
+
+# What the tests (and the demo) need, installed once; quick when it is all there.
+deps:
+	tools/install-test-deps.sh
 
 # Every tier; select with e.g. `make test TIERS=unit` or `make test TIERS="unit or sglang"`.
 TIERS ?= unit or integration or cluster or sglang
-test:
+test: deps
 	$(PYTHON) -m pytest -m "$(TIERS)" tests
 
-test-unit:
+test-unit: deps
 	$(PYTHON) -m pytest -m unit tests
 
 # Regenerates the committed gRPC stubs with Debian's protoc 3.21 and grpc plugin 1.51, which the
@@ -40,6 +44,7 @@ debs-lintian-trixie:
 # The local demo: three systemd nodes with the packages and the stand-in engine (root).
 .PHONY: demo demo-down
 demo:
+	tools/install-test-deps.sh --demo
 	$(PYTHON) tools/demo.py up
 
 demo-down:
