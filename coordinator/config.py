@@ -243,6 +243,10 @@ def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[N
         if clash:
             err("METRICS_LISTEN", f"port {s['METRICS_LISTEN'].port} is already {' and '.join(clash)} on the head; "
                 "choose another (default 9441)", raw["METRICS_LISTEN"])
+    if have("MEMORY_FLOOR_GB", "MEMORY_GUARD_GB", "MEMORY_GUARD") and s["MEMORY_FLOOR_GB"] and \
+            s["MEMORY_GUARD"] != "off" and s["MEMORY_FLOOR_GB"] >= s["MEMORY_GUARD_GB"]:
+        err("MEMORY_FLOOR_GB", f"must be below MEMORY_GUARD_GB={s['MEMORY_GUARD_GB']:g}: the node's last line acts "
+            "only where the coordinator's guard did not (0 turns the floor off)", raw["MEMORY_FLOOR_GB"])
     if have("EXTRA_SGLANG_ARGS"):
         _check_extra_args(s["EXTRA_SGLANG_ARGS"], raw["EXTRA_SGLANG_ARGS"], s, err)
 

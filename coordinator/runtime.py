@@ -567,6 +567,7 @@ class ClusterRuntime:
             self._step = step.name
             if step.name == bringup.RANKS_RUN_FROM:
                 self._ranks_run = True
+                self._set(ranks_since=self._clock())  # the memory guard watches from here on
             self._set(phase=step.name, detail="")
             deadline = float(self.cfg[step.deadline_key])
             started = self._monotonic()
@@ -636,6 +637,7 @@ class ClusterRuntime:
         stopping.stop_ranks(self.clients, self.cfg.head.name, int(self.cfg["RANK_STOP_TIMEOUT_S"]), self._log,
                             call=self._call, lost=set(self._lost))
         self._activity = Activity.IDLE
+        self._set(ranks_since=0.0)
         if final_phase:
             self._set(phase=final_phase, detail=why, serving_since=0.0)
         if wait_memory:  # only a restart stacks new ranks on the memory the old ones held
@@ -674,7 +676,7 @@ class ClusterRuntime:
         with self._lock:
             self._snapshot = replace(self._snapshot, ranks=dict(found.ranks), generation=self._bring.generation,
                                      fingerprints={p.node: p.fingerprint for p in found.plans})
-        self._set(phase="health", detail="re-adopting running ranks")
+        self._set(phase="health", detail="re-adopting running ranks", ranks_since=self._clock())
         if not adopt.answers(ctx):
             return False
         ranks = len(found.plans)
