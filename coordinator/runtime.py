@@ -334,7 +334,8 @@ class ClusterRuntime:
         if self._activity is Activity.BRINGUP and self._ranks_run:
             self._settle()
             blame = policy.first_failure(list(self._exits.values()))
-            raise StepFailed(self._step, blame.node, f"during bring-up, {blame.message}")
+            raise StepFailed(self._step, blame.node, f"during bring-up, {blame.message}",
+                             incident="memory_floor" if blame.floor else None)
         if self._activity is Activity.IDLE and self.snapshot().phase == "serving" and self._trouble is None:
             self._trouble = Trouble("rank_exit", node)
 
@@ -603,7 +604,7 @@ class ClusterRuntime:
         if trouble.kind != "node_rebooted":  # recorded when the new boot was seen
             self._incident(cause.node, cause.kind, cause.message)
         text = (f"rank on {cause.node} exited: {self._exits[cause.node].describe()}"
-                if cause.kind == "rank_exit" else cause.message.split("; then ")[0])
+                if cause.kind in ("rank_exit", "memory_floor") else cause.message.split("; then ")[0])
         self._stop_ranks(f"recovering: {text}", wait_memory=True)
         # A node lost or booted again is not the group failing by itself: the bring-up after it spends
         # no restart attempt (it waits for the node instead); a rank that crashed or hung does.
