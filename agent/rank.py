@@ -59,6 +59,8 @@ class RankStatus:
     n_restarts: int
     last_exit: ExitRecord | None
     control_group: str
+    stopping_cause: str = ""  # MEMORY_FLOOR while this agent ends the run, before it has exited
+    stopping_detail: str = ""
 
     @property
     def running(self) -> bool:
@@ -131,7 +133,10 @@ class RankManager:
         with self._state_lock:
             if not self._props or self._props.get("LoadState") == "not-found":
                 return replace(ABSENT, last_exit=self._last_exit)
-            return _status_from(self._props, self._last_exit)
+            status = _status_from(self._props, self._last_exit)
+            cause = self._causes.get(status.invocation_id) if status.running or \
+                status.active_state == "deactivating" else None
+            return replace(status, stopping_cause=cause[0], stopping_detail=cause[1]) if cause else status
 
     def control_group(self) -> str:
         """The rank unit's control group, "" when there is none; read with every memory sample, so
@@ -151,12 +156,18 @@ class RankManager:
             return bytes(props.get("InvocationID", b"")).hex(), floor_from_fields(props.get("LogExtraFields", []))
 
     def note_cause(self, invocation_id: str, cause: str, detail: str) -> None:
-        """The reason this agent is ending the run `invocation_id`: its exit record will carry it."""
+        """The reason this agent is ending the run `invocation_id`: the watchers hear it at once (the
+        run is lost to its TP group from now on), and its exit record will carry it."""
         with self._state_lock:
+            first = invocation_id not in self._causes
             self._causes[invocation_id] = (cause, detail)
-            del_keys = list(self._causes)[:-8]  # a few runs back is plenty
-            for key in del_keys:
+            for key in list(self._causes)[:-8]:  # a few runs back is plenty
                 self._causes.pop(key, None)
+            status = self.status()
+            watchers = list(self._watchers)
+        if first:
+            for callback in watchers:
+                callback(status)
 
     def refresh(self) -> RankStatus:
         """Reads the unit's properties from systemd (start-up, reconnect, or before answering)."""

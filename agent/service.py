@@ -87,7 +87,9 @@ def rank_pb(state: RankStatus) -> pb.RankState:
                         main_pid=state.main_pid, active_since_unix_s=state.active_since_unix_s,
                         memory_current_bytes=state.memory_current, fingerprint=state.fingerprint,
                         invocation_id=state.invocation_id, status_text=state.status_text,
-                        last_exit=exit_pb(state.last_exit), n_restarts=state.n_restarts)
+                        last_exit=exit_pb(state.last_exit), n_restarts=state.n_restarts,
+                        stopping_cause=_CAUSES.get(state.stopping_cause, pb.ExitInfo.CAUSE_UNSPECIFIED),
+                        stopping_detail=state.stopping_detail)
 
 
 def send_policy(request: pb.WatchMemoryRequest, interval_ms: int) -> SendPolicy | str:

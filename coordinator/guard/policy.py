@@ -98,8 +98,8 @@ class GuardSettings:
         return self.lead_s + self.envelope_s
 
     def line_of(self, level: int) -> int:
-        """Which of the early check's lines (a quarter band apart, 4 MiB at least) a level is on."""
-        return (level - self.guard_bytes) // max(4 << 20, self.hysteresis_bytes // 4)
+        """Which of the early check's lines (a hysteresis band apart, 4 MiB at least) a level is on."""
+        return (level - self.guard_bytes) // max(4 << 20, self.hysteresis_bytes)
 
     @property
     def settle_s(self) -> float:
@@ -304,6 +304,7 @@ class GuardState:
     # looked at while it fell (the early check).
     checked_lines: tuple[tuple[str, int], ...] = ()
     no_scheduler_view: bool = False                  # the route said nothing of what requests do
+    found_nothing_at: float = -math.inf              # when the last early look found no request
 
 
 @dataclass(frozen=True)
@@ -427,18 +428,20 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         if not s.cost.configured or at.model_failed or at.no_scheduler_view:
             return decision(NONE), at
         # Looked at each time memory goes below a line it had not been below since the last look
-        # (lines a quarter band apart): by level, not time or trend, so the samples an agent holds
-        # back never make the guard look sooner or later than the fall itself does.
+        # (lines a band apart): by level, not time or trend, so the samples an agent holds back
+        # never make the guard look sooner or later than the fall itself does. A look that found
+        # nothing in flight (a model load) is not repeated within an envelope.
         line = s.line_of(a.level)
         lines = dict(at.checked_lines)
-        if line >= lines.get(a.node, line):
+        if line >= lines.get(a.node, line) or (at.found_nothing_at > now - s.envelope_s):
             lines[a.node] = min(line, lines.get(a.node, line))
             return decision(NONE), replace(at, checked_lines=tuple(sorted(lines.items())))
         if inflight is None:
             return decision(NEED_INFLIGHT), state
         _, at = confirm(s, at, inflight, now)
         lines[a.node] = line
-        looked = replace(at, checked_lines=tuple(sorted(lines.items())))
+        looked = replace(at, checked_lines=tuple(sorted(lines.items())),
+                         found_nothing_at=now if inflight.unavailable or not inflight.requests else -math.inf)
         if inflight.unavailable:
             return decision(NONE), looked
         if inflight.requests and not inflight.scheduler_view:

@@ -159,6 +159,12 @@ class FakeAgent:
         self.steps += 1
         self.stepped_at = time.monotonic()
 
+    def floor_stopping(self, detail):
+        """This node's memory floor has signalled its rank, which is still stopping (draining)."""
+        self.on_event(pb.RankEvent(rank=pb.RankState(active_state="deactivating", invocation_id=self.running,
+                                                     stopping_cause=pb.ExitInfo.MEMORY_FLOOR,
+                                                     stopping_detail=detail)))
+
     def exit_rank(self, result="signal", code="killed", status=9, at=None, floor=""):
         """The rank process ends; the agent streams its unit's state (`floor`: its memory floor
         ended it, with this detail)."""
@@ -364,13 +370,33 @@ def test_a_rank_its_node_floor_stopped_is_an_incident_naming_the_node_and_the_cl
     wait_phase(rt, "serving")
     now = time.time()
     agents["spark1"].exit_rank(result="exit-code", code="exited", status=1, at=now)  # lost its peer
-    agents["spark2"].exit_rank(result="signal", code="killed", status=15, at=now + 0.01, floor=FLOOR)
+    # the floor's rank ended later than the peer it took down (a rank 0 drains, then the workers
+    # go first): it is the cause all the same
+    agents["spark2"].exit_rank(result="success", code="exited", status=0, at=now + 2.0, floor=FLOOR)
     incident = wait_incident(rt, "memory_floor")
     assert incident.node == "spark2" and FLOOR in incident.message, incident.message
     assert "stopped by the node's memory floor" in incident.message
     wait_phase(rt, "serving", timeout=10)
     assert all(a.starts == 2 for a in agents.values())
     assert rt.snapshot().restart_attempt == 1  # a restart like a crash's: it spends an attempt
+
+
+def test_the_floor_is_the_cause_as_soon_as_it_signals_before_the_exits_it_causes(cluster):
+    # rank 0 drains on the floor's SIGTERM and tells the workers to go: their exits come first
+    rt, agents, rank0, journal, _ = cluster(RESTART_BACKOFF_S="30")
+    rt.run()
+    wait_phase(rt, "health")
+    agents["spark1"].floor_stopping(FLOOR)
+    now = time.time()
+    agents["spark2"].exit_rank(result="success", code="exited", status=0, at=now)
+    agents["spark3"].exit_rank(result="success", code="exited", status=0, at=now)
+    agents["spark1"].exit_rank(result="success", code="exited", status=0, at=now + 0.4, floor=FLOOR)
+    snap = wait_phase(rt, "restarting", timeout=5)
+    incident = rt.incidents()[-1]
+    assert incident.kind == "memory_floor" and incident.node == "spark1", incident
+    assert "being stopped by the node's memory floor" in snap.detail and FLOOR in snap.detail
+    rt.request("stop")
+    wait_phase(rt, "stopped", timeout=5)
 
 
 def test_a_floor_stop_during_the_model_load_fails_the_step_as_a_memory_floor_incident(cluster):
