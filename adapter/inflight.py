@@ -1,40 +1,58 @@
 """inflight: GET /dsv41/inflight on rank 0's HTTP server, the memory guard's view of the requests.
 
 SGLang has no endpoint listing in-flight requests with their lengths (/v1/loads only has totals).
-This route reads the tokenizer manager's request states (`TokenizerManager.rid_to_state`) in rank
-0's main process. Schema (the stand-in engine serves the same route with the same schema):
+The route joins two views. The tokenizer manager's request states (`TokenizerManager.rid_to_state`
+in rank 0's HTTP process) say which requests are in flight, their prompt and age: exactly the
+rids /abort_request takes. Rank 0's scheduler, a separate process, says what each one does: an
+AFTER hook on `Scheduler.get_next_batch_to_run` (adapter/scheduler_requests.py) publishes its
+waiting queue, the request being chunk-prefilled and the decoding batch to a shared-memory
+snapshot (adapter/reqstate.py), which the route reads without a lock on the scheduler's hot path.
+Schema (the stand-in engine serves the same route with the same schema from its own scheduler):
 
     GET /dsv41/inflight  ->  200, Content-Type: application/json
     {
       "requests": [
-        {"rid": "3f2a...", "prompt_tokens": 200000, "prefilled_tokens": 0, "age_s": 41.7},
-        {"rid": "chat-17", "prompt_tokens": 5120, "prefilled_tokens": 5120, "age_s": 3.25}
+        {"rid": "chat-17", "prompt_tokens": 5120, "prefilled_tokens": 5120, "age_s": 3.25,
+         "state": "decoding", "cached_tokens": 0, "chunk_tokens": 0, "output_tokens": 212},
+        {"rid": "3f2a...", "prompt_tokens": 200000, "prefilled_tokens": 46080, "age_s": 41.7,
+         "state": "prefilling", "cached_tokens": 1024, "chunk_tokens": 768, "output_tokens": 0},
+        {"rid": "job-9", "prompt_tokens": 30000, "prefilled_tokens": 0, "age_s": 0.4,
+         "state": "waiting", "cached_tokens": 0, "chunk_tokens": 0, "output_tokens": 0}
       ],
-      "source": "tokenizer_manager"
+      "source": "scheduler",
+      "scheduler_age_s": 0.012
     }
 
     rid               str    SGLang's request id, the value POST /abort_request {"rid": ...} takes
                              (an OpenAI request's own "rid" when it sent one)
     prompt_tokens     int    tokens of the tokenized prompt; 0 until tokenization has finished
-    prefilled_tokens  int    prompt tokens prefilled so far, as far as rank 0's HTTP process
-                             knows: 0 while the prefill runs, prompt_tokens once the first
-                             output token has arrived (chunk progress is not reported to it)
+    prefilled_tokens  int    prompt tokens in the request's KV so far (prefix-cache hits included)
     age_s             float  seconds since the request arrived
-    Finished requests are not listed. Order: prompt_tokens descending, then age_s descending,
-    so the first entry still prefilling is the largest prefill.
+    state             str    waiting (queued, or not at the scheduler yet: it holds nothing),
+                             prefilling (being chunk-prefilled: at most one request at a time
+                             outside the batch of whole short prompts), decoding
+    cached_tokens     int    prompt tokens served from the prefix cache
+    chunk_tokens      int    its tokens in the prefill step now launched (0: none)
+    output_tokens     int    tokens generated so far
+    Finished requests are not listed. Order: oldest first (arrival order).
 
-If the server's request states cannot be read (still starting, or a multi-tokenizer layout
-without them) the route answers 503 with {"error": "..."}. SGLang's --api-key middleware covers
-this route like every other: the caller sends the key.
+"source" is "scheduler" when the scheduler's snapshot was read; without one (the scheduler has not
+taken a step yet, or its process is gone) it is "tokenizer_manager" and the entries carry only
+the first four fields, prefilled_tokens being 0 until the first output token and prompt_tokens
+after it. "scheduler_age_s" says how old the snapshot is; "scheduler_problem" why it could not be
+used, when it could not. If the server's request states cannot be read (still starting, or a
+multi-tokenizer layout without them) the route answers 503 with {"error": "..."}. SGLang's
+--api-key middleware covers this route like every other: the caller sends the key.
 
 Installed when SGLang imports `sglang.srt.entrypoints.http_server` (its FastAPI `app`); the
 prompt length is recorded on each request state in `TokenizerManager._send_one_request` /
 `_send_batch_request`, since SGLang keeps prompt ids only when the client asked for them.
-DSV41_INFLIGHT_ROUTE=0 switches it off.
+DSV41_INFLIGHT_ROUTE=0 switches it off; DSV41_PROGRESS_DIR moves the snapshot (tests).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import types
@@ -42,16 +60,21 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adapter.patching import BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
-from adapter.settings import env_flag
+from adapter import reqstate
+from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
+from adapter.progress import DIRECTORY
+from adapter.scheduler_requests import SchedulerRequests
+from adapter.settings import SettingError, env_flag
 
 NAME = "inflight"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_INFLIGHT_ROUTE",)
+ENV_KEYS = ("DSV41_INFLIGHT_ROUTE", "DSV41_PROGRESS_DIR")
 PATH = "/dsv41/inflight"
 SOURCE = "tokenizer_manager"
+SCHEDULER_SOURCE = "scheduler"
 HTTP_SERVER = "sglang.srt.entrypoints.http_server"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
+SCHEDULER = "sglang.srt.managers.scheduler"
 PROMPT_ATTR = "dsv41_prompt_tokens"
 
 
@@ -61,14 +84,22 @@ class InflightRequest:
     prompt_tokens: int
     prefilled_tokens: int
     age_s: float
+    state: str | None = None  # None: the scheduler's view was not available
+    cached_tokens: int = 0
+    chunk_tokens: int = 0
+    output_tokens: int = 0
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "rid": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "prefilled_tokens": self.prefilled_tokens,
             "age_s": self.age_s,
         }
+        if self.state is not None:
+            out.update(state=self.state, cached_tokens=self.cached_tokens, chunk_tokens=self.chunk_tokens,
+                       output_tokens=self.output_tokens)
+        return out
 
 
 def _token_count(ids: Any) -> int | None:
@@ -106,19 +137,49 @@ def age_seconds(state: Any, now: float) -> float:
 
 
 def snapshot(states: Mapping[str, Any], now: float) -> list[InflightRequest]:
-    """The unfinished requests in `states` (rid -> ReqState-like), largest prompt first."""
+    """The unfinished requests in `states` (rid -> ReqState-like) as the tokenizer side knows
+    them, oldest first."""
     out = []
     for rid, state in list(states.items()):
         if getattr(state, "finished", False):
             continue
         prompt = prompt_tokens(state)
         out.append(InflightRequest(str(rid), prompt, prompt if has_output(state) else 0, age_seconds(state, now)))
-    out.sort(key=lambda r: (-r.prompt_tokens, -r.age_s, r.rid))
+    out.sort(key=lambda r: (-r.age_s, r.rid))
     return out
 
 
-def payload(requests: Iterable[InflightRequest]) -> dict[str, Any]:
-    return {"requests": [r.as_json() for r in requests], "source": SOURCE}
+def _scheduler_record(rid: str, by_rid: Mapping[str, reqstate.Record],
+                      partial: Iterable[reqstate.Record]) -> reqstate.Record | None:
+    found = by_rid.get(rid)
+    if found is not None:
+        return found
+    # A rid longer than the record keeps: its first bytes must name exactly one request.
+    matches = [r for r in partial if rid.startswith(r.rid)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def merge(requests: list[InflightRequest], records: Iterable[reqstate.Record]) -> list[InflightRequest]:
+    """The tokenizer side's requests (what is in flight, what /abort_request can name) with what
+    the scheduler says each one does. One the scheduler does not list yet (tokenizing, on its way,
+    or newer than the snapshot) waits: it holds nothing."""
+    records = list(records)
+    by_rid = {r.rid: r for r in records if r.complete}
+    partial = [r for r in records if not r.complete]
+    out = []
+    for t in requests:
+        r = _scheduler_record(t.rid, by_rid, partial)
+        if r is None:
+            state = "decoding" if t.prefilled_tokens else "waiting"
+            out.append(InflightRequest(t.rid, t.prompt_tokens, t.prefilled_tokens, t.age_s, state))
+            continue
+        out.append(InflightRequest(t.rid, r.prompt_tokens or t.prompt_tokens, r.prefilled_tokens, t.age_s, r.state,
+                                   r.cached_tokens, r.chunk_tokens, r.output_tokens))
+    return out
+
+
+def payload(requests: Iterable[InflightRequest], source: str = SOURCE, **extra: Any) -> dict[str, Any]:
+    return {"requests": [r.as_json() for r in requests], "source": source, **extra}
 
 
 def record_prompt_length(manager: Any, tokenized: Any) -> None:
@@ -139,20 +200,55 @@ def states_from_http_server() -> Mapping[str, Any] | None:
     return states if isinstance(states, Mapping) else None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SchedulerSnapshot:
+    """Rank 0's scheduler's snapshot file, as the HTTP process reads it: None when there is none
+    or its writer is gone; Unreadable when it cannot be trusted."""
+
+    def __init__(self, directory: str, tp_rank: int = 0, alive: Callable[[int], bool] = _alive) -> None:
+        self.path = reqstate.path_for(tp_rank, directory)
+        self._alive = alive
+
+    def __call__(self) -> reqstate.Snapshot | None:
+        snap = reqstate.read(self.path)
+        return snap if snap is not None and self._alive(snap.pid) else None
+
+
 class InflightRoute:
     def __init__(
         self,
         states: Callable[[], Mapping[str, Any] | None] = states_from_http_server,
         clock: Callable[[], float] = time.perf_counter,  # ReqState times come from perf_counter
+        scheduler: Callable[[], reqstate.Snapshot | None] = lambda: None,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,  # the snapshot's clock
     ) -> None:
         self._states = states
         self._clock = clock
+        self._scheduler = scheduler
+        self._monotonic_ns = monotonic_ns
 
     def body(self) -> tuple[int, dict[str, Any]]:
         states = self._states()
         if states is None:
             return 503, {"error": "the tokenizer manager's request states are not available (yet)"}
-        return 200, payload(snapshot(states, self._clock()))
+        requests = snapshot(states, self._clock())
+        try:
+            snap = self._scheduler()
+        except reqstate.Unreadable as exc:
+            return 200, payload(requests, scheduler_problem=str(exc))
+        if snap is None:
+            return 200, payload(requests)
+        age = round(max(0, self._monotonic_ns() - snap.written_ns) / 1e9, 3)
+        return 200, payload(merge(requests, snap.records), SCHEDULER_SOURCE, scheduler_age_s=age)
 
     def install(self, app: Any) -> None:
         from starlette.requests import Request
@@ -187,11 +283,15 @@ class InflightRoute:
 def build(env: Mapping[str, str]) -> AdapterSpec | None:
     if not env_flag(env, "DSV41_INFLIGHT_ROUTE", True):
         return None
-    route = InflightRoute()
+    directory = env.get("DSV41_PROGRESS_DIR", "").strip() or DIRECTORY
+    if not os.path.isabs(directory):
+        raise SettingError(f"DSV41_PROGRESS_DIR={directory!r}: must be an absolute path")
+    tracker = SchedulerRequests(directory)
+    route = InflightRoute(scheduler=SchedulerSnapshot(directory))
     return AdapterSpec(
         name=NAME,
         state=route,
-        detail=f"GET {PATH}",
+        detail=f"GET {PATH}, the scheduler's request states in {directory}",
         patches=(
             Patch(
                 TOKENIZER_MANAGER,
@@ -208,5 +308,12 @@ def build(env: Mapping[str, str]) -> AdapterSpec | None:
                 params=("self", "tokenized_objs"),
             ),
             Patch(HTTP_SERVER, "", ON_IMPORT, route.on_http_server),
+            Patch(
+                SCHEDULER,
+                "Scheduler.get_next_batch_to_run",
+                AFTER,
+                tracker.after_next_batch,
+                params=("self", "running_batch", "last_batch"),
+            ),
         ),
     )

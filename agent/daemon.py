@@ -24,8 +24,10 @@ from dsv41.version import VERSION
 from . import settings as settings_mod
 from .auth import CallerCheck, CredentialFiles, PinFile
 from .events import EventHub
+from .floor import NodeFloor
 from .memory import MemorySampler, PsiTrigger, RankMemoryReader, TriggerWatcher
 from .rank import RankManager
+from .rankspec import RANK_UNIT
 from dsv41.sdnotify import SdNotify
 from .service import AgentService, ensure_dirs
 from .systemd import Systemd, SystemdError
@@ -95,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("agent_failed", f"cannot reach systemd over D-Bus: {exc}")
         return 1
     sampler = MemorySampler(rank_memory=RankMemoryReader(rank.control_group))
+    # The node's last line runs before anything else can be asked of the agent: a rank it re-adopts
+    # is guarded at once. Its own sampler: the streams' is read from their threads.
+    floor = NodeFloor(rank, MemorySampler(), lambda signum: systemd.kill(RANK_UNIT, signum), events, s.node)
+    floor.start()
     trigger = PsiTrigger()
     if not trigger.armed:
         log.warning("psi_trigger_unavailable", f"PSI trigger not armed ({trigger.error}); sampling only")
@@ -177,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     relay.stop()
     server.stop(grace=2.0).wait(5.0)
     triggers.stop()
+    floor.stop()
     systemd.close()
     return 0
 

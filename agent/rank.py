@@ -16,7 +16,8 @@ from typing import Callable
 
 from dsv41.journal import EventLog
 
-from .rankspec import RANK_UNIT, RankLaunch, fill_env, fingerprint_from_fields, unit_properties
+from .rankspec import (NO_FLOOR, RANK_UNIT, FloorSpec, RankLaunch, fill_env, fingerprint_from_fields, floor_from_fields,
+                       unit_properties)
 from .systemd import UNIT_IFACE, Systemd, SystemdError, unit_path
 
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
@@ -31,6 +32,9 @@ class RankError(Exception):
         self.code = code
 
 
+MEMORY_FLOOR = "memory_floor"  # ExitRecord.cause: the agent's last line stopped the rank
+
+
 @dataclass(frozen=True)
 class ExitRecord:
     result: str
@@ -38,6 +42,8 @@ class ExitRecord:
     status: int
     at_unix_s: float
     invocation_id: str
+    cause: str = ""  # MEMORY_FLOOR when this agent ended the run; "" otherwise
+    cause_detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,8 @@ class RankStatus:
     n_restarts: int
     last_exit: ExitRecord | None
     control_group: str
+    stopping_cause: str = ""  # MEMORY_FLOOR while this agent ends the run, before it has exited
+    stopping_detail: str = ""
 
     @property
     def running(self) -> bool:
@@ -105,6 +113,7 @@ class RankManager:
         self._expected_stop = False
         self._exits = 0  # exits recorded so far
         self._finalizing: set[str] = set()  # invocation IDs whose exit is being read from systemd
+        self._causes: dict[str, tuple[str, str]] = {}  # invocation ID -> (cause, detail) this agent set
         systemd.on_properties_changed(self._on_properties)
         systemd.on_reconnect(self.refresh)
 
@@ -124,7 +133,10 @@ class RankManager:
         with self._state_lock:
             if not self._props or self._props.get("LoadState") == "not-found":
                 return replace(ABSENT, last_exit=self._last_exit)
-            return _status_from(self._props, self._last_exit)
+            status = _status_from(self._props, self._last_exit)
+            cause = self._causes.get(status.invocation_id) if status.running or \
+                status.active_state == "deactivating" else None
+            return replace(status, stopping_cause=cause[0], stopping_detail=cause[1]) if cause else status
 
     def control_group(self) -> str:
         """The rank unit's control group, "" when there is none; read with every memory sample, so
@@ -133,6 +145,29 @@ class RankManager:
             if not self._props or self._props.get("LoadState") == "not-found":
                 return ""
             return str(self._props.get("ControlGroup", ""))
+
+    def floor(self) -> tuple[str, FloorSpec]:
+        """(invocation ID, floor) of the rank unit while it runs (starting, loading, serving or
+        stopping); ("", NO_FLOOR) otherwise. Read at the floor's sampling rate: no RankStatus."""
+        with self._state_lock:
+            props = self._props
+            if not props or props.get("ActiveState") not in ("active", "activating", "reloading", "deactivating"):
+                return "", NO_FLOOR
+            return bytes(props.get("InvocationID", b"")).hex(), floor_from_fields(props.get("LogExtraFields", []))
+
+    def note_cause(self, invocation_id: str, cause: str, detail: str) -> None:
+        """The reason this agent is ending the run `invocation_id`: the watchers hear it at once (the
+        run is lost to its TP group from now on), and its exit record will carry it."""
+        with self._state_lock:
+            first = invocation_id not in self._causes
+            self._causes[invocation_id] = (cause, detail)
+            for key in list(self._causes)[:-8]:  # a few runs back is plenty
+                self._causes.pop(key, None)
+            status = self.status()
+            watchers = list(self._watchers)
+        if first:
+            for callback in watchers:
+                callback(status)
 
     def refresh(self) -> RankStatus:
         """Reads the unit's properties from systemd (start-up, reconnect, or before answering)."""
@@ -203,17 +238,20 @@ class RankManager:
             same_run = bool(props) and props.get("InvocationID") == exiting.get("InvocationID")
             if same_run:
                 self._props = props
-            record = self._last_exit = _exit_from(props if same_run else exiting, self._clock)
+            record = _exit_from(props if same_run else exiting, self._clock)
+            cause, detail = self._causes.get(record.invocation_id, ("", ""))
+            record = self._last_exit = replace(record, cause=cause, cause_detail=detail)
             self._exits += 1
             self._finalizing.discard(invocation)
             status = self.status()
             watchers = list(self._watchers)
             self._state_lock.notify_all()
         priority = "notice" if expected else "err"
+        why = f" (stopped by the node's memory floor: {record.cause_detail})" if record.cause == MEMORY_FLOOR else ""
         self._log.event("rank_exit", f"{RANK_UNIT} exited: result {record.result}, {record.code} status "
-                        f"{record.status}{' (requested stop)' if expected else ''}", priority,
+                        f"{record.status}{' (requested stop)' if expected else ''}{why}", priority,
                         unit=RANK_UNIT, result=record.result, exit_code=record.code, exit_status=record.status,
-                        requested=int(expected))
+                        requested=int(expected), cause=record.cause or None)
         for callback in watchers:
             callback(status)
         if status.active_state == "failed" and not expected:

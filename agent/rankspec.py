@@ -94,6 +94,18 @@ class Bind:
 
 
 @dataclass(frozen=True)
+class FloorSpec:
+    """The node's last line for this rank (agent/floor.py)."""
+    floor_bytes: int          # 0: none
+    kill_after_s: float = 1.0
+    interval_s: float = 0.02
+
+
+NO_FLOOR = FloorSpec(0)
+FLOOR_FIELDS = ("DSV41_MEMORY_FLOOR_BYTES", "DSV41_MEMORY_FLOOR_KILL_MS", "DSV41_MEMORY_FLOOR_INTERVAL_MS")
+
+
+@dataclass(frozen=True)
 class RankLaunch:
     runtime: str
     argv: tuple[str, ...]
@@ -116,6 +128,7 @@ class RankLaunch:
     # environment): nothing of the node's may be there.
     targets: tuple[str, ...] = field(default=())
     cache_dir: str = ""  # the one directory the rank may write (its unit's ReadWritePaths=, HOME)
+    floor: FloorSpec = NO_FLOOR
 
 
 def _text(value: str, what: str, limit: int = 65536) -> str:
@@ -343,7 +356,8 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
                  binds: Iterable[tuple[str, str, bool]], exec_start_pre: Iterable[Sequence[str]],
                  exec_stop_post: Iterable[Sequence[str]], stop_timeout_s: int, memory_max: int,
                  memory_high: int, fingerprint: str, rank: int, generation: str, fabric_address: str,
-                 hcas: Sequence[str], settings: AgentSettings) -> RankLaunch:
+                 hcas: Sequence[str], settings: AgentSettings, memory_floor: int = 0, floor_kill_after_ms: int = 0,
+                 floor_interval_ms: int = 0) -> RankLaunch:
     """Validates one StartRank request; raises SpecInvalid or SpecDenied with the reason."""
     if runtime not in ("container", "host"):
         raise SpecInvalid(f"runtime {runtime!r}: must be container or host")
@@ -435,9 +449,28 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
     for hca in hcas:
         if not _HCA.fullmatch(hca):
             raise SpecInvalid(f"hcas {hca!r}: must be an RDMA device name")
+    floor = check_floor(memory_floor, floor_kill_after_ms, floor_interval_ms)
     return RankLaunch(runtime, argv, env, dict(fills), checked_binds, pre, post, stop_timeout_s, memory_max,
                       memory_high, fingerprint, rank, generation, fabric_address, tuple(hcas), tuple(trust),
-                      tuple(dict.fromkeys(targets)), cache_dir)
+                      tuple(dict.fromkeys(targets)), cache_dir, floor)
+
+
+def check_floor(floor_bytes: int, kill_after_ms: int, interval_ms: int) -> FloorSpec:
+    """RankSpec's memory_floor_* fields; 0 for the kill deadline or the interval: 1000 and 20 ms."""
+    if not floor_bytes:
+        if kill_after_ms or interval_ms:
+            raise SpecInvalid("memory_floor_kill_after_ms and memory_floor_interval_ms apply only with "
+                              "memory_floor_bytes > 0")
+        return NO_FLOOR
+    if not 64 << 20 <= floor_bytes <= 1 << 40:
+        raise SpecInvalid(f"memory_floor_bytes {floor_bytes}: must be 0 (no floor) or 64 MiB .. 1 TiB")
+    kill_after_ms = kill_after_ms or 1000
+    interval_ms = interval_ms or 20
+    if not 100 <= kill_after_ms <= 60_000:
+        raise SpecInvalid(f"memory_floor_kill_after_ms {kill_after_ms}: must be 100 .. 60000")
+    if not 10 <= interval_ms <= 1000:
+        raise SpecInvalid(f"memory_floor_interval_ms {interval_ms}: must be 10 .. 1000")
+    return FloorSpec(floor_bytes, kill_after_ms / 1000, interval_ms / 1000)
 
 
 def fill_env(launch: RankLaunch, facts: Mapping[str, str]) -> dict[str, str]:
@@ -493,6 +526,11 @@ def unit_properties(launch: RankLaunch, env: Mapping[str, str], node: str,
         # to the cache, the one directory the unit may write.
         env.setdefault("PYTHONSAFEPATH", "1")
         env.setdefault("HOME", launch.cache_dir)
+    if launch.floor.floor_bytes:
+        # With the unit, so that an agent restarted while the rank runs keeps guarding it.
+        extra += [f"{FLOOR_FIELDS[0]}={launch.floor.floor_bytes}",
+                  f"{FLOOR_FIELDS[1]}={round(launch.floor.kill_after_s * 1000)}",
+                  f"{FLOOR_FIELDS[2]}={round(launch.floor.interval_s * 1000)}"]
     props: list[tuple[str, str, object]] = [
         ("Description", "s", f"dsv41 SGLang rank {launch.rank} ({launch.runtime}, plan {launch.fingerprint})"),
         ("Type", "s", "exec"),
@@ -526,6 +564,22 @@ def unit_properties(launch: RankLaunch, env: Mapping[str, str], node: str,
     if launch.memory_high:
         props.append(("MemoryHigh", "t", launch.memory_high))
     return props
+
+
+def floor_from_fields(fields: Iterable[bytes]) -> FloorSpec:
+    """The floor a rank unit was started with (its LogExtraFields); NO_FLOOR when it has none."""
+    values = {}
+    for item in fields:
+        key, _, value = bytes(item).decode(errors="replace").partition("=")
+        if key in FLOOR_FIELDS:
+            values[key] = value
+    try:
+        floor = int(values.get(FLOOR_FIELDS[0], "0"))
+        kill_ms = int(values.get(FLOOR_FIELDS[1], "1000"))
+        interval_ms = int(values.get(FLOOR_FIELDS[2], "20"))
+    except ValueError:
+        return NO_FLOOR
+    return FloorSpec(floor, kill_ms / 1000, interval_ms / 1000) if floor > 0 else NO_FLOOR
 
 
 def fingerprint_from_fields(fields: Iterable[bytes]) -> str:

@@ -23,7 +23,7 @@ from .bootid import boot_id
 from .events import EventHub
 from .images import ImageIds
 from .memory import ChangeFilter, MeminfoInvalid, MemorySampler, Sample, SendPolicy, TriggerWatcher, Wakeup
-from .rank import ExitRecord, RankError, RankManager, RankStatus
+from .rank import MEMORY_FLOOR, ExitRecord, RankError, RankManager, RankStatus
 from .rankspec import RANK_UNIT, RankLaunch, SpecDenied, SpecInvalid, check_launch
 from .roce import find_roce_v2_gid
 from .pressure import NodePressure
@@ -63,6 +63,7 @@ _EXIT_RESULTS = {"success": pb.ExitInfo.SUCCESS, "exit-code": pb.ExitInfo.EXIT_C
                  "watchdog": pb.ExitInfo.WATCHDOG, "start-limit-hit": pb.ExitInfo.START_LIMIT_HIT,
                  "resources": pb.ExitInfo.RESOURCES}
 _EXIT_CODES = {"exited": pb.ExitInfo.EXITED, "killed": pb.ExitInfo.KILLED, "dumped": pb.ExitInfo.DUMPED}
+_CAUSES = {MEMORY_FLOOR: pb.ExitInfo.MEMORY_FLOOR}
 
 
 def exit_result_kind(result: str) -> int:
@@ -77,7 +78,8 @@ def exit_pb(record: ExitRecord | None) -> pb.ExitInfo | None:
         return None
     return pb.ExitInfo(result=record.result, code=record.code, status=record.status, at_unix_s=record.at_unix_s,
                        invocation_id=record.invocation_id, result_kind=exit_result_kind(record.result),
-                       code_kind=_EXIT_CODES.get(record.code, pb.ExitInfo.CODE_UNSPECIFIED))
+                       code_kind=_EXIT_CODES.get(record.code, pb.ExitInfo.CODE_UNSPECIFIED),
+                       cause=_CAUSES.get(record.cause, pb.ExitInfo.CAUSE_UNSPECIFIED), cause_detail=record.cause_detail)
 
 
 def rank_pb(state: RankStatus) -> pb.RankState:
@@ -85,7 +87,9 @@ def rank_pb(state: RankStatus) -> pb.RankState:
                         main_pid=state.main_pid, active_since_unix_s=state.active_since_unix_s,
                         memory_current_bytes=state.memory_current, fingerprint=state.fingerprint,
                         invocation_id=state.invocation_id, status_text=state.status_text,
-                        last_exit=exit_pb(state.last_exit), n_restarts=state.n_restarts)
+                        last_exit=exit_pb(state.last_exit), n_restarts=state.n_restarts,
+                        stopping_cause=_CAUSES.get(state.stopping_cause, pb.ExitInfo.CAUSE_UNSPECIFIED),
+                        stopping_detail=state.stopping_detail)
 
 
 def send_policy(request: pb.WatchMemoryRequest, interval_ms: int) -> SendPolicy | str:
@@ -205,7 +209,8 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRp
                 stop_timeout_s=spec.stop_timeout_s, memory_max=spec.memory_max_bytes,
                 memory_high=spec.memory_high_bytes, fingerprint=spec.fingerprint, rank=spec.rank,
                 generation=spec.cluster_generation, fabric_address=spec.fabric_address, hcas=list(spec.hcas),
-                settings=self._settings)
+                settings=self._settings, memory_floor=spec.memory_floor_bytes,
+                floor_kill_after_ms=spec.memory_floor_kill_after_ms, floor_interval_ms=spec.memory_floor_interval_ms)
         except SpecInvalid as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except SpecDenied as exc:

@@ -52,7 +52,9 @@ def rank_spec_pb(plan: NodePlan, generation: str) -> pb.RankSpec:
         exec_start_pre=[pb.Command(argv=list(c)) for c in spec.exec_start_pre],
         exec_stop_post=[pb.Command(argv=list(c)) for c in spec.exec_stop_post],
         stop_timeout_s=spec.stop_timeout_s, fingerprint=plan.fingerprint, rank=plan.rank,
-        cluster_generation=generation, fabric_address=plan.address, hcas=list(plan.fabric.hcas))
+        cluster_generation=generation, fabric_address=plan.address, hcas=list(plan.fabric.hcas),
+        memory_floor_bytes=spec.memory_floor_bytes, memory_floor_kill_after_ms=spec.memory_floor_kill_after_ms,
+        memory_floor_interval_ms=spec.memory_floor_interval_ms)
 
 
 def fabric_spec_pb(plan: NodePlan) -> pb.FabricSpec:

@@ -246,6 +246,13 @@ def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[N
         if clash:
             err("METRICS_LISTEN", f"port {s['METRICS_LISTEN'].port} is already {' and '.join(clash)} on the head; "
                 "choose another (default 9441)", raw["METRICS_LISTEN"])
+    if have("MEMORY_FLOOR_GB") and 0 < s["MEMORY_FLOOR_GB"] * 1e9 < 64 << 20:
+        err("MEMORY_FLOOR_GB", "must be 0 (off) or at least 0.068 (64 MiB, what the agents accept)",
+            raw["MEMORY_FLOOR_GB"])
+    if have("MEMORY_FLOOR_GB", "MEMORY_GUARD_GB", "MEMORY_GUARD") and s["MEMORY_FLOOR_GB"] and \
+            s["MEMORY_GUARD"] != "off" and s["MEMORY_FLOOR_GB"] >= s["MEMORY_GUARD_GB"]:
+        err("MEMORY_FLOOR_GB", f"must be below MEMORY_GUARD_GB={s['MEMORY_GUARD_GB']:g}: the node's last line acts "
+            "only where the coordinator's guard did not (0 turns the floor off)", raw["MEMORY_FLOOR_GB"])
     if have("EXTRA_SGLANG_ARGS"):
         # SGLang expands abbreviations (--node-ra is --node-rank): check, and render, what it will read.
         written = tuple(s["EXTRA_SGLANG_ARGS"])

@@ -82,7 +82,7 @@ def unaccounted(nodes: Sequence[str], exits: Mapping[str, RankExit], heard: Mapp
 @dataclass(frozen=True)
 class Cause:
     node: str
-    kind: str  # node_lost or rank_exit
+    kind: str  # node_lost, rank_exit, or memory_floor (a rank exit its node's floor caused)
     message: str
 
 
@@ -100,4 +100,4 @@ def blame(exits: Sequence[RankExit], lost: Mapping[str, float], now: float) -> C
             message += "; then rank exits on " + ", ".join(f"{e.node} ({e.outcome()})" for e in ordered)
         return Cause(node, "node_lost", message)
     found = first_failure(exits)
-    return Cause(found.node, "rank_exit", found.message)
+    return Cause(found.node, "memory_floor" if found.floor else "rank_exit", found.message)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping
 
 from .config import ClusterConfig, Node
@@ -65,6 +65,12 @@ class RankSpec:
     # The image a container rank runs ("" for the host runtime); also in argv. Not part of the
     # fingerprint's body (to_json), which argv already covers.
     image: str = ""
+    # The node's last line (MEMORY_FLOOR_GB), kept by the agent for the unit's run. Not part of
+    # the fingerprint either: the ranks need not agree on it, and changing it must not restart
+    # them (a running rank keeps the floor it was started with).
+    memory_floor_bytes: int = 0
+    memory_floor_kill_after_ms: int = 0
+    memory_floor_interval_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -269,6 +275,13 @@ def _binds(cfg: ClusterConfig, node: Node, tables: Mapping[str, str], container:
 
 
 def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> RankSpec:
+    floor = int(float(cfg["MEMORY_FLOOR_GB"]) * 1_000_000_000)
+    return replace(_rank_launch(cfg, node, tables), memory_floor_bytes=floor,
+                   memory_floor_kill_after_ms=round(float(cfg["MEMORY_FLOOR_KILL_AFTER_S"]) * 1000) if floor else 0,
+                   memory_floor_interval_ms=int(cfg["MEMORY_GUARD_INTERVAL_MS"]) if floor else 0)
+
+
+def _rank_launch(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> RankSpec:
     container = cfg["RANK_RUNTIME"] == "container"
     env = _rank_env(cfg, node, container)
     binds = _binds(cfg, node, tables, container)

@@ -107,10 +107,14 @@ class RankExit:
     code: str  # exited, killed, dumped
     status: int  # exit status, or the signal number
     active_state: str  # the unit's state when the exit was seen
+    floor: str = ""  # the node's memory floor stopped it: what its agent saw ("" when it did not)
 
     def describe(self) -> str:
+        if self.floor and not self.result_name:
+            return f"rank unit {self.active_state}: being stopped by the node's memory floor: {self.floor}"
+        why = f" (stopped by the node's memory floor: {self.floor})" if self.floor else ""
         return (f"rank unit {self.active_state}: result {self.result_name or 'unknown'}, "
-                f"{self.code or 'exit'} status {self.status}")
+                f"{self.code or 'exit'} status {self.status}{why}")
 
     def outcome(self) -> str:
         """The exit without the unit state, for the list of ranks that followed."""
@@ -134,36 +138,49 @@ def new_exit(node: str, rank: pb.RankState, launched_invocation: str | None, kno
     ended (streams can deliver an earlier rank's last state after a new launch, and one exit is
     reported several times: failed, then reset to inactive), and only for the rank this
     generation launched on that node."""
+    if not launched_invocation or node in known:
+        return None
+    if rank.stopping_cause == pb.ExitInfo.MEMORY_FLOOR and rank.invocation_id == launched_invocation:
+        # The node's floor is ending the run: it is lost to the group now, before it exits (a rank 0
+        # drains first and tells the workers to go, whose exits would otherwise come first).
+        return RankExit(node, rank.invocation_id, now_unix_s, ExitResult.OTHER, "", "", 0, rank.active_state,
+                        rank.stopping_detail or "below MEMORY_FLOOR_GB")
     info = rank.last_exit
-    if not launched_invocation or info.invocation_id != launched_invocation or node in known:
+    if info.invocation_id != launched_invocation:
         return None
     if rank.active_state in ("active", "activating") and rank.invocation_id == info.invocation_id:
         return None  # a run cannot have ended and still be running: not an exit
+    floor = (info.cause_detail or "below MEMORY_FLOOR_GB") if info.cause == pb.ExitInfo.MEMORY_FLOOR else ""
     return RankExit(node, info.invocation_id, info.at_unix_s or now_unix_s, exit_result(info), info.result,
-                    info.code, info.status, rank.active_state)
+                    info.code, info.status, rank.active_state, floor)
 
 
 @dataclass(frozen=True)
 class Blame:
     node: str
     message: str
+    floor: bool = False  # the rank blamed was stopped by its node's memory floor
 
 
 def first_failure(exits: Sequence[RankExit], window_s: float = BLAME_WINDOW_S) -> Blame:
     """Who died first. Exit timestamps of different nodes are only comparable to a few
     milliseconds (each is when that node's systemd reaped the process, and a peer notices a dead
-    socket at once): among exits that close together, a rank ended from outside is the cause."""
+    socket at once): among exits that close together, a rank ended from outside is the cause. A
+    rank its node's memory floor stopped is the cause in any case."""
     if not exits:
         raise ValueError("first_failure needs at least one exit")
     ordered = sorted(exits, key=lambda e: e.at_unix_s)
     close = [e for e in ordered if e.at_unix_s - ordered[0].at_unix_s <= window_s]
     external = [e for e in close if e.result in EXTERNAL]
-    first = external[0] if external else ordered[0]
+    # A rank its node's floor stopped is the cause whenever it ended: the floor signalled it first,
+    # and a rank 0 that drains on SIGTERM tells the workers to exit before it does.
+    floors = [e for e in ordered if e.floor]
+    first = floors[0] if floors else external[0] if external else ordered[0]
     message = f"rank on {first.node} died first: {first.describe()}"
     followers = [f"{e.node} ({e.outcome()})" for e in ordered if e is not first]
     if followers:
         message += "; then " + ", ".join(followers)
-    return Blame(first.node, message)
+    return Blame(first.node, message, bool(first.floor))
 
 
 # ----------------------------------------------------------------------------- restarts

@@ -334,7 +334,8 @@ class ClusterRuntime:
         if self._activity is Activity.BRINGUP and self._ranks_run:
             self._settle()
             blame = policy.first_failure(list(self._exits.values()))
-            raise StepFailed(self._step, blame.node, f"during bring-up, {blame.message}")
+            raise StepFailed(self._step, blame.node, f"during bring-up, {blame.message}",
+                             incident="memory_floor" if blame.floor else None)
         if self._activity is Activity.IDLE and self.snapshot().phase == "serving" and self._trouble is None:
             self._trouble = Trouble("rank_exit", node)
 
@@ -567,6 +568,7 @@ class ClusterRuntime:
             self._step = step.name
             if step.name == bringup.RANKS_RUN_FROM:
                 self._ranks_run = True
+                self._set(ranks_since=self._clock())  # the memory guard watches from here on
             self._set(phase=step.name, detail="")
             deadline = float(self.cfg[step.deadline_key])
             started = self._monotonic()
@@ -602,7 +604,7 @@ class ClusterRuntime:
         if trouble.kind != "node_rebooted":  # recorded when the new boot was seen
             self._incident(cause.node, cause.kind, cause.message)
         text = (f"rank on {cause.node} exited: {self._exits[cause.node].describe()}"
-                if cause.kind == "rank_exit" else cause.message.split("; then ")[0])
+                if cause.kind in ("rank_exit", "memory_floor") else cause.message.split("; then ")[0])
         self._stop_ranks(f"recovering: {text}", wait_memory=True)
         # A node lost or booted again is not the group failing by itself: the bring-up after it spends
         # no restart attempt (it waits for the node instead); a rank that crashed or hung does.
@@ -636,6 +638,7 @@ class ClusterRuntime:
         stopping.stop_ranks(self.clients, self.cfg.head.name, int(self.cfg["RANK_STOP_TIMEOUT_S"]), self._log,
                             call=self._call, lost=set(self._lost))
         self._activity = Activity.IDLE
+        self._set(ranks_since=0.0)
         if final_phase:
             self._set(phase=final_phase, detail=why, serving_since=0.0)
         if wait_memory:  # only a restart stacks new ranks on the memory the old ones held
@@ -674,7 +677,7 @@ class ClusterRuntime:
         with self._lock:
             self._snapshot = replace(self._snapshot, ranks=dict(found.ranks), generation=self._bring.generation,
                                      fingerprints={p.node: p.fingerprint for p in found.plans})
-        self._set(phase="health", detail="re-adopting running ranks")
+        self._set(phase="health", detail="re-adopting running ranks", ranks_since=self._clock())
         if not adopt.answers(ctx):
             return False
         ranks = len(found.plans)

@@ -241,6 +241,23 @@ KEYS: tuple[Key, ...] = (
        "more since the last action"),
     _k("MEMORY_GUARD_STOP_AFTER_S", v.real(0.05, 600.0), "1",
        "after abort_all, memory still falling this long (or running out within the lead): stop the ranks cleanly"),
+    _k("MEMORY_GUARD_TOKEN_BYTES", v.optional(v.integer(0, 1 << 30)), "",
+       "what a prompt token costs each rank while its request lives (its KV), bytes: the guard charges memory to the "
+       "requests by it, aborts the fewest that keep the projected lowest point above the guard and a queued prompt "
+       "that cannot fit before it starts. Empty: DSV41_SIM_BYTES_PER_TOKEN (16384) with RANK_ENGINE=sim, else 12000 "
+       "(the head, rebuilt from the example configuration's notes); 0 with MEMORY_GUARD_TRANSIENT_BYTES=0: no cost "
+       "model, the guard acts on the trend alone"),
+    _k("MEMORY_GUARD_TRANSIENT_BYTES", v.optional(v.real(0.0, 1e6)), "",
+       "a prefill chunk's indexer buffers, bytes per (chunk token x prefix token): with the prefill_empty_cache hook a "
+       "prompt costs its last chunk's, without it the allocator keeps every chunk's. Empty: DSV41_SIM_TRANSIENT_BYTES "
+       "(4) with RANK_ENGINE=sim, else 20 (the head, from the notes)"),
+    _k("MEMORY_FLOOR_GB", v.real(0.0, 1024.0), "0.8",
+       "every node's last line, below the coordinator's guard: when its available memory (GB = 10^9 bytes) goes below "
+       "this, from the moment the rank unit starts (model load included) and whether or not the coordinator runs, "
+       "the node's agent stops its rank (SIGTERM, then SIGKILL if memory keeps falling) and reports memory_floor; "
+       "0: off"),
+    _k("MEMORY_FLOOR_KILL_AFTER_S", v.real(0.1, 60.0), "1",
+       "after the floor's SIGTERM, SIGKILL once memory keeps falling, or at the latest after this long"),
     # metrics and alerts
     _k("METRICS_LISTEN", v.optional(v.listen), "0.0.0.0:9441",
        "address the coordinator serves Prometheus metrics on (http://ADDRESS:PORT/metrics); empty: no metrics"),

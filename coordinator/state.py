@@ -23,6 +23,7 @@ class Snapshot:
     detail: str = ""
     since: float = 0.0
     serving_since: float = 0.0
+    ranks_since: float = 0.0  # when this run of the ranks began (the launch, or a re-adoption); 0: none runs
     restart_attempt: int = 0
     generation: str = ""
     last_incident: Incident | None = None

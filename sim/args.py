@@ -31,13 +31,21 @@ to it; if any rank is lost the others exit with status 1. Rank 0 serves, on --ho
 /model_info, /metrics (with --enable-metrics) and /dsv41/inflight. It answers 19+23 with 42 and
 other prompts with a short fixed-form text.
 
-Prompt tokens are ceil(UTF-8 bytes / 4) of the messages' text. A prefill runs in chunks of
---chunked-prefill-size and allocates real memory (mmap, every page touched) per prefilled token,
-freed on completion or abort. Environment (defaults in brackets):
+Prompt tokens are ceil(UTF-8 bytes / 4) of the messages' text. One request at a time is
+chunk-prefilled in chunks of --chunked-prefill-size, as SGLang schedules. Memory is real (mmap,
+every page touched) and goes through a model of PyTorch's caching allocator: each chunk allocates
+its tokens' KV, held until the request ends, and for its duration the indexer's [chunk, prefix]
+buffer; what a finished or aborted request held stays cached in the process, and is given back
+to the OS only after a chunk of a prompt of at least DSV41_PREFILL_EMPTY_CACHE_TOKENS (the
+prefill_empty_cache hook). Environment (defaults in brackets):
   DSV41_SIM_PREFILL_TOKENS_PER_S  prefill rate [20000]
-  DSV41_SIM_BYTES_PER_TOKEN       memory per prefilled token [16384]
+  DSV41_SIM_BYTES_PER_TOKEN       KV memory per prefilled token [16384]
+  DSV41_SIM_TRANSIENT_BYTES       indexer buffer bytes per (chunk token, prefix token) [4]
+  DSV41_PREFILL_EMPTY_CACHE_TOKENS  the hook's threshold; 0: the cache is never emptied [8192]
   DSV41_SIM_DECODE_TOKENS_PER_S   output rate per request [200]
   DSV41_SIM_LOAD_S                "model load" after the group forms; /health is 503 meanwhile [0]
+  DSV41_SIM_LOAD_BYTES            memory every rank takes evenly over the load (the weights) and
+                                  keeps [0]
   DSV41_SIM_DRAIN_TIMEOUT_S       rank 0 SIGTERM drain budget; then in-flight requests abort [60]
   DSV41_SIM_RENDEZVOUS_TIMEOUT_S  how long ranks wait for the group to form [--dist-timeout or 600]
   DSV41_SIM_PEER_TIMEOUT_S        a silent peer counts as lost after this, for tests that want

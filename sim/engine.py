@@ -1,8 +1,17 @@
-"""The stand-in's scheduler: requests wait, are admitted up to --max-running-requests, prefill in
-chunks of --chunked-prefill-size at a fixed token rate (shared by all requests, as on one GPU),
-then decode one token per request per decode step, all decoding requests in one batch. Prefill
-allocates real memory per token; completion or abort frees it. An abort takes effect at the next
-chunk boundary, as in SGLang.
+"""The stand-in's scheduler, shaped like SGLang's: requests wait in arrival order; a prefill batch
+of at most --chunked-prefill-size tokens takes the request being chunk-prefilled first
+(`Scheduler.chunked_req`), then waiting requests while --max-running-requests allows, whole while
+they fit and the last one cut (it becomes the chunked request): one request is chunk-prefilled at
+a time. Prefill runs at a fixed token rate; then every decoding request makes one token per decode
+step, all in one batch. An abort takes effect at the next chunk boundary, as in SGLang.
+
+Memory is real and goes through a model of PyTorch's caching allocator (sim/allocator.py): every
+prefill chunk allocates the KV of its tokens (DSV41_SIM_BYTES_PER_TOKEN each), held by the request
+until it finishes, and for the chunk's duration the indexer's logits buffer [chunk, prefix]
+(DSV41_SIM_TRANSIENT_BYTES per chunk token and prefix token; the low-ratio layers reuse one
+block, so one is live at a time). A finished or aborted request's memory goes back to the
+allocator's cache, not to the OS; only empty_cache() returns it, which the prefill_empty_cache
+hook runs after a chunk of a sequence of at least DSV41_PREFILL_EMPTY_CACHE_TOKENS.
 
 Every forward step (a prefill chunk or a decode batch) begins with `begin_step()`: the rank's
 progress counter moves and, in a TP group, rank 0 waits for every worker to take part in the step
@@ -18,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .memory import ChunkMemory
+from .allocator import AnonymousMemory, Block, CachingAllocator
 
 
 class Phase(enum.Enum):
@@ -26,6 +35,10 @@ class Phase(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     FINISHED = "finished"
+
+
+# What /dsv41/inflight calls each phase (the adapter's route inside SGLang uses the same words).
+STATES = {Phase.WAITING: "waiting", Phase.PREFILL: "prefilling", Phase.DECODE: "decoding"}
 
 
 class Rejected(Exception):
@@ -47,7 +60,13 @@ class Request:
     phase: Phase = Phase.WAITING
     finish_reason: str | None = None
     abort_requested: bool = False
-    memory: ChunkMemory = field(default_factory=ChunkMemory)
+    abort_sent: bool = False  # the tokenizer side took an abort of this rid: a repeat is dropped
+    chunk_tokens: int = 0  # its tokens in the prefill step now running (0: none)
+    blocks: list[Block] = field(default_factory=list)  # its KV, in the allocator
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.size for b in self.blocks)
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,8 @@ class EngineConfig:
     bytes_per_token: int
     max_total_tokens: int  # only reported (/v1/loads)
     context_length: int | None
+    transient_bytes: float = 0.0  # per chunk token and prefix token, for the chunk's duration
+    empty_cache_tokens: int = 0  # the prefill_empty_cache hook's threshold (0: off)
 
 
 def plan_chunk(pending: list[tuple[str, int]], budget: int) -> list[tuple[str, int]]:
@@ -76,15 +97,22 @@ def plan_chunk(pending: list[tuple[str, int]], budget: int) -> list[tuple[str, i
     return batch
 
 
+def empties_cache(prompt_lengths: list[int], threshold: int) -> bool:
+    """The prefill_empty_cache hook's rule (adapter/prefill_empty_cache.should_empty_cache)."""
+    return threshold > 0 and any(n >= threshold for n in prompt_lengths)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, on_fatal: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 begin_step: Callable[[], None] = lambda: None) -> None:
+                 begin_step: Callable[[], None] = lambda: None,
+                 allocator: CachingAllocator | None = None) -> None:
         self.config = config
         self._on_fatal = on_fatal
         self._clock = clock
         self._sleep = sleep
         self._begin_step = begin_step
+        self.allocator = allocator or CachingAllocator(AnonymousMemory())
         self._cond = threading.Condition()
         self._requests: dict[str, Request] = {}  # in arrival order; finished ones are removed
         self._last_step_at = float("-inf")  # time.monotonic() when the last forward step completed
@@ -119,14 +147,16 @@ class Engine:
 
     def abort(self, rid: str, abort_all: bool = False) -> list[str]:
         """Flags requests for abort and returns their rids. Like SGLang 0.5.23 with one tokenizer
-        worker: an empty rid without abort_all does nothing; otherwise the rid must be one in flight,
+        worker: an empty rid without abort_all does nothing; otherwise the rid must be one in flight
+        whose abort was not sent already (TokenizerManager.abort_request drops a repeat silently),
         and then every request whose rid starts with it is aborted (the scheduler's prefix match)."""
         with self._cond:
             if abort_all:
                 chosen = list(self._requests.values())
-            elif not rid or rid not in self._requests:
+            elif not rid or rid not in self._requests or self._requests[rid].abort_sent:
                 chosen = []
             else:
+                self._requests[rid].abort_sent = True
                 chosen = [r for r in self._requests.values() if r.rid.startswith(rid)]
             for request in chosen:
                 request.abort_requested = True
@@ -201,10 +231,14 @@ class Engine:
     # --- what the HTTP side reports -------------------------------------------------------------
 
     def inflight(self) -> list[dict]:
+        """The unfinished requests in arrival order, as the scheduler knows them (the schema of
+        adapter/inflight.py; the stand-in has no prefix cache, so nothing is served from one)."""
         now = self._clock()
         with self._cond:
             return [{"rid": r.rid, "prompt_tokens": r.prompt_tokens, "prefilled_tokens": r.prefilled,
-                     "age_s": round(now - r.created, 3)} for r in self._requests.values()]
+                     "cached_tokens": 0, "state": STATES[r.phase], "chunk_tokens": r.chunk_tokens,
+                     "output_tokens": r.generated, "age_s": round(now - r.created, 3)}
+                    for r in self._requests.values()]
 
     def loads(self) -> dict:
         with self._cond:
@@ -213,6 +247,7 @@ class Engine:
         running = [r for r in active if r.phase in (Phase.PREFILL, Phase.DECODE)]
         used = sum(r.prefilled + r.generated for r in running)
         total = self.config.max_total_tokens
+        memory = self.allocator.stats()
         return {
             "dp_rank": 0,
             "num_running_reqs": len(running),
@@ -223,7 +258,8 @@ class Engine:
             "max_total_num_tokens": total,
             "max_running_requests": self.config.max_running,
             "token_usage": round(used / total, 6) if total else 0.0,
-            "memory_bytes": sum(r.memory.nbytes for r in active),
+            "memory_bytes": memory.allocated,
+            "memory_reserved_bytes": memory.reserved,
         }
 
     # --- the scheduler --------------------------------------------------------------------------
@@ -233,26 +269,32 @@ class Engine:
             return
         request.phase = Phase.FINISHED
         request.finish_reason = reason
-        request.memory.release()
+        request.chunk_tokens = 0
+        blocks, request.blocks = request.blocks, []
+        for block in blocks:  # back to the allocator's cache: the process keeps the memory
+            self.allocator.free(block)
         self._requests.pop(request.rid, None)
         self._cond.notify_all()
 
     def _next_batch(self) -> list[tuple[Request, int]] | None:
-        """Under the lock: finishes aborted prefills, admits waiting requests, plans a chunk."""
+        """Under the lock, at a chunk boundary: finishes aborted prefills, then plans the next
+        prefill batch as SGLang's PrefillAdder does (the chunked request first, then waiting
+        requests in arrival order while the running count allows)."""
         for request in list(self._requests.values()):
             if request.abort_requested and request.phase in (Phase.WAITING, Phase.PREFILL):
                 self._finish_locked(request, "abort")
         running = sum(1 for r in self._requests.values() if r.phase in (Phase.PREFILL, Phase.DECODE))
-        for request in self._requests.values():
-            if running >= self.config.max_running:
-                break
-            if request.phase is Phase.WAITING:
-                request.phase = Phase.PREFILL
-                running += 1
-        prefilling = {r.rid: r for r in self._requests.values() if r.phase is Phase.PREFILL}
-        batch = plan_chunk([(rid, r.prompt_tokens - r.prefilled) for rid, r in prefilling.items()],
+        admissible = max(0, self.config.max_running - running)
+        chunked = [r for r in self._requests.values() if r.phase is Phase.PREFILL]
+        waiting = [r for r in self._requests.values() if r.phase is Phase.WAITING][:admissible]
+        pending = {r.rid: r for r in chunked + waiting}
+        batch = plan_chunk([(rid, r.prompt_tokens - r.prefilled) for rid, r in pending.items()],
                            self.config.chunk_tokens)
-        return [(prefilling[rid], take) for rid, take in batch] or None
+        planned = [(pending[rid], take) for rid, take in batch]
+        for request, take in planned:
+            request.phase = Phase.PREFILL
+            request.chunk_tokens = take
+        return planned or None
 
     def _decoding(self) -> list[Request]:
         """Under the lock: the requests the next decode step makes a token for."""
@@ -268,9 +310,26 @@ class Engine:
             self._last_step_at = time.monotonic()
             self._cond.notify_all()
 
+    def _allocate_chunk(self, batch: list[tuple[Request, int]]) -> list[Block]:
+        """The chunk's memory: the KV of its tokens (kept by each request) and the indexer's
+        logits buffer over each request's prefix (returned when the chunk ends); the transients."""
+        transients = []
+        cfg = self.config
+        for request, take in batch:
+            kv = self.allocator.malloc(take * cfg.bytes_per_token)
+            if kv is not None:
+                with self._cond:
+                    request.blocks.append(kv)  # freed with the request, also if it was aborted meanwhile
+                    if request.phase is Phase.FINISHED:
+                        self.allocator.free(request.blocks.pop())
+            block = self.allocator.malloc(int(cfg.transient_bytes * take * (request.prefilled + take)))
+            if block is not None:
+                transients.append(block)
+        return transients
+
     def _run(self) -> None:
-        # Touching pages takes real time (about 0.4 s per GiB); it counts toward the next chunk's
-        # time so that memory grows at the configured rate, not below it.
+        # Touching pages takes real time (about 0.4 s per GiB): it is part of the chunk's time, and
+        # what exceeds it is taken from the next chunk's, so that the prefill keeps its rate.
         debt = 0.0
         while True:
             with self._cond:
@@ -287,24 +346,30 @@ class Engine:
             if batch is None:
                 self._decode_step(decoding)
                 continue
-            self._sleep(max(0.0, sum(take for _, take in batch) / self.config.prefill_tokens_per_s - debt))
             started = self._clock()
-            for request, take in batch:
-                if request.abort_requested:
-                    continue  # finished at the top of the next round, at this chunk boundary
-                try:
-                    request.memory.grow(take * self.config.bytes_per_token)
-                except (MemoryError, OSError) as exc:
-                    # Like a CUDA out-of-memory error in SGLang's scheduler: the rank dies.
-                    self._on_fatal(f"out of memory prefilling request {request.rid} "
-                                   f"({take * self.config.bytes_per_token} more bytes): {exc}")
-                    return
-            debt = self._clock() - started
+            try:
+                transients = self._allocate_chunk(batch)
+            except (MemoryError, OSError) as exc:
+                # Like a CUDA out-of-memory error in SGLang's scheduler: the rank dies.
+                wanted = sum(take for _, take in batch) * self.config.bytes_per_token
+                self._on_fatal(f"out of memory prefilling request {batch[0][0].rid} "
+                               f"({wanted} more bytes of KV and the chunk's buffers): {exc}")
+                return
+            left = sum(take for _, take in batch) / self.config.prefill_tokens_per_s - debt - (self._clock() - started)
+            self._sleep(max(0.0, left))
+            debt = max(0.0, -left)
+            for block in transients:
+                self.allocator.free(block)
             with self._cond:
                 for request, take in batch:
+                    request.chunk_tokens = 0
                     if request.phase is Phase.PREFILL and not request.abort_requested:
                         request.prefilled += take
                         if request.prefilled >= request.prompt_tokens:
                             request.phase = Phase.DECODE
                 self._last_step_at = time.monotonic()
                 self._cond.notify_all()
+            # process_batch_result with the prefill_empty_cache adapter: after a chunk of a long
+            # sequence every wholly free cached segment goes back to the OS.
+            if empties_cache([r.prompt_tokens for r, _ in batch], self.config.empty_cache_tokens):
+                self.allocator.empty_cache()

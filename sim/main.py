@@ -13,6 +13,7 @@ from typing import Callable, Sequence, TextIO
 from adapter.progress import ProgressWriter
 
 from . import settings as settings_mod
+from .allocator import AnonymousMemory
 from .args import SimArgs, parse, with_key_file
 from .engine import Engine, EngineConfig
 from .group import GroupError, Head, StepHung, Worker
@@ -74,7 +75,34 @@ def engine_config(args: SimArgs, settings: Settings) -> EngineConfig:
                         decode_tokens_per_s=settings.decode_tokens_per_s,
                         bytes_per_token=settings.bytes_per_token,
                         max_total_tokens=int(args.max_total_tokens or 0),
-                        context_length=args.context_length)
+                        context_length=args.context_length,
+                        transient_bytes=settings.transient_bytes,
+                        empty_cache_tokens=settings.empty_cache_tokens)
+
+
+LOAD_STEPS = 50
+
+
+def load_weights(settings: Settings, log: Log, stop: threading.Event, memory=None) -> list:
+    """The model load: DSV41_SIM_LOAD_BYTES of real memory taken evenly over DSV41_SIM_LOAD_S (the
+    weights, read shard by shard), kept for the life of the process; returns the mappings. A rank
+    that cannot get the memory dies as a CUDA out-of-memory error at load kills SGLang's."""
+    memory = memory or AnonymousMemory()
+    held: list = []
+    total = settings.load_bytes
+    steps = LOAD_STEPS if total else 0
+    for i in range(steps):
+        if stop.is_set():
+            break
+        size = total * (i + 1) // steps - total * i // steps
+        try:
+            held.append(memory.map(size))
+        except (MemoryError, OSError) as exc:
+            _die(log, f"error: out of memory loading the model ({total} bytes): {exc}")
+        stop.wait(settings.load_s / steps)
+    if total and not stop.is_set():
+        log(f"model loaded: {total} bytes of weights held")
+    return held
 
 
 def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
@@ -138,9 +166,13 @@ def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
         # Exiting closes the group's connections: the workers fail too, as with a crashed rank 0.
         log(f"error: cannot serve HTTP on {args.host}:{args.port}: {exc.strerror or exc}")
         return 1
-    if settings.load_s > 0:
-        log(f"HTTP up on {args.host}:{args.port}; /health answers 503 while 'loading' for {settings.load_s:g} s")
-        stop.wait(settings.load_s)
+    weights: list = []  # held until the process exits
+    if settings.load_s > 0 or settings.load_bytes:
+        log(f"HTTP up on {args.host}:{args.port}; /health answers 503 while 'loading' for {settings.load_s:g} s"
+            + (f" ({settings.load_bytes} bytes of weights)" if settings.load_bytes else ""))
+        weights.extend(load_weights(settings, log, stop))
+        if not settings.load_bytes:
+            stop.wait(settings.load_s)
     if not stop.is_set():
         state.set_state("serving")
         log(f"serving {args.model_name} on http://{args.host}:{args.port} (stand-in engine, no model)")
@@ -196,6 +228,10 @@ def run_worker(args: SimArgs, settings: Settings, log: Log) -> int:
     if not formed:
         log("rank 0 shut down before the group formed; exit 0")
         return 0
+    # Every rank loads its own shard of the weights once the group has formed, as SGLang does.
+    weights: list = []  # held until the process exits
+    threading.Thread(target=lambda: weights.extend(load_weights(settings, log, threading.Event())), name="load",
+                     daemon=True).start()
     ok, why = worker.follow()
     if ok:
         log(f"{why}; exit 0")

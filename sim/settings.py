@@ -7,13 +7,23 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from adapter import prefill_empty_cache
+from adapter.settings import SettingError, env_int
+
 
 @dataclass(frozen=True)
 class Settings:
     prefill_tokens_per_s: float = 20000.0
     bytes_per_token: int = 16384
+    # The indexer's logits buffer [chunk, prefix] per prefill chunk: fp32 (4 bytes), one low-ratio
+    # layer's at a time (the shape bench/results/prefill_empty_cache-h200.txt measured).
+    transient_bytes: float = 4.0
     decode_tokens_per_s: float = 200.0
     load_s: float = 0.0
+    # Memory the model load takes (the weights), allocated evenly over load_s and kept.
+    load_bytes: int = 0
+    # The prefill_empty_cache hook's threshold, as the adapter reads it inside SGLang.
+    empty_cache_tokens: int = prefill_empty_cache.DEFAULT
     drain_timeout_s: float = 60.0
     rendezvous_timeout_s: float = 600.0
     # None: a silent peer is waited for, as NCCL does (the engine's watchdog ends a step that hangs);
@@ -26,8 +36,10 @@ class Settings:
 _ENV = {
     "DSV41_SIM_PREFILL_TOKENS_PER_S": ("prefill_tokens_per_s", float, False),
     "DSV41_SIM_BYTES_PER_TOKEN": ("bytes_per_token", int, True),
+    "DSV41_SIM_TRANSIENT_BYTES": ("transient_bytes", float, True),
     "DSV41_SIM_DECODE_TOKENS_PER_S": ("decode_tokens_per_s", float, False),
     "DSV41_SIM_LOAD_S": ("load_s", float, True),
+    "DSV41_SIM_LOAD_BYTES": ("load_bytes", int, True),
     "DSV41_SIM_DRAIN_TIMEOUT_S": ("drain_timeout_s", float, True),
     "DSV41_SIM_RENDEZVOUS_TIMEOUT_S": ("rendezvous_timeout_s", float, False),
     "DSV41_SIM_PEER_TIMEOUT_S": ("peer_timeout_s", float, False),
@@ -53,6 +65,11 @@ def from_env(env: Mapping[str, str], dist_timeout_s: int | None = None) -> Setti
         if value < 0 or (value == 0 and not zero_ok):
             raise ValueError(f"{name}={raw!r} must be {'zero or more' if zero_ok else 'more than zero'}")
         values[attr] = value
+    try:
+        values["empty_cache_tokens"] = env_int(env, "DSV41_PREFILL_EMPTY_CACHE_TOKENS", prefill_empty_cache.DEFAULT,
+                                               0, prefill_empty_cache.MAXIMUM)
+    except SettingError as exc:
+        raise ValueError(str(exc)) from None
     settings = Settings(**values)  # type: ignore[arg-type]
     if settings.peer_timeout_s is None:
         return settings

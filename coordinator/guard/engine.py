@@ -11,7 +11,9 @@ import json
 import threading
 import urllib.parse
 
-from .policy import InflightList, InflightRequest
+from .charge import DECODING, PREFILLING, WAITING, InflightList, InflightRequest
+
+STATES = (WAITING, PREFILLING, DECODING)
 
 INFLIGHT_PATH = "/dsv41/inflight"
 ABORT_PATH = "/abort_request"
@@ -84,13 +86,19 @@ class EngineApi:
 
 
 def parse_inflight(body: object) -> InflightList:
-    """The route's JSON: {"requests": [{"rid", "prompt_tokens", "prefilled_tokens", "age_s"}], ...}."""
+    """The route's JSON (adapter/inflight.py): {"requests": [{"rid", "prompt_tokens", "prefilled_tokens",
+    "age_s", and from rank 0's scheduler "state", "cached_tokens", "chunk_tokens", "output_tokens"}], ...}."""
     if not isinstance(body, dict) or not isinstance(body.get("requests"), list):
         raise ValueError("expected an object with a list under 'requests'")
     requests = []
     for item in body["requests"]:
         if not isinstance(item, dict) or not isinstance(item.get("rid"), str):
             raise ValueError(f"request entry without a string rid: {item!r}")
+        state = item.get("state")
+        if state is not None and state not in STATES:
+            raise ValueError(f"request {item['rid']!r}: state {state!r} is not one of {', '.join(STATES)}")
         requests.append(InflightRequest(item["rid"], int(item.get("prompt_tokens", 0)),
-                                        int(item.get("prefilled_tokens", 0)), float(item.get("age_s", 0.0))))
+                                        int(item.get("prefilled_tokens", 0)), float(item.get("age_s", 0.0)), state,
+                                        int(item.get("cached_tokens", 0)), int(item.get("chunk_tokens", 0)),
+                                        int(item.get("output_tokens", 0))))
     return InflightList(tuple(requests))

@@ -33,6 +33,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
+from . import charge
+from .charge import CostModel, InflightList, InflightRequest, Victim
+
 # Decision kinds
 NONE = "none"
 NEED_INFLIGHT = "need_inflight"  # internal: ask again with rank 0's in-flight list
@@ -40,6 +43,7 @@ ABORT = "abort"
 ABORT_ALL = "abort_all"
 STOP = "stop"
 REARM = "rearm"
+HOLD = "hold"  # danger by the trend, but the requests' cost says the fall ends above the guard
 ACTIONS = (ABORT, ABORT_ALL, STOP)
 
 # State phases
@@ -71,6 +75,8 @@ class GuardSettings:
     # of the agent's CPU, bench/agent_footprint). 0: every sample is sent.
     send_change_bytes: int = 4 << 20
     heartbeat_ms: int = 5000
+    # What a request costs each rank (charge.CostModel): the victims are chosen by it.
+    cost: CostModel = field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -84,6 +90,21 @@ class GuardSettings:
             raise ValueError("confirm_samples must be >= 1 and envelope_points >= 4")
         if self.send_change_bytes < 0 or self.heartbeat_ms < self.interval_ms:
             raise ValueError("send_change_bytes must be zero or more and heartbeat_ms at least interval_ms")
+
+    @property
+    def confirm_s(self) -> float:
+        """How long an aborted request may still be listed: the abort ends it at the next chunk
+        boundary (within the lead), and the list is a sample late."""
+        return self.lead_s + self.envelope_s
+
+    def line_of(self, level: int) -> int:
+        """Which of the early check's lines (a hysteresis band apart, 4 MiB at least) a level is on."""
+        return (level - self.guard_bytes) // max(4 << 20, self.hysteresis_bytes)
+
+    @property
+    def settle_s(self) -> float:
+        """Quiet after confirmed aborts before the guard is armed again."""
+        return self.lead_s + self.envelope_s
 
     def send_request(self) -> dict[str, int]:
         """What the agents are asked to send (WatchMemoryRequest's fields): every sample that moved
@@ -249,34 +270,6 @@ def assess(node: str, reading: Reading, s: GuardSettings) -> Assessment:
 
 
 @dataclass(frozen=True)
-class InflightRequest:
-    rid: str
-    prompt_tokens: int
-    prefilled_tokens: int
-    age_s: float = 0.0
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled_tokens < self.prompt_tokens
-
-
-@dataclass(frozen=True)
-class InflightList:
-    requests: tuple[InflightRequest, ...] = ()
-    unavailable: str = ""   # why there is no list (route missing, rank 0 not answering); "" when there is
-
-
-def choose_victim(inflight: InflightList, exclude: Iterable[str] = ()) -> InflightRequest | None:
-    """The largest prefill in flight (most prompt tokens, then most still to prefill, then the
-    youngest); None when nothing is prefilling or the list is unavailable."""
-    skip = set(exclude)
-    prefilling = [r for r in inflight.requests if r.prefilling and r.rid not in skip]
-    if inflight.unavailable or not prefilling:
-        return None
-    return max(prefilling, key=lambda r: (r.prompt_tokens, r.prompt_tokens - r.prefilled_tokens, -r.age_s))
-
-
-@dataclass(frozen=True)
 class NodeMark:
     streak: int = 0        # consecutive samples in danger
     level: int = 0
@@ -291,9 +284,27 @@ class GuardState:
     aborted: tuple[str, ...] = ()                    # rids aborted (the last 32)
     marks: tuple[tuple[str, NodeMark], ...] = ()
     last_danger_at: float = -math.inf
-    # Levels at a re-arm that came from quiet rather than recovery (memory still low): the next
-    # action then needs a further fall by the hysteresis band, so noise at the guard cannot flap.
+    # After a re-arm with memory still low (the aborted requests' memory stays with the engine's
+    # allocator) each node's highest level since: the next action needs a fall of the hysteresis
+    # band from it, so noise at the guard cannot flap, while memory that came back and falls
+    # again (the next long prompt) is acted on.
     armed_levels: tuple[tuple[str, int], ...] = ()
+    pending: tuple[str, ...] = ()                    # aborted rids the in-flight list still showed
+    pending_since: float = -math.inf
+    overdue_reported: bool = False                   # a pending abort past confirm_s was reported
+    # Victims whose rid is a prefix of another victim's: aborted once those are confirmed gone.
+    queued: tuple[str, ...] = ()
+    # A hold: the model projected the lowest point ahead at hold_low (above the guard) until
+    # hold_until; memory falling below it by the band means the model is wrong, and then it is not
+    # trusted again until the guard re-arms.
+    hold_until: float = -math.inf
+    hold_low: int | None = None
+    model_failed: bool = False
+    # Per node, the lowest line (GuardSettings.line_of) memory was at when the requests were last
+    # looked at while it fell (the early check).
+    checked_lines: tuple[tuple[str, int], ...] = ()
+    no_scheduler_view: bool = False                  # the route said nothing of what requests do
+    found_nothing_at: float = -math.inf              # when the last early look found no request
 
 
 @dataclass(frozen=True)
@@ -306,67 +317,216 @@ class Decision:
     crossing_s: float | None = None
     basis: str = ""
     guard_bytes: int = 0
-    victim: InflightRequest | None = None
-    unavailable: str = ""   # why there was no in-flight list, when that decided abort_all
+    victims: tuple[Victim, ...] = ()
+    unavailable: str = ""   # why there was no in-flight list, when that decided the action
+    projected_low: int | None = None        # with the victims aborted (the model's lowest point ahead)
+    projected_low_kept: int | None = None   # keeping every request
+    skipped: tuple[tuple[str, str], ...] = ()  # rids not aborted by their rid, and why
+
+    @property
+    def victim(self) -> InflightRequest | None:
+        return self.victims[0].request if self.victims else None
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """What a fresh in-flight list says of the aborts sent."""
+    gone: tuple[str, ...]        # no longer listed: the abort took effect
+    still: tuple[str, ...]       # still listed past the deadline: it did not (a repeat would be dropped)
+
+
+def confirm(s: GuardSettings, state: GuardState, inflight: InflightList, now: float) -> tuple[Confirmation, GuardState]:
+    """Checks the aborts sent against a fresh listing. An abort takes effect at the next chunk
+    boundary, so a victim may be listed for up to a chunk; still listed past confirm_s it did not
+    take effect (reported once), and it stays pending: the guard does not re-arm over it."""
+    if not state.pending or inflight.unavailable:
+        return Confirmation((), ()), state
+    listed = {r.rid for r in inflight.requests}
+    gone = tuple(rid for rid in state.pending if rid not in listed)
+    still = tuple(rid for rid in state.pending if rid in listed)
+    overdue = still if now - state.pending_since >= s.confirm_s and not state.overdue_reported else ()
+    return Confirmation(gone, overdue), replace(state, pending=still,
+                                                overdue_reported=state.overdue_reported or bool(overdue))
 
 
 def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
-           inflight: InflightList | None = None) -> tuple[Decision, GuardState]:
+           inflight: InflightList | None = None, serving: bool = True) -> tuple[Decision, GuardState]:
     """The next action after one node's sample. `inflight` None means not fetched yet: an action
-    that needs a victim then answers NEED_INFLIGHT with the state unchanged, and the caller asks
-    again with the list."""
+    that needs the list then answers NEED_INFLIGHT with the state unchanged, and the caller asks
+    again with it. `serving` False during launch, health and smoke: what cannot be aborted is
+    stopped (abort_all there would only end the health or smoke request)."""
     marks = dict(state.marks)
     prev = marks.get(a.node, NodeMark())
     mark = NodeMark(prev.streak + 1 if a.danger else 0, a.level, a.danger)
     marks[a.node] = mark
-    st = replace(state, marks=tuple(sorted(marks.items())),
+    armed_levels = dict(state.armed_levels)
+    if a.node in armed_levels:
+        armed_levels[a.node] = max(armed_levels[a.node], a.level)
+    st = replace(state, marks=tuple(sorted(marks.items())), armed_levels=tuple(sorted(armed_levels.items())),
                  last_danger_at=now if a.danger else state.last_danger_at)
     confirmed = mark.streak >= s.confirm_samples
+    fallback = ABORT_ALL if serving else STOP
 
     def decision(kind: str, reason: str = "", **extra) -> Decision:
         return Decision(kind, a.node, reason, a.level, a.slope, a.crossing_s, a.basis, s.guard_bytes, **extra)
 
+    if st.hold_low is not None and not a.danger and now >= st.hold_until:
+        st = replace(st, hold_low=None)  # the fall it was about is over
+
     def acted(phase: str, **changes) -> GuardState:
-        return replace(st, phase=phase, acted_at=now,
+        return replace(st, phase=phase, acted_at=now, hold_low=None, hold_until=-math.inf,
                        acted_levels=tuple((n, m.level) for n, m in sorted(marks.items())), **changes)
+
+    def abort(why: str, choice: charge.Choice, at: GuardState, basis: str = "") -> tuple[Decision, GuardState]:
+        rids = tuple(v.request.rid for v in choice.victims)
+        text = _victims_text(choice, s) + "".join(f"; not aborting {rid} alone: {t}" for rid, t in choice.skipped)
+        d = decision(ABORT, f"{why}; {text}", victims=choice.victims, projected_low=choice.projected_low,
+                     projected_low_kept=choice.projected_low_keeping_all, skipped=choice.skipped)
+        if basis:
+            # The requests' cost saw the crossing coming: when, at the rate memory falls now.
+            falling = -a.slope if a.slope < 0 else 0.0
+            d = replace(d, basis=basis, crossing_s=(a.level - s.guard_bytes) / falling if falling else None)
+        return d, acted(ABORTED, aborted=(*at.aborted, *rids)[-32:], pending=(*at.pending, *rids),
+                        queued=tuple(r.rid for r in choice.then),
+                        pending_since=now if not at.pending else at.pending_since, overdue_reported=False,
+                        checked_lines=at.checked_lines, no_scheduler_view=at.no_scheduler_view)
+
+    def act(why: str, at: GuardState) -> tuple[Decision, GuardState]:
+        """Abort the requests the fall is charged to; what cannot be named is aborted all or stopped."""
+        if inflight.unavailable:
+            kind = fallback
+            return (decision(kind, f"{why}; cannot tell which request: {inflight.unavailable}",
+                             unavailable=inflight.unavailable), acted(_PHASE_OF[kind]))
+        if not inflight.requests:
+            # Serving, abort_all of nothing is harmless where a stop would end the cluster on a
+            # spurious fall (noise at the guard); it escalates to a stop if memory keeps falling.
+            kind = fallback
+            return decision(kind, f"{why}; nothing is in flight to abort"), acted(_PHASE_OF[kind])
+        choice = charge.choose(inflight, a.level, s.guard_bytes, s.cost, exclude=at.aborted)
+        skipped = "".join(f"; not aborting {rid} alone: {text}" for rid, text in choice.skipped)
+        if not choice.needed:
+            urgent = a.exhaust_s is not None and a.exhaust_s <= s.lead_s
+            trusted = s.cost.configured and inflight.scheduler_view and not at.model_failed and not urgent
+            if trusted:
+                # The trend's line goes on past the end of a prefill; the scheduler knows where it ends.
+                return (decision(HOLD, f"{why}; not acting: the requests in flight are projected to take memory "
+                                       f"no lower than {_gb(choice.projected_low_keeping_all)}{skipped}",
+                                 projected_low_kept=choice.projected_low_keeping_all, skipped=choice.skipped),
+                        replace(at, hold_until=now + s.envelope_s, hold_low=choice.projected_low_keeping_all))
+            choice = charge.growing_choice(inflight, a.level, s.cost, exclude=at.aborted)
+        if choice.victims:
+            return abort(why, choice, at)
+        kind = fallback
+        cannot = "no request is prefilling" if not choice.skipped else "the request growing cannot be aborted " \
+                 "by its rid"
+        return (decision(kind, f"{why}; {cannot}{skipped}", skipped=choice.skipped,
+                         projected_low_kept=choice.projected_low_keeping_all), acted(_PHASE_OF[kind]))
+
+    def early(at: GuardState) -> tuple[Decision, GuardState]:
+        """Memory falls, no crossing within the lead yet: when the requests' cost says the fall
+        will go below the guard, act now; the requests that do not fit are known already."""
+        if not s.cost.configured or at.model_failed or at.no_scheduler_view:
+            return decision(NONE), at
+        # Looked at each time memory goes below a line it had not been below since the last look
+        # (lines a band apart): by level, not time or trend, so the samples an agent holds back
+        # never make the guard look sooner or later than the fall itself does. A look that found
+        # nothing in flight (a model load) is not repeated within an envelope.
+        line = s.line_of(a.level)
+        lines = dict(at.checked_lines)
+        if line >= lines.get(a.node, line) or (at.found_nothing_at > now - s.envelope_s):
+            lines[a.node] = min(line, lines.get(a.node, line))
+            return decision(NONE), replace(at, checked_lines=tuple(sorted(lines.items())))
+        if inflight is None:
+            return decision(NEED_INFLIGHT), state
+        _, at = confirm(s, at, inflight, now)
+        lines[a.node] = line
+        looked = replace(at, checked_lines=tuple(sorted(lines.items())),
+                         found_nothing_at=now if inflight.unavailable or not inflight.requests else -math.inf)
+        if inflight.unavailable:
+            return decision(NONE), looked
+        if inflight.requests and not inflight.scheduler_view:
+            return decision(NONE), replace(looked, no_scheduler_view=True)  # an older route: no early checks
+        choice = charge.choose(inflight, a.level, s.guard_bytes, s.cost, exclude=at.aborted)
+        if not (choice.needed and choice.explained and choice.victims):
+            return decision(NONE), looked
+        why = (f"{a.node}: available {_gb(a.level)} falling {max(0.0, -a.slope) / 1e9:.2f} GB/s, guard "
+               f"{_gb(s.guard_bytes)}: the requests in flight would take it to "
+               f"{_gb(choice.projected_low_keeping_all)}")
+        return abort(why, choice, looked, basis="model")
 
     if st.phase == STOPPED:
         return decision(NONE), st
     if st.phase == ARMED:
-        armed_level = dict(st.armed_levels).get(a.node)
-        if not confirmed or (armed_level is not None and a.level > armed_level - s.hysteresis_bytes):
+        armed_level = armed_levels.get(a.node)
+        if armed_level is not None and a.level > armed_level - s.hysteresis_bytes:
             return decision(NONE), st
+        if not confirmed:
+            # Once the crossing is within the lead only an abort of what grows stops it in time:
+            # that is the danger path's, after its confirmation.
+            return early(st) if not a.danger else (decision(NONE), st)
+        broke = _hold_broken(st, a, s)
+        if now < st.hold_until and not broke:
+            return decision(NONE), st
+        if broke:
+            st = replace(st, model_failed=True)
         if inflight is None:
             return decision(NEED_INFLIGHT), state
-        victim = choose_victim(inflight, st.aborted)
-        why = _why(a, s)
-        if victim is not None:
-            return (decision(ABORT, why, victim=victim),
-                    acted(ABORTED, aborted=(*st.aborted, victim.rid)[-32:]))
-        cannot = inflight.unavailable or "no request is prefilling"
-        return (decision(ABORT_ALL, f"{why}; cannot tell which request: {cannot}", unavailable=inflight.unavailable),
-                acted(ABORTED_ALL))
+        _, st = confirm(s, st, inflight, now)
+        why = _why(a, s) + (f"; memory fell below the {_gb(st.hold_low)} the requests were projected to leave"
+                            if broke else "")
+        return act(why, st)
 
-    # after an action: re-arm, wait, or escalate
+    # after an action: the aborts that had to wait for others, re-arm, wait, or act again
+    if st.queued and not st.pending and st.phase == ABORTED:
+        if inflight is None:
+            return decision(NEED_INFLIGHT), state
+        queued, st = release_queued(s, st, inflight, now, a.node)
+        return (queued or decision(NONE)), st
     floor = s.guard_bytes + s.hysteresis_bytes
-    if all(m.level >= floor and not m.danger for m in marks.values()):
+    if not st.pending and all(m.level >= floor and not m.danger for m in marks.values()):
         return (decision(REARM, f"every node back above {_gb(floor)} available"),
-                replace(st, phase=ARMED, armed_levels=()))
-    if now - st.last_danger_at >= s.rearm_quiet_s and now - st.acted_at >= s.rearm_quiet_s:
+                replace(st, phase=ARMED, armed_levels=(), hold_low=None, model_failed=False, checked_lines=()))
+    levels_now = tuple((n, m.level) for n, m in sorted(marks.items()))
+    quiet = now - st.last_danger_at
+    if st.phase == ABORTED and not st.pending and quiet >= s.settle_s and now - st.acted_at >= s.settle_s:
+        # The aborts were seen to take effect and memory stopped falling; it stays low (the engine
+        # keeps what the aborted requests held), so the next action needs a further fall.
+        return (decision(REARM, f"the aborts took effect and no node was in danger for {s.settle_s:g} s; the next "
+                                f"action needs a fall of {_gb(s.hysteresis_bytes)}"),
+                replace(st, phase=ARMED, armed_levels=levels_now, checked_lines=()))
+    if quiet >= s.rearm_quiet_s and now - st.acted_at >= s.rearm_quiet_s:
         return (decision(REARM, f"no node in danger for {s.rearm_quiet_s:g} s; the next action needs a further "
                                 f"fall of {_gb(s.hysteresis_bytes)}"),
-                replace(st, phase=ARMED, armed_levels=tuple((n, m.level) for n, m in sorted(marks.items()))))
+                replace(st, phase=ARMED, armed_levels=levels_now, pending=(), overdue_reported=False,
+                        checked_lines=()))
     acted_level = dict(st.acted_levels).get(a.node)
     fell = acted_level is not None and a.level <= acted_level - s.hysteresis_bytes
     if confirmed and fell:
         since = now - st.acted_at
         # Waiting for the last action to work makes no sense once memory runs out within the lead.
         urgent = a.exhaust_s is not None and a.exhaust_s <= s.lead_s
+        kept_falling = (f"memory kept falling {since:.2f} s after aborting {', '.join(st.aborted[-3:]) or '?'} "
+                        f"({_gb(acted_level)} -> {_gb(a.level)}); {_why(a, s)}")
         if st.phase == ABORTED and (since >= s.lead_s or urgent):
-            victim = st.aborted[-1] if st.aborted else "?"
-            return (decision(ABORT_ALL, f"memory kept falling {since:.2f} s after aborting {victim} "
-                                        f"({_gb(acted_level)} -> {_gb(a.level)}); {_why(a, s)}"),
-                    acted(ABORTED_ALL))
+            broke = _hold_broken(st, a, s)
+            if now < st.hold_until and not broke:
+                return decision(NONE), st
+            if broke:
+                st = replace(st, model_failed=True)
+            if inflight is None:
+                return decision(NEED_INFLIGHT), state
+            since_sent = now - st.pending_since
+            seen, st = confirm(s, st, inflight, now)
+            still = list(st.pending) + list(seen.still)
+            if still:
+                # A lead after the abort its victim still runs: the abort did not work (or is a chunk
+                # late), and sending it again would be dropped. Another request cannot be growing
+                # meanwhile: one is chunk-prefilled at a time.
+                return (decision(fallback, f"{kept_falling}; the abort of {', '.join(still)} has not taken effect "
+                                           f"after {since_sent:.2f} s (a repeated abort is dropped)"),
+                        acted(_PHASE_OF[fallback], pending=()))
+            # Another request is growing now (the next one in line, once the victim was gone).
+            return act(kept_falling, st)
         if st.phase == ABORTED_ALL and (since >= s.stop_after_s or urgent):
             return (decision(STOP, f"memory kept falling {since:.2f} s after abort_all "
                                    f"({_gb(acted_level)} -> {_gb(a.level)}); {_why(a, s)}"),
@@ -374,8 +534,60 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
     return decision(NONE), st
 
 
+_PHASE_OF = {ABORT_ALL: ABORTED_ALL, STOP: STOPPED}
+
+
+def release_queued(s: GuardSettings, st: GuardState, inflight: InflightList, now: float,
+                   node: str) -> tuple[Decision | None, GuardState]:
+    """The aborts that waited for the requests their rid would also have ended: once those are
+    gone, each one still listed is aborted by its own rid (if no other rid starts with it now)."""
+    if not st.queued or st.pending or inflight.unavailable:
+        return None, st
+    listed = {r.rid: r for r in inflight.requests}
+    conflicts = charge.prefix_conflicts(inflight.requests)
+    ready = [rid for rid in st.queued if rid in listed and rid not in conflicts]
+    if not ready:
+        return None, replace(st, queued=tuple(rid for rid in st.queued if rid in listed))
+    victims = tuple(charge.Victim(listed[rid], "growing" if listed[rid].prefilling else "cannot_fit",
+                                  s.cost.held(listed[rid]) + s.cost.to_come(listed[rid])) for rid in ready)
+    level = dict(st.acted_levels).get(node, 0)
+    reason = (f"aborting {', '.join(ready)} now that the requests its rid would also have ended are gone; "
+              + "; ".join(f"{v.request.rid} charged {_gb(v.charged_bytes)}" for v in victims))
+    d = Decision(ABORT, node, reason, level, guard_bytes=s.guard_bytes, basis="model", victims=victims)
+    return d, replace(st, queued=tuple(rid for rid in st.queued if rid not in ready),
+                      aborted=(*st.aborted, *ready)[-32:], pending=tuple(ready), pending_since=now,
+                      overdue_reported=False)
+
+
+def _hold_broken(st: GuardState, a: Assessment, s: GuardSettings) -> bool:
+    """Memory went below the lowest point the requests were projected to take it to: the cost
+    model is wrong (half the way to the guard, at most the hysteresis band)."""
+    if st.hold_low is None:
+        return False
+    slack = min(s.hysteresis_bytes, max(0, st.hold_low - s.guard_bytes) // 2)
+    return a.level < st.hold_low - slack
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.3f} GB"
+
+
+def _victims_text(choice: charge.Choice, s: GuardSettings) -> str:
+    parts = []
+    for v in choice.victims:
+        r = v.request
+        what = {"growing": f"{r.rid} is prefilling ({r.prefilled_tokens}/{r.prompt_tokens} tokens)",
+                "cannot_fit": f"{r.rid} waits with a {r.prompt_tokens}-token prompt whose projected peak "
+                              f"{_gb(v.charged_bytes)} cannot fit in what is left",
+                "holds": f"{r.rid} holds {_gb(s.cost.held(r))}",
+                "unblocks": f"{r.rid} first, so that the request whose rid it starts with can be aborted "
+                            "by its own"}[v.why]
+        parts.append(f"{what}, charged {_gb(v.charged_bytes)}")
+    keep = f"projected low {_gb(choice.projected_low_keeping_all)} keeping every request, " \
+           f"{_gb(choice.projected_low)} without {'it' if len(choice.victims) == 1 else 'them'}"
+    if not choice.explained:
+        keep += " (the requests do not explain the whole fall: aborting what grows)"
+    return f"{'; '.join(parts)}; {keep}"
 
 
 def _why(a: Assessment, s: GuardSettings) -> str:
@@ -393,18 +605,30 @@ class Guard:
     trends: dict = field(default_factory=dict)
 
     def observe(self, node: str, at_node: float, available: int, now: float,
-                inflight: Callable[[], InflightList]) -> Decision:
+                inflight: Callable[[], InflightList], serving: bool = True) -> Decision:
         """`at_node` is the node's sample time (its own clock), `now` the caller's clock; `inflight`
-        is called only when an action needs the victim."""
+        is called only when an action needs the list."""
         trend = self.trends.get(node)
         if trend is None:
             trend = self.trends[node] = Trend(self.settings)
         a = assess(node, trend.add(at_node, available), self.settings)
-        d, st = decide(self.settings, self.state, a, now)
+        d, st = decide(self.settings, self.state, a, now, serving=serving)
         if d.kind == NEED_INFLIGHT:
-            d, st = decide(self.settings, self.state, a, now, inflight())
+            d, st = decide(self.settings, self.state, a, now, inflight(), serving=serving)
         self.state = st
         if d.kind == REARM:
             for t in self.trends.values():
                 t.forget_lows()
         return d
+
+    def note_listing(self, inflight: InflightList, now: float, node: str = "") -> tuple[Confirmation, Decision | None]:
+        """A fresh in-flight list (the runner's check after an abort): what it confirms, and the
+        abort that waited for it, if one can go now."""
+        seen, self.state = confirm(self.settings, self.state, inflight, now)
+        queued, self.state = release_queued(self.settings, self.state, inflight, now, node or self.acting_node())
+        return seen, queued
+
+    def acting_node(self) -> str:
+        """The node the last action was about (the lowest when it was taken)."""
+        levels = dict(self.state.acted_levels)
+        return min(levels, key=levels.get) if levels else ""

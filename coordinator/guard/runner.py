@@ -1,10 +1,14 @@
 """The memory guard at work: one thread per node reads its agent's memory stream, the policy
 decides, the decision is carried out on rank 0 (POST /abort_request) or on the cluster (a clean
-stop), and every action is one journal event.
+stop), and every action is one journal event (one per aborted request).
 
-Streams run only while the cluster serves; a new serving period (a restart, a re-adoption)
-starts with a fresh policy. The guard never restarts anything itself: a stop goes through the
-runtime's own supervisor like an operator's, so it cannot race the restart logic.
+Streams run while ranks run: from `launch` through `health` and `smoke` to `serving` (there, what
+cannot be aborted is stopped: the model load, the first forward's compilation and the warm-up are
+guarded too); each run of the ranks (a bring-up, a re-adoption) starts with a fresh policy. After
+an abort a checker reads the in-flight list every CONFIRM_POLL_S until the victims are gone (or
+overdue), journals which, and sends an abort that had to wait for them. The guard never restarts
+anything itself: a stop goes through the runtime's own supervisor like an operator's, so it
+cannot race the restart logic.
 """
 
 from __future__ import annotations
@@ -19,8 +23,12 @@ import grpc
 from dsv41.journal import EventLog
 
 from .engine import EngineApi
-from .events import event_of
-from .policy import ABORT, ABORT_ALL, ACTIONS, REARM, STOP, Decision, Guard, GuardSettings
+from .events import confirmation_events, events_of
+from .policy import ABORT, ABORT_ALL, ACTIONS, HOLD, REARM, STOP, Decision, Guard, GuardSettings
+
+CONFIRM_POLL_S = 0.05
+# Phases in which ranks run, and whether requests are served in them.
+GUARDED_PHASES = {"launch": False, "health": False, "smoke": False, "serving": True}
 
 
 class MemorySource(Protocol):
@@ -32,13 +40,15 @@ class MemorySource(Protocol):
 
 @dataclass
 class _Session:
-    """One serving period: its policy, its streams, its readers."""
+    """One run of the ranks: its policy, its streams, its readers."""
     key: float
     guard: Guard
+    serving: bool = False
     stopped: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     streams: dict = field(default_factory=dict)
     threads: list = field(default_factory=list)
+    checker: threading.Thread | None = None
 
 
 @dataclass
@@ -50,17 +60,17 @@ class GuardStats:
 
 class MemoryGuard:
     def __init__(self, settings: GuardSettings, sources: dict[str, MemorySource], engine: EngineApi, log: EventLog,
-                 serving: Callable[[], float | None], stop_cluster: Callable[[str], None],
+                 guarded: Callable[[], tuple[float, bool] | None], stop_cluster: Callable[[str], None],
                  monotonic: Callable[[], float] = time.monotonic, poll_s: float = 0.2):
-        """`serving()` returns a key of the current serving period (e.g. when it began) or None when
-        the cluster is not serving; `stop_cluster(reason)` asks for a clean stop of the ranks."""
+        """`guarded()` returns (a key of the current run of the ranks, e.g. when it began; whether the
+        cluster serves) or None when no rank runs; `stop_cluster(reason)` asks for a clean stop."""
         if settings.mode == "off":
             raise ValueError("the memory guard is off (MEMORY_GUARD=off): nothing to run")
         self.settings = settings
         self._sources = sources
         self._engine = engine
         self._log = log
-        self._serving = serving
+        self._guarded = guarded
         self._stop_cluster = stop_cluster
         self._monotonic = monotonic
         self._poll_s = poll_s
@@ -85,10 +95,12 @@ class MemoryGuard:
                         "a node's memory")
             return None
 
-        def serving() -> float | None:
+        def guarded() -> tuple[float, bool] | None:
             snap = runtime.snapshot()
-            return snap.serving_since if snap.phase == "serving" else None
-        return cls(settings, dict(runtime.clients), EngineApi(runtime.base_url, api_key), log, serving,
+            if snap.phase not in GUARDED_PHASES or not snap.ranks_since:
+                return None
+            return snap.ranks_since, GUARDED_PHASES[snap.phase]
+        return cls(settings, dict(runtime.clients), EngineApi(runtime.base_url, api_key), log, guarded,
                    lambda reason: runtime.request("stop", reason=f"memory guard: {reason}"))
 
     # -- lifecycle
@@ -114,25 +126,31 @@ class MemoryGuard:
         session = self._session
         return [self._thread] + (list(session.threads) if session else [])
 
-    # -- serving periods
+    # -- runs of the ranks
+
+    def _phase(self) -> tuple[float, bool] | None:
+        try:
+            return self._guarded()
+        except Exception as exc:  # the runtime's snapshot must not kill the guard
+            self._log.warning("memory_guard_error", f"memory guard cannot read the cluster phase: {exc!r}")
+            return None
 
     def _supervise(self) -> None:
         while not self._done.is_set():
-            try:
-                key = self._serving()
-            except Exception as exc:  # the runtime's snapshot must not kill the guard
-                self._log.warning("memory_guard_error", f"memory guard cannot read the cluster phase: {exc!r}")
-                key = None
+            found = self._phase()
+            key = found[0] if found else None
             current = self._session.key if self._session else None
             if key != current:
                 self._end_session()
                 if key is not None:
-                    self._begin_session(key)
+                    self._begin_session(key, found[1])
+            if found and self._session is not None:
+                self._session.serving = found[1]
             self._done.wait(self._poll_s)
         self._end_session()
 
-    def _begin_session(self, key: float) -> None:
-        session = _Session(key, Guard(self.settings))
+    def _begin_session(self, key: float, serving: bool) -> None:
+        session = _Session(key, Guard(self.settings), serving)
         for node, source in self._sources.items():
             thread = threading.Thread(target=self._read, args=(session, node, source), name=f"guard-{node}",
                                       daemon=True)
@@ -148,7 +166,7 @@ class MemoryGuard:
         session.stopped.set()
         for stream in list(session.streams.values()):
             stream.cancel()
-        for thread in session.threads:
+        for thread in session.threads + ([session.checker] if session.checker else []):
             if thread is not threading.current_thread():
                 thread.join(2.0)
 
@@ -189,23 +207,51 @@ class MemoryGuard:
             for listener in self._sample_listeners:
                 listener(node, int(sample.available_bytes))
             d = session.guard.observe(node, sample.at_monotonic_s, int(sample.available_bytes), self._monotonic(),
-                                      self._engine.inflight)
-            if d.kind in ACTIONS:
-                self._execute(session, d)
-            elif d.kind == REARM:
-                self._emit(d)
+                                      self._engine.inflight, serving=session.serving)
+            self._carry_out(session, d)
+
+    def _carry_out(self, session: _Session, d: Decision) -> None:
+        """Under the session's lock."""
+        if d.kind in ACTIONS:
+            self._execute(session, d)
+        elif d.kind in (REARM, HOLD):
+            self._emit(d)
+        if self.settings.mode != "observe" and session.guard.state.pending and \
+                (session.checker is None or not session.checker.is_alive()):
+            session.checker = threading.Thread(target=self._check_aborts, args=(session,), name="guard-confirm",
+                                               daemon=True)
+            session.checker.start()
+
+    def _check_aborts(self, session: _Session) -> None:
+        """Reads the in-flight list until the aborts sent are seen gone, or past their deadline."""
+        while not session.stopped.wait(CONFIRM_POLL_S):
+            listing = self._engine.inflight()
+            with session.lock:
+                if session.stopped.is_set():
+                    return
+                guard = session.guard
+                since = self._monotonic() - guard.state.pending_since
+                seen, queued = guard.note_listing(listing, self._monotonic())
+                for e in confirmation_events(guard.acting_node(), seen.gone, seen.still, since):
+                    self._log.event(e.kind, e.message, e.priority, **e.fields)
+                if queued is not None:
+                    self._execute(session, queued)
+                if not guard.state.pending or guard.state.overdue_reported:
+                    return
 
     def _execute(self, session: _Session, d: Decision) -> None:
         self.stats.actions += 1
         if self.settings.mode == "observe":
             self._emit(d)
             return
-        if self._serving() != session.key:
-            self._emit(d, "not carried out: the cluster stopped serving meanwhile")
+        found = self._phase()
+        if found is None or found[0] != session.key:
+            self._emit(d, "not carried out: the ranks stopped meanwhile")
             return
         try:
             if d.kind == ABORT:
-                self._engine.abort(d.victim.rid)
+                for victim in d.victims:
+                    self._engine.abort(victim.request.rid)
             elif d.kind == ABORT_ALL:
                 self._engine.abort(None)
             elif d.kind == STOP:
@@ -217,5 +263,5 @@ class MemoryGuard:
         self._emit(d)
 
     def _emit(self, d: Decision, outcome: str = "") -> None:
-        e = event_of(d, self.settings.mode, outcome)
-        self._log.event(e.kind, e.message, e.priority, **e.fields)
+        for e in events_of(d, self.settings.mode, outcome):
+            self._log.event(e.kind, e.message, e.priority, **e.fields)

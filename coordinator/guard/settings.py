@@ -4,9 +4,32 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from .charge import CostModel
 from .policy import GuardSettings
 
 GB = 1_000_000_000
+# What a request costs each rank when MEMORY_GUARD_TOKEN_BYTES / _TRANSIENT_BYTES are empty: the
+# stand-in's own defaults (sim/settings.py; a unit test holds them equal), else the head's as the
+# example configuration's notes give it (tests/unit/test_guard_traces.py rebuilds them).
+SIM_TOKEN_BYTES, SIM_TRANSIENT_BYTES = 16384, 4.0
+SGLANG_TOKEN_BYTES, SGLANG_TRANSIENT_BYTES = 12_000, 20.0
+
+
+def cost_model(cfg: Mapping[str, object], passthrough: Mapping[str, str] | None = None) -> CostModel:
+    """The requests' cost per rank. With RANK_ENGINE=sim and the keys empty, the stand-in's own
+    DSV41_SIM_BYTES_PER_TOKEN / DSV41_SIM_TRANSIENT_BYTES (what it really allocates)."""
+    passthrough = passthrough or {}
+    sim = cfg["RANK_ENGINE"] == "sim"
+    token = cfg["MEMORY_GUARD_TOKEN_BYTES"]
+    if token is None:
+        token = int(passthrough.get("DSV41_SIM_BYTES_PER_TOKEN") or SIM_TOKEN_BYTES) if sim else SGLANG_TOKEN_BYTES
+    transient = cfg["MEMORY_GUARD_TRANSIENT_BYTES"]
+    if transient is None:
+        transient = float(passthrough.get("DSV41_SIM_TRANSIENT_BYTES") or SIM_TRANSIENT_BYTES) if sim \
+            else SGLANG_TRANSIENT_BYTES
+    return CostModel(token_bytes=int(token), transient_bytes=float(transient),
+                     chunk_tokens=int(cfg["CHUNKED_PREFILL_SIZE"]),
+                     empty_cache_tokens=int(cfg["DSV41_PREFILL_EMPTY_CACHE_TOKENS"]))
 
 
 def from_config(cfg: Mapping[str, object]) -> GuardSettings:
@@ -22,4 +45,5 @@ def from_config(cfg: Mapping[str, object]) -> GuardSettings:
         confirm_samples=int(cfg["MEMORY_GUARD_CONFIRM_SAMPLES"]),
         # the slope window in samples, so it always holds enough of them for a line and its error
         window_s=int(cfg["MEMORY_GUARD_WINDOW_SAMPLES"]) * interval_ms / 1000,
+        cost=cost_model(cfg, getattr(cfg, "passthrough", None)),
     )

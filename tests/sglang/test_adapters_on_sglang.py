@@ -278,3 +278,17 @@ def test_api_key_refusals_stop_the_rank_in_prepare_server_args(sglang: Sglang, c
     assert last.startswith("dsv41-adapter: api_key: ") and last.endswith("; the rank does not start")
     assert what in last and (case == "key_in_argv" or f"DSV41_API_KEY_FILE={path}: " in last)
     assert API_KEY not in last and "argv-key-0123456" not in last
+
+
+def test_the_scheduler_publishes_its_requests_from_the_real_get_next_batch_to_run(sglang: Sglang,
+                                                                                tmp_path: Path) -> None:
+    (tmp_path / "armed").mkdir()
+    (tmp_path / "plain").mkdir()
+    armed, err = sglang.check("chk_scheduler_requests", env={"DSV41_PROGRESS_DIR": str(tmp_path / "armed")})
+    plain, _ = sglang.check("chk_scheduler_requests", armed=False, env={"DSV41_PROGRESS_DIR": str(tmp_path / "plain")})
+    assert armed["error"] is None and armed["plan_is_sglangs"] and armed["marked"] == "inflight"
+    assert armed["installed"] and armed["writer_is_this_process"]
+    # the chunked request grows by its 768-token chunk; job-10 waits behind it and holds nothing
+    assert armed["records"] == [["job-1", "prefilling", 30_000, 6144, 768], ["job-10", "waiting", 20_000, 0, 0]]
+    assert plain["error"] is None and plain["records"] is None and plain["marked"] is None
+    assert installed(err).count("inflight") == 1

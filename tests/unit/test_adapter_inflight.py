@@ -1,4 +1,5 @@
-"""/dsv41/inflight: the snapshot of the tokenizer manager's request states and its JSON."""
+"""/dsv41/inflight: the tokenizer manager's request states joined with the scheduler's snapshot
+(adapter/reqstate.py, written by adapter/scheduler_requests.py), and its JSON."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from adapter.inflight import InflightRoute, payload, record_prompt_length, snapshot
+import os
+
+from adapter import reqstate
+from adapter.inflight import InflightRoute, SchedulerSnapshot, merge, payload, record_prompt_length, snapshot
+from adapter.scheduler_requests import SchedulerRequests, snapshot_records
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +31,7 @@ def state(*, created: float, prompt=None, prompt_ids=None, out=False, finished=F
     return s
 
 
-def test_snapshot_lists_unfinished_requests_largest_prompt_first() -> None:
+def test_snapshot_lists_unfinished_requests_oldest_first() -> None:
     states = {
         "small": state(created=90.0, prompt=list(range(10)), out=True),
         "huge": state(created=50.0, recorded=200_000),
@@ -35,7 +40,7 @@ def test_snapshot_lists_unfinished_requests_largest_prompt_first() -> None:
         "ids": state(created=80.0, prompt_ids=list(range(3000))),
     }
     reqs = snapshot(states, now=100.0)
-    assert [r.rid for r in reqs] == ["huge", "ids", "small", "text"]
+    assert [r.rid for r in reqs] == ["huge", "ids", "small", "text"]  # arrival order
     huge, ids, small, text = reqs
     assert (huge.prompt_tokens, huge.prefilled_tokens, huge.age_s) == (200_000, 0, 50.0)
     assert (ids.prompt_tokens, ids.prefilled_tokens) == (3000, 0)
@@ -65,3 +70,112 @@ def test_prompt_length_is_recorded_at_dispatch() -> None:
 def test_unreadable_states_answer_503() -> None:
     status, body = InflightRoute(states=lambda: None).body()
     assert status == 503 and "not available" in body["error"]
+
+
+class Mode:
+    def __init__(self, extend: bool):
+        self._extend = extend
+
+    def is_extend(self) -> bool:
+        return self._extend
+
+
+def req(rid, prompt, prefix_len=0, extend_end=None, output=0, cached=0, finished=False):
+    return SimpleNamespace(rid=rid, origin_input_ids=list(range(prompt)), prefix_len=prefix_len,
+                           extend_end=extend_end, output_ids=list(range(output)), cached_tokens=cached,
+                           finished=lambda: finished)
+
+
+def test_the_scheduler_snapshot_says_who_waits_who_is_chunk_prefilled_and_who_decodes() -> None:
+    growing = req("grow", 30_000, prefix_len=6144, extend_end=6912, cached=1024)
+    short = req("short", 200, prefix_len=0, extend_end=200)  # whole, in the same batch
+    decoding = req("dec", 5000, prefix_len=5000, output=17)
+    queued = req("wait", 20_000)
+    gone = req("gone", 10, finished=True)
+    batch = SimpleNamespace(forward_mode=Mode(True), reqs=[short, growing])
+    records = snapshot_records(batch, growing, [decoding, gone], [queued, gone])
+    assert [(r.rid, r.state, r.prefilled_tokens, r.chunk_tokens) for r in records] == [
+        ("short", "prefilling", 0, 200), ("grow", "prefilling", 6144, 768), ("dec", "decoding", 5000, 0),
+        ("wait", "waiting", 0, 0)]
+    assert records[1].cached_tokens == 1024 and records[2].output_tokens == 17
+    # a decode step instead: the chunked request keeps its progress, with no chunk running
+    decode = SimpleNamespace(forward_mode=Mode(False), reqs=[decoding])
+    records = snapshot_records(decode, growing, [decoding], [queued])
+    assert [(r.rid, r.state, r.prefilled_tokens, r.chunk_tokens) for r in records] == [
+        ("grow", "prefilling", 6144, 0), ("dec", "decoding", 5000, 0), ("wait", "waiting", 0, 0)]
+
+
+def test_the_shared_snapshot_round_trips_and_a_long_rid_is_marked_incomplete(tmp_path) -> None:
+    writer = reqstate.RequestsWriter(0, str(tmp_path), clock_ns=lambda: 5_000_000_000)
+    long_rid = "x" * 300
+    writer.write([reqstate.Record("a", "prefilling", 100, 50, 10, 25, 0),
+                  reqstate.Record(long_rid, "waiting", 7, 0, 0, 0, 0)])
+    snap = reqstate.read(writer.path)
+    assert snap.pid == os.getpid() and snap.written_ns == 5_000_000_000 and snap.unlisted == 0
+    first, second = snap.records
+    assert first == reqstate.Record("a", "prefilling", 100, 50, 10, 25, 0)
+    assert second.rid == "x" * reqstate.RID_BYTES and not second.complete
+    writer.write([reqstate.Record(f"r{i}", "waiting", 1, 0, 0, 0, 0) for i in range(reqstate.MAX_RECORDS + 5)])
+    snap = reqstate.read(writer.path)
+    assert len(snap.records) == reqstate.MAX_RECORDS and snap.unlisted == 5
+    os.chmod(writer.path, 0o666)
+    with pytest.raises(reqstate.Unreadable, match="only the rank's own user may write it"):
+        reqstate.read(writer.path)
+    assert reqstate.read(str(tmp_path / "absent")) is None
+
+
+def test_a_write_under_way_is_never_read_half_done(tmp_path) -> None:
+    writer = reqstate.RequestsWriter(0, str(tmp_path))
+    writer.write([reqstate.Record("a", "waiting", 1, 0, 0, 0, 0)])
+    with open(writer.path, "r+b") as f:  # a writer stopped between the two sequence bumps
+        f.seek(8)
+        f.write((99).to_bytes(8, "little"))
+    with pytest.raises(reqstate.Unreadable, match="always being written"):
+        reqstate.read(writer.path, attempts=3)
+
+
+def test_the_route_joins_the_tokenizer_view_with_the_scheduler_snapshot(tmp_path) -> None:
+    tracker = SchedulerRequests(str(tmp_path))
+    growing = req("grow", 30_000, prefix_len=6144, extend_end=6912)
+    scheduler = SimpleNamespace(tp_rank=0, chunked_req=growing, waiting_queue=[req("wait", 20_000)])
+    plan = SimpleNamespace(batch_to_run=SimpleNamespace(forward_mode=Mode(True), reqs=[growing]),
+                           running_batch=SimpleNamespace(reqs=[req("dec", 900, prefix_len=900, output=3)]))
+    tracker.after_next_batch(plan, scheduler, None, None)
+    states = {"dec": state(created=10.0, recorded=900, out=True), "grow": state(created=20.0, recorded=30_000),
+              "wait": state(created=30.0, recorded=20_000), "new": state(created=39.0, recorded=5)}
+    route = InflightRoute(states=lambda: states, clock=lambda: 40.0, scheduler=SchedulerSnapshot(str(tmp_path)),
+                          monotonic_ns=lambda: reqstate.read(str(tmp_path / "dsv41-requests-tp0")).written_ns + 12_000_000)
+    status, body = route.body()
+    assert status == 200 and body["source"] == "scheduler" and body["scheduler_age_s"] == 0.012
+    rows = {r["rid"]: (r["state"], r["prefilled_tokens"], r["chunk_tokens"]) for r in body["requests"]}
+    # "new" has not reached the scheduler's snapshot yet: it waits and holds nothing
+    assert rows == {"dec": ("decoding", 900, 0), "grow": ("prefilling", 6144, 768), "wait": ("waiting", 0, 0),
+                    "new": ("waiting", 0, 0)}
+    assert [r["rid"] for r in body["requests"]] == ["dec", "grow", "wait", "new"]
+    assert set(body["requests"][0]) == {"rid", "prompt_tokens", "prefilled_tokens", "age_s", "state", "cached_tokens",
+                                        "chunk_tokens", "output_tokens"}
+    # a scheduler that is gone leaves the tokenizer's view alone (no state: the guard cannot tell)
+    dead = InflightRoute(states=lambda: states, clock=lambda: 40.0,
+                         scheduler=SchedulerSnapshot(str(tmp_path), alive=lambda pid: False))
+    status, body = dead.body()
+    assert body["source"] == "tokenizer_manager" and "state" not in body["requests"][0]
+
+
+def test_an_untrusted_snapshot_is_not_used_and_the_route_says_why(tmp_path) -> None:
+    writer = reqstate.RequestsWriter(0, str(tmp_path))
+    writer.write([])
+    os.chmod(writer.path, 0o646)
+    route = InflightRoute(states=lambda: {"r": state(created=1.0, recorded=3)}, clock=lambda: 2.0,
+                          scheduler=SchedulerSnapshot(str(tmp_path)))
+    status, body = route.body()
+    assert status == 200 and body["source"] == "tokenizer_manager" and "mode 0646" in body["scheduler_problem"]
+
+
+def test_a_long_rid_is_matched_by_its_first_bytes_only_when_they_name_one_request() -> None:
+    rid_a, rid_b = "a" * 200, "a" * 170
+    records = [reqstate.Record(rid_a[:reqstate.RID_BYTES], "prefilling", 9, 4, 0, 2, 0, complete=False)]
+    merged = merge(snapshot({rid_a: state(created=1.0, recorded=9)}, now=2.0), records)
+    assert merged[0].state == "prefilling" and merged[0].prefilled_tokens == 4
+    both = snapshot({rid_a: state(created=1.0, recorded=9), rid_b: state(created=1.0, recorded=9)}, now=2.0)
+    records.append(reqstate.Record(rid_b[:reqstate.RID_BYTES], "waiting", 9, 0, 0, 0, 0, complete=False))
+    assert {r.state for r in merge(both, records)} == {"waiting"}  # ambiguous: not from the scheduler

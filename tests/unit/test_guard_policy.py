@@ -3,23 +3,29 @@ test_guard_traces (an abort takes effect at the next chunk boundary), plus its s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from coordinator.guard import charge
 from coordinator.guard import policy as p
-from tests.unit.test_guard_traces import (GB, GB10_GUARD, MB, Engine, agent_send_policy, gb10_head, prompt_minutes,
-                                          run_guard, run_poll)
+from coordinator.guard.charge import CostModel
+from tests.unit.test_guard_traces import (GB, GB10_GUARD, MB, Engine, agent_send_policy, gb10_guard, gb10_head,
+                                          prompt_minutes, run_guard, run_poll)
 
 pytestmark = pytest.mark.unit
 
 # The stand-in engine's shape (tests/integration): 16 KiB per prefilled token, 20k tokens/s,
 # 768-token chunks; a small guard on a node limited to ~700 MB.
-SIM = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB)
+SIM = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB,
+                      cost=CostModel(16_384, 0.0, 768, 8192))
+TREND_ONLY = dataclasses.replace(SIM, cost=CostModel())  # an operator who set no cost per request
 
 
 def sim_engine(base: int, **kw) -> Engine:
-    return Engine(base=base, chunk=768, rate=lambda prefix: 20_000.0, kv_per_token=16_384, decode_s=2.0, **kw)
+    return Engine(**{"base": base, "chunk": 768, "rate": lambda prefix: 20_000.0, "kv_per_token": 16_384,
+                     "decode_s": 2.0, **kw})
 
 
 def actions(out):
@@ -50,12 +56,17 @@ def test_a_runaway_prefill_is_aborted_before_the_guard_is_crossed():
     assert not small.abort and small.gone
 
 
-def test_of_two_concurrent_long_prompts_the_larger_is_aborted_and_the_other_completes():
-    engine = sim_engine(2_000 * MB, fair=True).add("a60k", 0, 60_000).add("b120k", 0.05, 120_000)
+def test_of_two_concurrent_long_prompts_the_one_that_cannot_fit_is_aborted_and_the_other_completes():
+    # a60k is prefilled first (one request at a time) and decodes holding 983 MB; b120k, 1.97 GB
+    # alone, can never fit: it is aborted before it starts, as soon as memory begins to fall, and
+    # a60k is left to finish.
+    engine = sim_engine(2_000 * MB).add("a60k", 0, 60_000).add("b120k", 0.05, 120_000)
     out = run_guard(engine, SIM, 12)
     assert actions(out) == [(p.ABORT, "b120k")]
     _, d = out.first(p.ABORT)
-    assert d.victim.prefilled_tokens > 0  # both were prefilling
+    assert d.victims[0].why == "cannot_fit" and d.victim.prefilled_tokens == 0 and d.basis == "model"
+    assert "b120k waits with a 120000-token prompt whose projected peak 1.966 GB cannot fit" in d.reason
+    assert d.projected_low >= SIM.guard_bytes > d.projected_low_kept
     assert out.lowest >= SIM.guard_bytes
     a = next(r for r in engine.requests if r.rid == "a60k")
     assert not a.abort and a.prefilled == 60_000 and a.gone
@@ -63,9 +74,11 @@ def test_of_two_concurrent_long_prompts_the_larger_is_aborted_and_the_other_comp
 
 def test_an_abort_that_does_not_help_escalates_to_abort_all_then_a_clean_stop_before_memory_runs_out():
     # The rank leaks 300 MB/s outside any request: aborting cannot help, stopping the ranks does.
+    # Once x is gone only a decoding request is left, and nothing grows: abort_all, then a stop.
     leak = lambda t: int(max(0.0, t - 1) * 300 * MB)  # noqa: E731
-    engine = Engine(base=3_000 * MB, chunk=768, rate=lambda _: 2_000.0, kv_per_token=1_000, external=leak)
-    out = run_guard(engine.add("x", 0, 500_000), SIM, 15)
+    engine = Engine(base=3_000 * MB, chunk=768, rate=lambda _: 2_000.0, kv_per_token=1_000, external=leak,
+                    decode_s=60.0)
+    out = run_guard(engine.add("chat", 0, 500).add("x", 0.3, 500_000), SIM, 15)
     assert actions(out) == [(p.ABORT, "x"), (p.ABORT_ALL, None), (p.STOP, None)]
     times = [t for t, d in out.decisions if d.kind in p.ACTIONS]
     assert times == sorted(times)
@@ -77,8 +90,9 @@ def test_an_abort_that_does_not_help_escalates_to_abort_all_then_a_clean_stop_be
 
 def test_a_stop_waits_for_the_deadline_when_memory_falls_slowly():
     leak = lambda t: int(max(0.0, t - 1) * 40 * MB)  # noqa: E731
-    engine = Engine(base=1_000 * MB, chunk=768, rate=lambda _: 2_000.0, kv_per_token=100, external=leak)
-    out = run_guard(engine.add("x", 0, 500_000), SIM, 40)
+    engine = Engine(base=1_000 * MB, chunk=768, rate=lambda _: 2_000.0, kv_per_token=100, external=leak,
+                    decode_s=60.0)
+    out = run_guard(engine.add("chat", 0, 500).add("x", 0.3, 500_000), SIM, 40)
     kinds = actions(out)
     assert kinds == [(p.ABORT, "x"), (p.ABORT_ALL, None), (p.STOP, None)]
     t_all = out.first(p.ABORT_ALL)[0]
@@ -115,9 +129,138 @@ def test_one_burst_does_not_abort_a_healthy_batch(seed):
 
 def test_a_healthy_long_prompt_sawtooth_is_left_alone():
     # 100k at chunk 768 with the decode stack completes on the head (the configuration's note).
-    out = run_guard(gb10_head(768).add("p100k", 0, 100_000), GB10_GUARD, 60 * prompt_minutes(100_000, 768) + 5,
+    out = run_guard(gb10_head(768).add("p100k", 0, 100_000), gb10_guard(768), 60 * prompt_minutes(100_000, 768) + 5,
                     noise=5 * MB)
     assert out.decisions == []
+
+
+# ---------------------------------------------------------------- victims by contribution (issue 17)
+
+def kinds_of(out, *kinds):
+    return [(t, d) for t, d in out.decisions if d.kind in kinds]
+
+
+def test_two_equal_prompts_the_older_being_prefilled_is_aborted_not_its_waiting_twin():
+    # One 25k prompt fits above the guard, two do not. The older grows toward the guard; its
+    # twin waits and holds nothing yet. Either one alone would do, and the one now growing is it.
+    engine = sim_engine(700 * MB).add("older", 0, 25_000).add("twin", 0.1, 25_000)
+    out = run_guard(engine, SIM, 8)
+    assert actions(out) == [(p.ABORT, "older")]
+    _, d = out.first(p.ABORT)
+    assert d.victims[0].why == "growing" and 0 < d.victim.prefilled_tokens < 25_000
+    twin = next(r for r in engine.requests if r.rid == "twin")
+    assert not twin.abort and twin.prefilled == 25_000  # it ran, reusing what the older one left
+    assert out.lowest >= SIM.guard_bytes
+    assert [(rid, ok) for _, rid, ok in out.confirmations] == [("older", True)]
+    # near its end the twin's fall looked like a crossing to the trend; its cost said it ends above
+    assert kinds_of(out, p.HOLD) and all(d.projected_low_kept >= SIM.guard_bytes for _, d in kinds_of(out, p.HOLD))
+
+
+def test_several_prompts_that_each_fit_alone_lose_the_fewest_and_at_least_one_completes():
+    # The demo's case: 12k, 15k and 18k tokens arriving together on a node that holds any one of
+    # them (the guard at 150 MB, 520 MB above it). The old guard aborted a queued prompt (it
+    # freed nothing), then everything.
+    engine = sim_engine(670 * MB, decode_s=3.0).add("p12k", 0, 12_000).add("p15k", 0.01, 15_000) \
+        .add("p18k", 0.02, 18_000)
+    out = run_guard(engine, SIM, 10)
+    kinds = [k for k, _ in actions(out)]
+    assert p.ABORT_ALL not in kinds and p.STOP not in kinds
+    aborted = {v.request.rid for _, d in kinds_of(out, p.ABORT) for v in d.victims}
+    done = [r.rid for r in engine.requests if r.prefilled == r.prompt and not r.abort]
+    # 12k and 15k fit together (443 MB): the fewest is one abort, and the one that cannot fit goes
+    assert aborted == {"p18k"} and done == ["p12k", "p15k"]
+    assert out.lowest >= SIM.guard_bytes
+    # the waiting one that cannot fit was aborted before it started, and the journal says why
+    waiting = [(v, d) for _, d in kinds_of(out, p.ABORT) for v in d.victims if v.why == "cannot_fit"]
+    assert waiting and all(v.request.prefilled_tokens == 0 for v, _ in waiting)
+    assert "cannot fit in what is left" in waiting[0][1].reason
+
+
+def test_rids_r_1_beside_r_10_r_1_is_never_aborted_by_its_rid():
+    # r-1 grows and cannot fit; /abort_request "r-1" would end r-10 too (SGLang's prefix match),
+    # so r-10 is aborted first, by its own rid, and r-1 once r-10 is seen gone.
+    engine = sim_engine(700 * MB).add("r-1", 0, 60_000).add("r-10", 0.05, 2_000)
+    out = run_guard(engine, SIM, 8)
+    assert actions(out) == [(p.ABORT, "r-10"), (p.ABORT, "r-1")]
+    (t10, rid10), (t1, rid1) = engine.aborts
+    r10_gone = next(t for t, rid, ok in out.confirmations if rid == "r-10" and ok)
+    assert (rid10, rid1) == ("r-10", "r-1") and t10 < r10_gone < t1  # never by "r-1" while r-10 was in flight
+    first = out.first(p.ABORT)[1]
+    assert first.victims[0].why == "unblocks" and first.skipped == (("r-1", "/abort_request 'r-1' would also end r-10"),)
+    assert "not aborting r-1 alone" in first.reason
+    assert out.lowest >= SIM.guard_bytes
+    # r-10 beside a growing r-1 that fits: r-10 is exact to abort, and aborting it is enough
+    engine = sim_engine(900 * MB).add("r-10", 0, 25_000).add("r-1", 0.05, 25_000)
+    out = run_guard(engine, SIM, 8)
+    assert actions(out) == [(p.ABORT, "r-10")] and [rid for _, rid in engine.aborts] == ["r-10"]
+    assert next(r for r in engine.requests if r.rid == "r-1").prefilled == 25_000
+
+
+def test_an_abort_that_does_not_take_effect_is_not_repeated_the_guard_aborts_all():
+    # rank 0 drops the abort (a stale rid, a tokenizer that already sent one): the next listings
+    # still show the victim, so a repeat would be dropped as well
+    class Deaf(Engine):
+        def abort(self, rid, at):
+            if rid is None:
+                super().abort(None, at)
+            else:
+                self.aborts.append((at, rid))
+    engine = Deaf(base=700 * MB, chunk=768, rate=lambda _: 20_000.0, kv_per_token=16_384).add("runaway", 0, 60_000)
+    out = run_guard(engine, SIM, 6)
+    assert actions(out) == [(p.ABORT, "runaway"), (p.ABORT_ALL, None)]
+    _, d = out.first(p.ABORT_ALL)
+    assert "the abort of runaway has not taken effect" in d.reason
+    assert [rid for _, rid in engine.aborts] == ["runaway", "*"]  # never the same rid twice
+    assert out.lowest >= SIM.guard_bytes
+
+
+def test_after_an_abort_memory_stays_low_and_the_guard_still_catches_the_next_runaway():
+    # The engine keeps what an aborted request held. With the hook off nothing gives it back; the
+    # runaways' cost is known, so each is aborted as its fall begins, from wherever memory is.
+    engine = sim_engine(700 * MB, hook_tokens=0)
+    for i in range(4):
+        engine.add(f"runaway-{i}", 0.5 + 3.0 * i, 60_000)
+    out = run_guard(engine, SIM, 14)
+    assert actions(out) == [(p.ABORT, f"runaway-{i}") for i in range(4)]
+    assert all(d.basis == "model" for _, d in kinds_of(out, p.ABORT))
+    assert out.lowest >= SIM.guard_bytes
+    assert engine.cache > 0 and engine.available() == 700 * MB - engine.cache  # never returned
+    assert len(kinds_of(out, p.REARM)) == 4
+
+
+def test_by_the_trend_alone_the_guard_rearms_over_memory_the_engine_keeps_and_catches_the_next():
+    # No cost model: the trend decides. After an abort memory stays down (the allocator keeps the
+    # runaway's KV) until the next long prompt's first chunk, whose hook returns it; the guard
+    # re-arms when it is back, and the fall after it is a fresh one (the old guard waited for
+    # memory to come back by itself, or ten quiet seconds, and gated the next action on the level
+    # it re-armed at).
+    engine = sim_engine(700 * MB)
+    for i in range(4):
+        engine.add(f"runaway-{i}", 0.5 + 3.0 * i, 60_000)
+    out = run_guard(engine, TREND_ONLY, 14)
+    assert actions(out) == [(p.ABORT, f"runaway-{i}") for i in range(4)]
+    assert all(d.basis in ("slope", "lows") for _, d in kinds_of(out, p.ABORT))
+    assert out.lowest >= SIM.guard_bytes
+    assert [t for t, rid, ok in out.confirmations if ok] and len(kinds_of(out, p.REARM)) >= 3
+
+
+def test_during_bring_up_what_cannot_be_aborted_is_stopped():
+    # Model load (no request in flight, the route not up yet): a stop, never abort_all
+    load = lambda t: int(max(0.0, t - 1) * 300 * MB)  # noqa: E731
+    out = run_guard(Engine(base=1_000 * MB, chunk=768, rate=lambda _: 1.0, external=load), SIM, 6, serving=False)
+    assert actions(out) == [(p.STOP, None)] and "nothing is in flight" in out.first(p.STOP)[1].reason
+    assert out.lowest > 0
+    guard = p.Guard(SIM)
+    down = lambda: p.InflightList(unavailable="GET /dsv41/inflight: connection refused")  # noqa: E731
+    decisions = []
+    t = 0.0
+    for level in ramp(700 * MB, 400 * MB, 2.0):
+        t += 0.02
+        decisions.append(guard.observe("spark1", t, int(level), t, down, serving=False))
+    assert [d.kind for d in decisions if d.kind in p.ACTIONS] == [p.STOP]
+    # a smoke request that grows is aborted like any other
+    smoke = sim_engine(700 * MB).add("smoke", 0, 60_000)
+    assert actions(run_guard(smoke, SIM, 8, serving=False)) == [(p.ABORT, "smoke")]
 
 
 # ---------------------------------------------------------------- the example configuration's incidents
@@ -132,8 +275,13 @@ def test_incident_the_256k_prompt_that_went_20_mb_below_the_1_s_guard_is_aborted
     assert actions(out) == [(p.ABORT, "p256k")]
     assert out.lowest >= GB10_GUARD.guard_bytes
     _, d = out.first(p.ABORT)
-    assert d.basis == "lows"  # seen coming from the chunks' lows, a chunk ahead
-    assert d.victim.prompt_tokens == 256_000
+    assert d.basis == "model"  # its cost says it cannot fit: aborted as soon as memory began to fall
+    assert d.victim.prompt_tokens == 256_000 and d.victim.prefilled_tokens <= 2 * 1024
+    # by the trend alone it is seen coming from the chunks' lows, a chunk ahead
+    out = run_guard(gb10_head(1024, decode_stack=False).add("p256k", 0, 256_000),
+                    dataclasses.replace(GB10_GUARD, cost=CostModel()), duration, noise=5 * MB)
+    assert actions(out) == [(p.ABORT, "p256k")] and out.first(p.ABORT)[1].basis == "lows"
+    assert out.lowest >= GB10_GUARD.guard_bytes
 
 
 def test_incident_the_200k_prompt_at_chunk_1024_that_hung_the_head_is_aborted_above_the_guard():
@@ -152,7 +300,7 @@ def _leak(rate_mb: float):
 
 SEND_TRACES = {
     "runaway": lambda: (sim_engine(700 * MB).add("small", 0, 2_000).add("runaway", 0.5, 60_000), SIM, 8, 0),
-    "two prompts": lambda: (sim_engine(2_000 * MB, fair=True).add("a60k", 0, 60_000).add("b120k", 0.05, 120_000),
+    "two prompts": lambda: (sim_engine(2_000 * MB).add("a60k", 0, 60_000).add("b120k", 0.05, 120_000),
                             SIM, 12, 0),
     "abort does not help": lambda: (Engine(base=3_000 * MB, chunk=768, rate=lambda _: 2_000.0, kv_per_token=1_000,
                                            external=_leak(300)).add("x", 0, 500_000), SIM, 15, 0),
@@ -162,7 +310,7 @@ SEND_TRACES = {
                               60 * prompt_minutes(200_000, 1024) + 5, 5 * MB),
     "incident 256k, quiet": lambda: (gb10_head(1024, decode_stack=False).add("p256k", 0, 256_000), GB10_GUARD,
                                      60 * prompt_minutes(256_000, 1024) + 5, 0),
-    "healthy sawtooth": lambda: (gb10_head(768).add("p100k", 0, 100_000), GB10_GUARD,
+    "healthy sawtooth": lambda: (gb10_head(768).add("p100k", 0, 100_000), gb10_guard(768),
                                  60 * prompt_minutes(100_000, 768) + 5, 0),
 }
 
@@ -191,7 +339,8 @@ def test_a_quiet_node_costs_one_message_per_heartbeat_and_a_runaway_every_sample
                       send=agent_send_policy(GB10_GUARD))
     heartbeats = 30 / (GB10_GUARD.heartbeat_ms / 1000)
     assert heartbeats <= len(quiet.observed) <= heartbeats + 2  # one per heartbeat, not 50 a second
-    out = run_guard(sim_engine(700 * MB).add("runaway", 0.5, 60_000), SIM, 3, send=agent_send_policy(SIM))
+    # the trend alone (no cost model) lets the fall run long enough to see the stream
+    out = run_guard(sim_engine(700 * MB).add("runaway", 0.5, 60_000), TREND_ONLY, 3, send=agent_send_policy(SIM))
     aborted_at = out.first(p.ABORT)[0]
     falling = [at for at in out.observed if 0.5 <= at <= aborted_at]
     # the fall is streamed at the sampling rate (the gaps are the sampling's jitter)
@@ -241,13 +390,16 @@ def test_the_in_flight_list_is_only_fetched_when_an_action_needs_it():
     feed(guard, "spark1", [700 * MB] * 200, inflight=inflight)
     assert calls == []
     decisions, _ = feed(guard, "spark1", ramp(700 * MB, 400 * MB, 2.0), t0=5.0, inflight=inflight)
-    # one fetch for the abort; the escalations that follow (the ramp ignores it) need no victim
-    assert len(calls) == 1 and [d.kind for d in decisions if d.kind in p.ACTIONS] == [p.ABORT, p.ABORT_ALL, p.STOP]
+    # one fetch as the fall begins (this list says nothing of what requests do, so no more such
+    # looks), one for the abort, one for the next decision (did it take effect?); the stop after
+    # abort_all needs none
+    assert len(calls) == 3 and [d.kind for d in decisions if d.kind in p.ACTIONS] == [p.ABORT, p.ABORT_ALL, p.STOP]
 
 
 def test_danger_on_a_worker_aborts_and_rearming_waits_for_every_node():
     guard = p.Guard(SIM)
-    victim = lambda: p.InflightList((p.InflightRequest("r", 100_000, 10_000),))  # noqa: E731
+    listed = [p.InflightRequest("r", 100_000, 10_000)]
+    victim = lambda: p.InflightList(tuple(listed))  # noqa: E731
     t = 0.0
     kinds = []
     for i in range(200):  # the head stays flat at 600 MB; spark2 runs down at 400 MB/s, then the abort works
@@ -256,6 +408,10 @@ def test_danger_on_a_worker_aborts_and_rearming_waits_for_every_node():
         level = 700 * MB - 400 * MB * t if t < 1.0 else 650 * MB
         worker = guard.observe("spark2", t, int(level), t, victim)
         kinds += [(d.node, d.kind) for d in (head, worker) if d.kind != p.NONE]
+        if t >= 1.0:
+            listed.clear()  # the abort took effect
+        if guard.state.pending:
+            guard.note_listing(victim(), t)  # the runner's look at the list after an abort
     assert kinds[0] == ("spark2", p.ABORT)
     assert [k for k in kinds if k[1] in p.ACTIONS] == [("spark2", p.ABORT)]
     assert kinds[-1][1] == p.REARM and guard.state.phase == p.ARMED
@@ -279,20 +435,74 @@ def test_a_stopped_guard_does_nothing_more():
         assert d.kind == p.NONE
 
 
-def test_choose_victim_takes_the_largest_prefill_and_skips_aborted_and_decoding():
-    reqs = p.InflightList((
-        p.InflightRequest("decoding-huge", 500_000, 500_000, 9.0),
-        p.InflightRequest("mid", 100_000, 50_000, 3.0),
-        p.InflightRequest("big-old", 200_000, 190_000, 8.0),
-        p.InflightRequest("big-young", 200_000, 190_000, 1.0),
-        p.InflightRequest("aborted", 300_000, 1_000, 1.0),
-    ))
-    assert p.choose_victim(reqs, exclude=["aborted"]).rid == "big-young"
-    assert p.choose_victim(reqs, exclude=["aborted", "big-young", "big-old"]).rid == "mid"
-    assert p.choose_victim(p.InflightList(reqs.requests[:1])) is None
-    assert p.choose_victim(p.InflightList(reqs.requests, unavailable="down")) is None
-    tie = p.InflightList((p.InflightRequest("less-left", 1000, 900), p.InflightRequest("more-left", 1000, 100)))
-    assert p.choose_victim(tie).rid == "more-left"
+def req(rid, prompt, prefilled=0, state=None, chunk=0, age=0.0):
+    if state is None:
+        state = "waiting" if prefilled == 0 and not chunk else ("decoding" if prefilled >= prompt else "prefilling")
+    return p.InflightRequest(rid, prompt, prefilled, age, state, 0, chunk, 0)
+
+
+COST = CostModel(token_bytes=10_000, transient_bytes=0.0, chunk_tokens=1000, empty_cache_tokens=8192)
+
+
+def test_the_cost_model_charges_kv_to_come_and_the_indexer_buffers_with_and_without_the_hook():
+    model = CostModel(token_bytes=100, transient_bytes=4.0, chunk_tokens=1000, empty_cache_tokens=8192)
+    growing = req("g", 10_000, 4_000, chunk=1000)
+    assert model.held(growing) == 400_000 and model.kv_to_come(growing) == 600_000
+    assert model.transient_peak(growing) == 4 * 1000 * 10_000  # the last chunk's, with the hook
+    short = req("s", 3_000, 1_000, chunk=1000)  # below the hook's threshold: every chunk's is kept
+    assert model.transient_peak(short) == 4 * 1000 * (2_000 + 3_000)
+    waiting = req("w", 5_000)
+    # below the threshold: 500 KB of KV and all five chunks' buffers, [1000, 1000] ... [1000, 5000]
+    assert model.held(waiting) == 0 and model.to_come(waiting) == 500_000 + 4 * 1000 * (1 + 2 + 3 + 4 + 5) * 1000
+    decoding = req("d", 2_000, 2_000)
+    assert model.to_come(decoding) == 0 and model.held(decoding) == 200_000
+    cached = p.InflightRequest("c", 10_000, 6_000, 0.0, "prefilling", 5_000, 1000, 0)
+    assert model.held(cached) == 100_000  # the prefix cache's share is not the request's to give back
+
+
+def test_victims_are_the_fewest_that_keep_the_projected_low_above_the_guard():
+    # 600 MB above a 150 MB guard; a decoding request holds 200 MB, "grow" has 300 MB to come,
+    # "big" waits with 400 MB to come, "tiny" waits with 10 MB
+    inflight = p.InflightList((req("dec", 20_000, 20_000, age=9.0), req("grow", 40_000, 10_000, chunk=1000, age=5.0),
+                               req("big", 40_000, age=2.0), req("tiny", 1_000, age=1.0)))
+    choice = charge.choose(inflight, 600 * MB, 150 * MB, COST)
+    assert choice.projected_low_keeping_all == 600 * MB - 710 * MB
+    # aborting "big" alone leaves 600 - 310 = 290 MB >= 150 MB: one victim, though it is not the
+    # one growing (aborting "grow" alone would leave 600 - 410 + 100 = 290 MB too: the grower wins)
+    assert [(v.request.rid, v.why) for v in choice.victims] == [("grow", "growing")]
+    assert choice.projected_low == 600 * MB - 410 * MB + 100 * MB and choice.explained
+    # with less room one is not enough: the fewest that do, the grower among them, and of those
+    # the pair that leaves the most (aborting "dec" instead of "big" would leave 290 MB, not 400)
+    choice = charge.choose(inflight, 400 * MB, 150 * MB, COST)
+    assert [(v.request.rid, v.why) for v in choice.victims] == [("grow", "growing"), ("big", "cannot_fit")]
+    assert choice.projected_low == 400 * MB
+    # already aborted requests are out of the running but leave what they held to the others
+    choice = charge.choose(inflight, 400 * MB, 150 * MB, COST, exclude=["grow"])
+    assert [v.request.rid for v in choice.victims] == ["big"]
+
+
+def test_a_rid_that_is_a_prefix_of_another_is_never_chosen():
+    inflight = p.InflightList((req("r-1", 40_000, 10_000, chunk=1000), req("r-10", 30_000)))
+    assert charge.prefix_conflicts(inflight.requests) == {"r-1": ["r-10"]}
+    choice = charge.choose(inflight, 400 * MB, 150 * MB, COST)
+    # r-1 would cross on its own (400 - 300 MB) and r-10 alone cannot save it: r-1 must go, and
+    # "r-1" would end r-10 too. So r-10 goes first, by its own rid, and r-1 after it.
+    assert [(v.request.rid, v.why) for v in choice.victims] == [("r-10", "unblocks")]
+    assert [r.rid for r in choice.then] == ["r-1"]
+    assert choice.skipped[0][0] == "r-1" and "would also end r-10" in choice.skipped[0][1]
+    choice = charge.choose(inflight, 700 * MB, 150 * MB, COST)  # r-1 alone fits; the pair does not
+    assert [v.request.rid for v in choice.victims] == ["r-10"]
+    # the other way round r-10 is the one growing, and aborting it is exact
+    inflight = p.InflightList((req("r-1", 30_000), req("r-10", 40_000, 10_000, chunk=1000)))
+    assert [v.request.rid for v in charge.choose(inflight, 500 * MB, 150 * MB, COST).victims] == ["r-10"]
+
+
+def test_without_the_schedulers_view_every_short_prompt_counts_as_growing():
+    legacy = p.InflightList((p.InflightRequest("a", 100_000, 0, 3.0), p.InflightRequest("b", 200_000, 0, 1.0),
+                             p.InflightRequest("done", 500, 500, 9.0)))
+    assert [r.rid for r in charge.growing(legacy.requests)] == ["a", "b"] and not legacy.scheduler_view
+    choice = charge.choose(legacy, 2_200 * MB, 150 * MB, COST)
+    assert [v.request.rid for v in choice.victims] == ["b"]  # the 2 GB it is still to allocate
 
 
 # ---------------------------------------------------------------- the trend estimate
@@ -333,3 +543,41 @@ def test_settings_refuse_nonsense():
         p.GuardSettings(lead_s=0)
     with pytest.raises(ValueError, match="confirm_samples"):
         p.GuardSettings(confirm_samples=0)
+
+
+# ---------------------------------------------------------------- the cost model from cluster.env
+
+def test_the_cost_model_comes_from_cluster_env_and_for_the_stand_in_from_its_own_knobs():
+    from coordinator import config
+    from coordinator.guard import settings as gs
+    from sim import settings as sim_settings
+    from tests.configtext import HOME, SEED_TEXT, edited
+
+    def load(**changes):
+        return config.parse(edited(SEED_TEXT, **changes), "/etc/dsv41/cluster.env", HOME)
+    head = gs.from_config(load()).cost
+    assert head == CostModel(12_000, 20.0, 768, 8192)  # the example's chunk and hook threshold
+    sim = gs.from_config(load(RANK_ENGINE="sim", RANK_RUNTIME="host", DSV41_SIM_BYTES_PER_TOKEN="4096",
+                              DSV41_SIM_TRANSIENT_BYTES="0.5", CHUNKED_PREFILL_SIZE="512")).cost
+    assert sim == CostModel(4096, 0.5, 512, 8192)
+    # the stand-in's defaults are what it allocates when its knobs are unset
+    assert (gs.SIM_TOKEN_BYTES, gs.SIM_TRANSIENT_BYTES) == (sim_settings.Settings().bytes_per_token,
+                                                            sim_settings.Settings().transient_bytes)
+    assert gs.from_config(load(RANK_ENGINE="sim", RANK_RUNTIME="host")).cost.token_bytes == gs.SIM_TOKEN_BYTES
+    set_ = gs.from_config(load(MEMORY_GUARD_TOKEN_BYTES="0", MEMORY_GUARD_TRANSIENT_BYTES="0",
+                               DSV41_PREFILL_EMPTY_CACHE_TOKENS="0")).cost
+    assert not set_.configured and set_.empty_cache_tokens == 0
+
+
+def test_the_floor_must_sit_below_the_guard():
+    from coordinator import config
+    from tests.configtext import HOME, SEED_TEXT, edited
+    with pytest.raises(config.ConfigInvalid) as info:
+        config.parse(edited(SEED_TEXT, MEMORY_GUARD_GB="0.5", MEMORY_FLOOR_GB="0.8"), "/etc/dsv41/cluster.env", HOME)
+    assert any("MEMORY_FLOOR_GB=0.8: must be below MEMORY_GUARD_GB=0.5" in str(e) for e in info.value.errors), \
+        [str(e) for e in info.value.errors]
+    for ok in ({"MEMORY_GUARD_GB": "0.5", "MEMORY_FLOOR_GB": "0"}, {"MEMORY_GUARD": "off", "MEMORY_FLOOR_GB": "2"}):
+        config.parse(edited(SEED_TEXT, **ok), "/etc/dsv41/cluster.env", HOME)
+    with pytest.raises(config.ConfigInvalid) as info:
+        config.parse(edited(SEED_TEXT, MEMORY_GUARD_TOKEN_BYTES="12k"), "/etc/dsv41/cluster.env", HOME)
+    assert any("MEMORY_GUARD_TOKEN_BYTES" in str(e) for e in info.value.errors)

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from coordinator.guard import policy as p
+from coordinator.guard.charge import CostModel
 from coordinator.guard.engine import EngineApi, EngineError, parse_inflight
 from coordinator.guard.events import event_of
 from coordinator.guard.runner import MemoryGuard
@@ -145,14 +146,16 @@ class Journal:
 def rig():
     made = []
 
-    def make(inflight, mode="act", abort_status=200, serving_key=1.0):
+    def make(inflight, mode="act", abort_status=200, serving_key=1.0, settings=SETTINGS, serving=True):
         rank0 = Rank0(inflight, abort_status)
         source = Source("spark1")
         journal = Journal()
         stops: list[str] = []
-        state = {"key": serving_key}
-        guard = MemoryGuard(p.GuardSettings(**{**SETTINGS.__dict__, "mode": mode}), {"spark1": source},
-                            EngineApi(rank0.url), journal.log, lambda: state["key"], stops.append, poll_s=0.02)
+        state = {"key": serving_key, "serving": serving}
+        guard = MemoryGuard(p.GuardSettings(**{**settings.__dict__, "mode": mode}), {"spark1": source},
+                            EngineApi(rank0.url), journal.log,
+                            lambda: None if state["key"] is None else (state["key"], state["serving"]),
+                            stops.append, poll_s=0.02)
         made.append((guard, rank0))
         guard.start()
         return guard, rank0, source, journal, stops, state
@@ -245,6 +248,65 @@ def test_no_action_is_carried_out_once_the_cluster_stopped_serving(rig):
     source.push_ramp(700 * MB, 400 * MB, 1.2)
     event = journal.wait_for("memory_abort")
     assert "not carried out" in event["DSV41_OUTCOME"] and rank0.aborts == []
+
+
+SCHEDULER_VIEW = [
+    {"rid": "chat", "prompt_tokens": 500, "prefilled_tokens": 500, "age_s": 9.0, "state": "decoding",
+     "cached_tokens": 0, "chunk_tokens": 0, "output_tokens": 40},
+    {"rid": "job-1", "prompt_tokens": 40_000, "prefilled_tokens": 3_072, "age_s": 2.0, "state": "prefilling",
+     "cached_tokens": 0, "chunk_tokens": 768, "output_tokens": 0},
+    {"rid": "job-10", "prompt_tokens": 30_000, "prefilled_tokens": 0, "age_s": 1.0, "state": "waiting",
+     "cached_tokens": 0, "chunk_tokens": 0, "output_tokens": 0},
+]
+WITH_COST = p.GuardSettings(**{**SETTINGS.__dict__, "cost": CostModel(16_384, 0.0, 768, 8192)})
+
+
+def test_victims_by_their_cost_one_event_each_a_prefix_rid_after_the_rids_it_would_end_and_each_confirmed(rig):
+    # job-1 grows and cannot fit; "job-1" would end job-10 too, so job-10 goes first, then job-1
+    # once job-10 is seen gone; each abort is confirmed from the in-flight list
+    guard, rank0, source, journal, stops, _ = rig([dict(r) for r in SCHEDULER_VIEW], settings=WITH_COST)
+
+    def aborted_ones_leave():
+        done = {a["rid"] for a in rank0.aborts}
+        rank0.inflight = [r for r in rank0.inflight if r["rid"] not in done]
+    rank0.on_inflight = aborted_ones_leave
+    assert source.opened.wait(2)
+    source.push_ramp(700 * MB, 100 * MB, 1.0)
+    deadline = time.monotonic() + 5
+    while len(rank0.aborts) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rank0.aborts == [{"rid": "job-10", "abort_all": False}, {"rid": "job-1", "abort_all": False}]
+    first, second = [e for e in journal.entries if e["DSV41_EVENT"] == "memory_abort"][:2]
+    assert first["DSV41_VICTIM_RID"] == "job-10" and first["DSV41_VICTIM_WHY"] == "unblocks"
+    assert first["DSV41_SKIPPED_RIDS"] == "job-1" and "would also end job-10" in first["MESSAGE"]
+    assert second["DSV41_VICTIM_RID"] == "job-1" and second["DSV41_VICTIM_WHY"] == "growing"
+    assert first["DSV41_BASIS"] == "model" and int(first["DSV41_PROJECTED_LOW_KEPT_BYTES"]) < 150 * MB
+    confirmed = journal.wait_for("memory_abort_confirmed")
+    assert confirmed["DSV41_VICTIM_RID"] == "job-10"
+    deadline = time.monotonic() + 2
+    while journal.kinds().count("memory_abort_confirmed") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [e["DSV41_VICTIM_RID"] for e in journal.entries if e["DSV41_EVENT"] == "memory_abort_confirmed"] == [
+        "job-10", "job-1"]
+    assert "chat" not in {a["rid"] for a in rank0.aborts} and stops == []
+
+
+def test_an_abort_that_does_not_take_effect_is_journalled_once(rig):
+    guard, rank0, source, journal, stops, _ = rig([dict(r) for r in SCHEDULER_VIEW[:2]])
+    assert source.opened.wait(2)
+    source.push_ramp(700 * MB, 400 * MB, 1.1)  # the engine ignores the abort; then no more samples
+    event = journal.wait_for("memory_abort_unconfirmed", timeout=5)
+    assert event["DSV41_VICTIM_RID"] == "job-1" and int(event["DSV41_UNCONFIRMED_AFTER_MS"]) >= 750
+    time.sleep(0.3)
+    assert journal.kinds().count("memory_abort_unconfirmed") == 1
+
+
+def test_during_bring_up_a_fall_with_nothing_in_flight_is_a_stop_request(rig):
+    guard, rank0, source, journal, stops, state = rig([], serving=False)  # the model loads: health phase
+    assert source.opened.wait(2)
+    source.push_ramp(700 * MB, 400 * MB, 1.2)
+    event = journal.wait_for("memory_stop")
+    assert "nothing is in flight" in event["MESSAGE"] and len(stops) == 1 and rank0.aborts == []
 
 
 # ---------------------------------------------------------------- the engine client and the events

@@ -134,6 +134,11 @@ def test_settings_from_the_environment():
     assert (s.prefill_tokens_per_s, s.bytes_per_token, s.rendezvous_timeout_s) == (500.0, 0, 30.0)
     assert s.heartbeat_s < s.peer_timeout_s / 2
     assert settings.from_env({}) == settings.Settings()
+    s = settings.from_env({"DSV41_SIM_TRANSIENT_BYTES": "0.5", "DSV41_SIM_LOAD_BYTES": "1048576",
+                           "DSV41_PREFILL_EMPTY_CACHE_TOKENS": "0"})
+    assert (s.transient_bytes, s.load_bytes, s.empty_cache_tokens) == (0.5, 1 << 20, 0)
+    # the hook's threshold is the adapter's default, read as the adapter reads it
+    assert settings.Settings().empty_cache_tokens == 8192 and settings.Settings().transient_bytes == 4.0
 
 
 @pytest.mark.parametrize("env, fragment", [
@@ -141,6 +146,9 @@ def test_settings_from_the_environment():
     ({"DSV41_SIM_BYTES_PER_TOKEN": "16k"}, "DSV41_SIM_BYTES_PER_TOKEN='16k' is not an integer"),
     ({"DSV41_SIM_DRAIN_TIMEOUT_S": "-1"}, "must be zero or more"),
     ({"DSV41_SIM_DECODE_TOKENS_PER_S": "inf"}, "is not a finite number"),
+    ({"DSV41_SIM_LOAD_BYTES": "1.5"}, "DSV41_SIM_LOAD_BYTES='1.5' is not an integer"),
+    ({"DSV41_SIM_TRANSIENT_BYTES": "-4"}, "DSV41_SIM_TRANSIENT_BYTES='-4' must be zero or more"),
+    ({"DSV41_PREFILL_EMPTY_CACHE_TOKENS": "lots"}, "DSV41_PREFILL_EMPTY_CACHE_TOKENS='lots': expected an integer"),
 ])
 def test_bad_settings_are_named(env, fragment):
     with pytest.raises(ValueError) as exc:

@@ -3,8 +3,8 @@ import threading
 
 import pytest
 
+from sim.allocator import AnonymousMemory, CachingAllocator, CountedMemory, segment_size
 from sim.engine import Engine, EngineConfig, Phase, Rejected, plan_chunk
-from sim.memory import ChunkMemory
 
 pytestmark = pytest.mark.unit
 
@@ -45,12 +45,15 @@ class Clock:
         return self.now
 
 
-def make(chunk=256, max_running=8, bytes_per_token=4096, context_length=None):
+def make(chunk=256, max_running=8, bytes_per_token=4096, context_length=None, transient_bytes=0.0,
+         empty_cache_tokens=0, backing=None):
     steps, clock, fatal = SchedulerSteps(), Clock(), []
     engine = Engine(EngineConfig(chunk_tokens=chunk, max_running=max_running, prefill_tokens_per_s=1000.0,
                                  decode_tokens_per_s=1e6, bytes_per_token=bytes_per_token, max_total_tokens=10000,
-                                 context_length=context_length),
-                    on_fatal=fatal.append, clock=clock, sleep=steps)
+                                 context_length=context_length, transient_bytes=transient_bytes,
+                                 empty_cache_tokens=empty_cache_tokens),
+                    on_fatal=fatal.append, clock=clock, sleep=steps,
+                    allocator=CachingAllocator(backing or CountedMemory()))
     engine.start()
     return engine, steps, clock, fatal
 
@@ -70,37 +73,141 @@ def test_prefill_runs_in_chunks_at_the_rate_and_holds_memory_per_token():
     engine, steps, _, _ = make()
     request = engine.submit("r1", 1000)
     assert steps.next_chunk() == pytest.approx(0.256)  # 256 tokens at 1000 tokens/s
-    assert request.prefilled == 0 and request.memory.nbytes == 0
+    # the chunk's KV is allocated when the chunk starts; its progress counts when it ends
+    assert request.prefilled == 0 and request.held_bytes == 256 * 4096
     for done in (256, 512, 768):
         steps.finish()
         duration = steps.next_chunk()  # the next chunk started: the previous one is accounted
         assert request.prefilled == done and request.phase is Phase.PREFILL
-        assert request.memory.nbytes == done * 4096
+        assert request.held_bytes == min(1000, done + 256) * 4096
     assert duration == pytest.approx(0.232)
     steps.finish()
     engine.wait_prefilled(request)
     assert request.phase is Phase.DECODE and request.prefilled == 1000
-    assert request.memory.nbytes == 1000 * 4096
+    assert request.held_bytes == 1000 * 4096
     assert engine.next_token(request) and request.generated == 1
     engine.finish(request, "stop")
-    assert request.finish_reason == "stop" and request.memory.nbytes == 0 and engine.inflight() == []
+    assert request.finish_reason == "stop" and request.held_bytes == 0 and engine.inflight() == []
+    # the process keeps what the request held: the allocator caches it (one 20 MiB segment)
+    memory = engine.allocator.stats()
+    assert memory.allocated == 0 and memory.reserved == 20 * MiB
     engine.close()
 
 
-def test_an_abort_takes_effect_at_the_next_chunk_boundary_and_frees_the_memory():
+def test_an_abort_takes_effect_at_the_next_chunk_boundary_and_leaves_the_memory_cached():
     engine, steps, _, _ = make()
     request = engine.submit("long", 10_000)
     steps.next_chunk()
     steps.finish()
-    steps.next_chunk()  # second chunk in progress, first one holds memory
-    assert request.memory.nbytes == 256 * 4096
+    steps.next_chunk()  # second chunk in progress: two chunks' KV held
+    assert request.held_bytes == 2 * 256 * 4096
     assert engine.abort("long") == ["long"]
     assert request.phase is Phase.PREFILL and [r["rid"] for r in engine.inflight()] == ["long"]
     steps.finish()  # the chunk boundary
     engine.wait_prefilled(request)
     assert request.finish_reason == "abort" and request.phase is Phase.FINISHED
-    assert request.memory.nbytes == 0 and request.prefilled == 256
+    assert request.held_bytes == 0 and request.prefilled == 256
     assert engine.inflight() == []
+    # SGLang's caching allocator keeps the blocks: available memory does not come back by itself
+    memory = engine.allocator.stats()
+    assert memory.allocated == 0 and memory.reserved == 20 * MiB
+    engine.close()
+
+
+def test_a_repeated_abort_of_the_same_rid_is_dropped_like_the_tokenizer_manager_does():
+    engine, steps, _, _ = make()
+    engine.submit("long", 10_000)
+    steps.next_chunk()
+    assert engine.abort("long") == ["long"]
+    assert engine.abort("long") == []  # abort_sent: SGLang drops it silently
+    assert engine.abort("x", abort_all=True) == ["long"]  # abort_all is not a repeat of the rid
+    steps.finish()
+    engine.close()
+
+
+def test_one_request_is_chunk_prefilled_at_a_time_and_the_list_says_who_waits_and_who_grows():
+    engine, steps, _, _ = make(chunk=256)
+    engine.submit("a", 600)
+    engine.submit("b", 600)
+    engine.submit("short", 40)
+    steps.next_chunk()
+    states = {r["rid"]: (r["state"], r["prefilled_tokens"], r["chunk_tokens"]) for r in engine.inflight()}
+    assert states == {"a": ("prefilling", 0, 256), "b": ("waiting", 0, 0), "short": ("waiting", 0, 0)}
+    steps.finish()
+    steps.next_chunk()
+    steps.finish()
+    steps.next_chunk()  # a's last 88 tokens, then b is cut at the budget: b is the chunked request now
+    states = {r["rid"]: (r["state"], r["prefilled_tokens"], r["chunk_tokens"]) for r in engine.inflight()}
+    assert states == {"a": ("prefilling", 512, 88), "b": ("prefilling", 0, 168), "short": ("waiting", 0, 0)}
+    steps.finish()
+    steps.next_chunk()
+    states = {r["rid"]: (r["state"], r["prefilled_tokens"], r["chunk_tokens"]) for r in engine.inflight()}
+    assert states["a"] == ("decoding", 600, 0) and states["b"] == ("prefilling", 168, 256)
+    assert states["short"] == ("waiting", 0, 0)  # it waits behind b's chunks
+    engine.abort("", abort_all=True)
+    steps.finish()
+    engine.close()
+
+
+def buffer_bytes(k):
+    """Chunk k's indexer buffer at 128 bytes per (chunk token, prefix token), 256-token chunks:
+    [256, 256 (k + 1)], i.e. 8 (k + 1) MiB."""
+    return 128 * 256 * 256 * (k + 1)
+
+
+def test_the_indexer_buffer_grows_with_the_prefix_and_is_cached_without_the_hook():
+    engine, steps, _, _ = make(bytes_per_token=0, transient_bytes=128.0, chunk=256)
+    engine.submit("p", 16 * 256)
+    reserved = []
+    for k in range(16):
+        steps.next_chunk()
+        memory = engine.allocator.stats()
+        assert memory.allocated == buffer_bytes(k)  # the buffer, live during its chunk
+        reserved.append(memory.reserved)
+        steps.finish()
+    engine.abort("p")
+    # No cached block of an earlier, smaller chunk fits the next one: once the buffers outgrow the
+    # first 20 MiB segment every chunk adds a segment of its own, and the pool keeps them all.
+    assert [b - a for a, b in zip(reserved[1:], reserved[2:])] == [buffer_bytes(k) for k in range(2, 16)]
+    assert reserved[-1] == 20 * MiB + sum(buffer_bytes(k) for k in range(2, 16))  # 1084 MiB for one prompt
+    engine.close()
+
+
+def test_with_the_empty_cache_hook_a_long_prompt_costs_one_chunk_and_gives_it_back():
+    engine, steps, _, _ = make(bytes_per_token=0, transient_bytes=128.0, chunk=256, empty_cache_tokens=2048)
+    request = engine.submit("p", 16 * 256)
+    for k in range(16):
+        steps.next_chunk()
+        memory = engine.allocator.stats()
+        assert memory.allocated == buffer_bytes(k)
+        # only the chunk now running: the hook returned the previous chunks' buffers
+        assert memory.reserved == segment_size(buffer_bytes(k))
+        steps.finish()
+    engine.wait_prefilled(request)
+    memory = engine.allocator.stats()
+    assert memory.peak_reserved == buffer_bytes(15) and memory.reserved == 0
+    engine.close()
+
+
+def test_the_hook_also_returns_what_an_aborted_request_left_in_the_cache():
+    engine, steps, _, _ = make(bytes_per_token=64 * 1024, chunk=256, empty_cache_tokens=2048)
+    short = engine.submit("short", 1000)  # below the threshold: no hook on its chunks
+    for _ in range(4):
+        steps.next_chunk()
+        steps.finish()
+    engine.wait_prefilled(short)
+    engine.abort("short")
+    assert not engine.next_token(short)
+    cached = engine.allocator.stats()
+    assert cached.allocated == 0 and cached.reserved >= 1000 * 64 * 1024  # kept by the allocator
+    engine.submit("long", 4096)
+    steps.next_chunk()  # its first chunk reuses a cached block
+    assert engine.allocator.stats().reserved == cached.reserved
+    steps.finish()
+    steps.next_chunk()  # after the long prompt's first chunk the hook returned every free segment
+    assert engine.allocator.stats().reserved < cached.reserved
+    engine.abort("long")
+    steps.finish()
     engine.close()
 
 
@@ -133,7 +240,8 @@ def test_admission_is_bounded_by_max_running_and_loads_report_it():
     steps.next_chunk()
     load = engine.loads()
     assert load["num_used_tokens"] == 256 and load["token_usage"] == pytest.approx(0.0256)
-    assert load["memory_bytes"] == 256 * 4096
+    assert load["memory_bytes"] == 512 * 4096  # the second chunk's KV is allocated as it starts
+    assert load["memory_reserved_bytes"] == 20 * MiB
     engine.abort("", abort_all=True)
     steps.finish()
     engine.close()
@@ -147,7 +255,8 @@ def test_inflight_lists_rid_prompt_tokens_progress_and_age():
     steps.finish()
     steps.next_chunk()
     (entry,) = engine.inflight()
-    assert entry == {"rid": "r1", "prompt_tokens": 1000, "prefilled_tokens": 256, "age_s": 2.5}
+    assert entry == {"rid": "r1", "prompt_tokens": 1000, "prefilled_tokens": 256, "cached_tokens": 0,
+                     "state": "prefilling", "chunk_tokens": 256, "output_tokens": 0, "age_s": 2.5}
     assert [type(entry[k]) for k in ("rid", "prompt_tokens", "prefilled_tokens", "age_s")] == [str, int, int, float]
     engine.abort("r1")
     steps.finish()
@@ -182,7 +291,7 @@ def test_a_decoding_request_stops_at_the_next_token_when_aborted():
     assert engine.next_token(request)
     engine.abort("d")
     assert not engine.next_token(request)
-    assert request.finish_reason == "abort" and request.memory.nbytes == 0 and request.generated == 1
+    assert request.finish_reason == "abort" and request.held_bytes == 0 and request.generated == 1
     engine.close()
 
 
@@ -199,43 +308,71 @@ def test_wait_idle_reports_whether_requests_drained():
 
 
 def test_memory_the_kernel_refuses_kills_the_rank_like_a_cuda_oom():
-    engine, steps, _, fatal = make(bytes_per_token=1 << 40)  # 256 TiB for the first chunk
+    # 256 TiB for the first chunk's KV: more than the address space
+    engine, steps, _, fatal = make(bytes_per_token=1 << 40, backing=AnonymousMemory())
     engine.submit("huge", 1000)
-    steps.next_chunk()
-    steps.finish()
     engine._thread.join(5)
     assert len(fatal) == 1 and "out of memory prefilling request huge" in fatal[0]
 
 
-def test_chunk_memory_is_resident_and_goes_back_to_the_os():
-    memory = ChunkMemory()
+def test_segments_are_resident_cached_when_freed_and_returned_to_the_os_by_empty_cache():
+    allocator = CachingAllocator(AnonymousMemory())
     before = rss_anon_kib()
-    for _ in range(4):
-        memory.grow(16 * MiB)
-    grown = rss_anon_kib()
-    assert memory.nbytes == 64 * MiB
-    assert grown - before >= 60 * 1024
-    memory.release()
-    memory.release()  # idempotent
-    assert memory.nbytes == 0
+    blocks = [allocator.malloc(16 * MiB) for _ in range(4)]
+    assert rss_anon_kib() - before >= 60 * 1024
+    for block in blocks:
+        allocator.free(block)
+    allocator.free(blocks[0])  # a second free is a no-op
+    assert allocator.stats().allocated == 0
+    assert rss_anon_kib() - before >= 60 * 1024  # the cache keeps it
+    assert allocator.empty_cache() == 64 * MiB
     assert rss_anon_kib() - before < 8 * 1024
+    assert allocator.stats().reserved == 0
 
 
-def test_the_time_spent_touching_memory_counts_toward_the_next_chunk():
+def test_the_allocator_reuses_the_best_fitting_cached_block_and_splits_only_a_large_rest():
+    memory = CountedMemory()
+    allocator = CachingAllocator(memory)
+    small = allocator.malloc(3 * MiB)  # a 20 MiB segment for requests under 10 MiB
+    assert memory.mapped == 20 * MiB and small.size == 3 * MiB
+    other = allocator.malloc(5 * MiB)  # split from the same segment
+    assert memory.mapped == 20 * MiB
+    big = allocator.malloc(12 * MiB + 1)  # its own segment, rounded to 2 MiB
+    assert memory.mapped == 20 * MiB + 14 * MiB
+    allocator.free(big)
+    again = allocator.malloc(13 * MiB)  # fits the cached 14 MiB block; the 1 MiB left is not split off
+    assert again is big and memory.mapped == 34 * MiB and again.size == 14 * MiB
+    bigger = allocator.malloc(15 * MiB)  # nothing cached is big enough
+    assert memory.mapped == 34 * MiB + 16 * MiB
+    allocator.free(small)
+    assert allocator.empty_cache() == 0  # every segment still has a live block
+    allocator.free(other)  # the 20 MiB segment's blocks merge back into one free block
+    assert allocator.empty_cache() == 20 * MiB
+    for block in (again, bigger):
+        allocator.free(block)
+    assert allocator.empty_cache() == 30 * MiB and memory.mapped == 0
+    assert allocator.malloc(0) is None
+
+
+def test_the_time_spent_touching_memory_is_part_of_the_chunk_and_the_excess_is_carried():
     engine, steps, clock, _ = make()
 
     class SlowTouch(Clock):
-        # every reading on the scheduler thread is 0.1 s after the previous one
+        """The first chunk's memory takes 0.3 s to touch: more than the chunk's 0.256 s."""
+        readings = 0
+
         def __call__(self):
             if threading.current_thread().name == "scheduler":
-                self.now += 0.1
+                self.readings += 1
+                if self.readings == 2:  # the reading after the first chunk's allocation
+                    self.now += 0.3
             return self.now
 
     engine._clock = SlowTouch()
     engine.submit("r", 1000)
-    assert steps.next_chunk() == pytest.approx(0.256)
-    steps.finish()
-    assert steps.next_chunk() == pytest.approx(0.156)
+    # the first chunk spent its time touching memory (it sleeps 0); the 0.044 s it overran come
+    # off the second chunk
+    assert steps.next_chunk() == pytest.approx(0.256 - 0.044)
     engine.abort("r")
     steps.finish()
     engine.close()

@@ -159,11 +159,19 @@ class FakeAgent:
         self.steps += 1
         self.stepped_at = time.monotonic()
 
-    def exit_rank(self, result="signal", code="killed", status=9, at=None):
-        """The rank process ends; the agent streams its unit's state."""
+    def floor_stopping(self, detail):
+        """This node's memory floor has signalled its rank, which is still stopping (draining)."""
+        self.on_event(pb.RankEvent(rank=pb.RankState(active_state="deactivating", invocation_id=self.running,
+                                                     stopping_cause=pb.ExitInfo.MEMORY_FLOOR,
+                                                     stopping_detail=detail)))
+
+    def exit_rank(self, result="signal", code="killed", status=9, at=None, floor=""):
+        """The rank process ends; the agent streams its unit's state (`floor`: its memory floor
+        ended it, with this detail)."""
         invocation, self.running = self.running, ""
         info = pb.ExitInfo(result=result, code=code, status=status, at_unix_s=at or time.time(),
-                           invocation_id=invocation)
+                           invocation_id=invocation, cause=pb.ExitInfo.MEMORY_FLOOR if floor else 0,
+                           cause_detail=floor)
         self.on_event(pb.RankEvent(rank=pb.RankState(active_state="failed", invocation_id=invocation,
                                                      last_exit=info)))
 
@@ -350,6 +358,72 @@ def test_a_rank_exit_while_serving_is_blamed_and_recovered(cluster):
     assert incident.message.endswith("then spark1 (result exit-code, exited status 1)")
     wait_phase(rt, "serving", timeout=10)
     assert all(a.starts == 2 for a in agents.values())
+
+
+FLOOR = "available 0.700 GB below MEMORY_FLOOR_GB 0.800 GB: SIGTERM to every process of the rank"
+
+
+def test_a_rank_its_node_floor_stopped_is_an_incident_naming_the_node_and_the_cluster_recovers(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    now = time.time()
+    agents["spark1"].exit_rank(result="exit-code", code="exited", status=1, at=now)  # lost its peer
+    # the floor's rank ended later than the peer it took down (a rank 0 drains, then the workers
+    # go first): it is the cause all the same
+    agents["spark2"].exit_rank(result="success", code="exited", status=0, at=now + 2.0, floor=FLOOR)
+    incident = wait_incident(rt, "memory_floor")
+    assert incident.node == "spark2" and FLOOR in incident.message, incident.message
+    assert "stopped by the node's memory floor" in incident.message
+    wait_phase(rt, "serving", timeout=10)
+    assert all(a.starts == 2 for a in agents.values())
+    assert rt.snapshot().restart_attempt == 1  # a restart like a crash's: it spends an attempt
+
+
+def test_the_floor_is_the_cause_as_soon_as_it_signals_before_the_exits_it_causes(cluster):
+    # rank 0 drains on the floor's SIGTERM and tells the workers to go: their exits come first
+    rt, agents, rank0, journal, _ = cluster(RESTART_BACKOFF_S="30")
+    rt.run()
+    wait_phase(rt, "health")
+    agents["spark1"].floor_stopping(FLOOR)
+    now = time.time()
+    agents["spark2"].exit_rank(result="success", code="exited", status=0, at=now)
+    agents["spark3"].exit_rank(result="success", code="exited", status=0, at=now)
+    agents["spark1"].exit_rank(result="success", code="exited", status=0, at=now + 0.4, floor=FLOOR)
+    snap = wait_phase(rt, "restarting", timeout=5)
+    incident = rt.incidents()[-1]
+    assert incident.kind == "memory_floor" and incident.node == "spark1", incident
+    assert "being stopped by the node's memory floor" in snap.detail and FLOOR in snap.detail
+    rt.request("stop")
+    wait_phase(rt, "stopped", timeout=5)
+
+
+def test_a_floor_stop_during_the_model_load_fails_the_step_as_a_memory_floor_incident(cluster):
+    rt, agents, rank0, journal, _ = cluster(RESTART_BACKOFF_S="30")
+    rt.run()
+    wait_phase(rt, "health")
+    agents["spark1"].exit_rank(result="signal", code="killed", status=9, floor=FLOOR)
+    snap = wait_phase(rt, "restarting", timeout=5)
+    assert "health: spark1: during bring-up, rank on spark1 died first" in snap.detail and FLOOR in snap.detail
+    assert rt.incidents()[-1].kind == "memory_floor" and rt.incidents()[-1].node == "spark1"
+    rt.request("stop")
+    wait_phase(rt, "stopped", timeout=5)
+
+
+def test_the_rank_spec_carries_the_floor_and_it_is_not_part_of_the_fingerprint():
+    from coordinator import plan as plan_mod
+    from coordinator.agents import rank_spec_pb
+    cfg = config.parse(edited(SEED_TEXT, MEMORY_FLOOR_GB="0.6", MEMORY_FLOOR_KILL_AFTER_S="2.5"), "cluster.env", HOME)
+    node_plan = plan_mod.render_node(cfg, "spark2")
+    spec = rank_spec_pb(node_plan, "gen")
+    assert (spec.memory_floor_bytes, spec.memory_floor_kill_after_ms, spec.memory_floor_interval_ms) == (
+        600_000_000, 2500, 20)
+    other = plan_mod.render_node(config.parse(edited(SEED_TEXT, MEMORY_FLOOR_GB="0.7"), "cluster.env", HOME), "spark2")
+    assert other.fingerprint == node_plan.fingerprint  # a new floor does not restart running ranks
+    off = rank_spec_pb(plan_mod.render_node(config.parse(edited(SEED_TEXT, MEMORY_FLOOR_GB="0"), "cluster.env",
+                                                          HOME), "spark2"), "gen")
+    assert (off.memory_floor_bytes, off.memory_floor_kill_after_ms, off.memory_floor_interval_ms) == (0, 0, 0)
 
 
 # ----- liveness

@@ -1,0 +1,148 @@
+"""Rank 0's scheduler's view of its requests, shared with rank 0's HTTP process through a small
+file in /dev/shm (the approach of adapter/progress.py).
+
+SGLang's scheduler runs in its own process (`sglang::scheduler_TP0`); the HTTP/tokenizer process,
+where GET /dsv41/inflight is served, knows a request's prompt but not whether it waits, is being
+chunk-prefilled or decodes. The scheduler's hooks write a snapshot here after each step: one
+store of the whole snapshot into a shared mapping between two bumps of a sequence word, no lock
+and no system call on the scheduler's hot path. The route reads it when asked; a read that
+overlaps a write is retried.
+
+Layout (little-endian, one mapping of SIZE bytes): a header of magic "DSV41RQ1", the sequence
+word (odd while a write is under way), the snapshot's CLOCK_MONOTONIC ns, the writer's pid, the
+number of records, the requests not listed (more than MAX_RECORDS), then the records: state
+(0 waiting, 1 prefilling, 2 decoding), the rid's full length in bytes, prompt, prefilled, cached,
+chunk and output tokens, and the rid's first RID_BYTES bytes (UTF-8).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import struct
+import time
+from dataclasses import dataclass
+
+DIRECTORY = "/dev/shm"
+PREFIX = "dsv41-requests-tp"
+MAGIC = int.from_bytes(b"DSV41RQ1", "little")
+STATES = ("waiting", "prefilling", "decoding")
+RID_BYTES = 160
+MAX_RECORDS = 1024
+_HEADER = struct.Struct("<QQQQII")  # magic, seq, written_ns, pid, count, unlisted
+_RECORD = struct.Struct(f"<BxH5I{RID_BYTES}s8x")  # state, rid length, 5 counts, rid: 192 bytes
+_SEQ = struct.Struct("<Q")
+_SEQ_OFFSET = 8
+SIZE = _HEADER.size + MAX_RECORDS * _RECORD.size
+_U32 = (1 << 32) - 1
+
+
+def path_for(tp_rank: int, directory: str = DIRECTORY) -> str:
+    return os.path.join(directory, f"{PREFIX}{tp_rank}")
+
+
+@dataclass(frozen=True)
+class Record:
+    rid: str            # the rid, or its first RID_BYTES bytes when `complete` is False
+    state: str          # waiting | prefilling | decoding
+    prompt_tokens: int
+    prefilled_tokens: int
+    cached_tokens: int  # of the prompt, served from the prefix cache
+    chunk_tokens: int   # in prefill steps launched and not yet processed
+    output_tokens: int
+    complete: bool = True  # the whole rid fits the record
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    records: tuple[Record, ...]
+    written_ns: int
+    pid: int
+    unlisted: int = 0  # requests beyond MAX_RECORDS, not in `records`
+
+
+def _encode(r: Record) -> bytes:
+    rid = r.rid.encode("utf-8", "replace")
+    return _RECORD.pack(STATES.index(r.state), min(len(rid), 0xFFFF),
+                        *(min(max(0, n), _U32) for n in (r.prompt_tokens, r.prefilled_tokens, r.cached_tokens,
+                                                         r.chunk_tokens, r.output_tokens)),
+                        rid[:RID_BYTES])
+
+
+def _decode(data: bytes) -> Record:
+    state, rid_len, prompt, prefilled, cached, chunk, output, rid = _RECORD.unpack(data)
+    kept = rid[:min(rid_len, RID_BYTES)]
+    return Record(kept.decode("utf-8", "replace"), STATES[state] if state < len(STATES) else "waiting",
+                  prompt, prefilled, cached, chunk, output, complete=rid_len <= RID_BYTES)
+
+
+class RequestsWriter:
+    """The scheduler's side: creates the file for its TP rank (replacing a previous run's)."""
+
+    def __init__(self, tp_rank: int, directory: str = DIRECTORY, clock_ns=time.monotonic_ns):
+        self.path = path_for(tp_rank, directory)
+        self.pid = os.getpid()
+        self._clock_ns = clock_ns
+        self._seq = 0
+        temporary = f"{self.path}.{self.pid}"
+        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, SIZE)
+            self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        _HEADER.pack_into(self._map, 0, MAGIC, 0, clock_ns(), self.pid, 0, 0)
+        os.replace(temporary, self.path)  # a reader never sees a half-made file
+
+    def write(self, records: list[Record]) -> None:
+        listed = records[:MAX_RECORDS]
+        body = b"".join(_encode(r) for r in listed)  # built before the sequence opens: the write is one copy
+        self._seq += 1
+        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2 - 1)
+        self._map[_HEADER.size:_HEADER.size + len(body)] = body
+        _HEADER.pack_into(self._map, 0, MAGIC, self._seq * 2 - 1, self._clock_ns(), self.pid, len(listed),
+                          len(records) - len(listed))
+        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2)
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class Unreadable(Exception):
+    """The file exists but cannot be trusted or read; the message says why."""
+
+
+def read(path: str, allowed_uids: tuple[int, ...] | None = None, attempts: int = 100) -> Snapshot | None:
+    """The snapshot in `path`; None when there is none. `allowed_uids` (default: this process's
+    user and root) may have written it; a file writable by group or other is not trusted."""
+    allowed = (os.getuid(), 0) if allowed_uids is None else allowed_uids
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise Unreadable(f"{path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < SIZE:
+            raise Unreadable(f"{path}: not a request-state file")
+        if st.st_uid not in allowed or st.st_mode & 0o022:
+            raise Unreadable(f"{path}: owned by uid {st.st_uid} with mode {st.st_mode & 0o777:04o}; only the "
+                             "rank's own user may write it")
+        for _ in range(attempts):
+            header = os.pread(fd, _HEADER.size, 0)
+            magic, seq, written_ns, pid, count, unlisted = _HEADER.unpack(header)
+            if magic != MAGIC:
+                raise Unreadable(f"{path}: not a request-state file")
+            if seq % 2:
+                time.sleep(0)  # a write under way: it is one copy, let it finish
+                continue
+            body = os.pread(fd, min(count, MAX_RECORDS) * _RECORD.size, _HEADER.size)
+            if _SEQ.unpack(os.pread(fd, _SEQ.size, _SEQ_OFFSET))[0] != seq:
+                continue
+            records = tuple(_decode(body[i:i + _RECORD.size]) for i in range(0, len(body), _RECORD.size))
+            return Snapshot(records, written_ns, pid, unlisted)
+        raise Unreadable(f"{path}: always being written")
+    finally:
+        os.close(fd)

@@ -1,0 +1,95 @@
+"""The inflight adapter's scheduler hook on the real Scheduler.get_next_batch_to_run: SGLang's own
+body runs (the chunked request's stash, the running batch filter, the prefill plan, the
+schedule-time stamps on real Req objects), then the hook publishes the snapshot that rank 0's
+route reads; read back through the route's own reader."""
+
+import os
+import sys
+import tempfile
+from types import SimpleNamespace
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import emit, installer, marked  # noqa: E402
+
+from adapter import reqstate  # noqa: E402
+from sglang.srt.managers.schedule_batch import NextBatchPlan, Req  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+
+class Anything:
+    """A scheduler stand-in: unnamed attributes are no-op callables; named ones are as given."""
+
+    def __init__(self, **fixed):
+        self.__dict__.update(fixed)
+
+    def __getattr__(self, name):
+        return Anything()
+
+    def __call__(self, *args, **kwargs):
+        return Anything()
+
+    def __bool__(self):
+        return False
+
+
+class Passes:
+    """Adapters that hand the batch through unchanged (DP attention off, no n-gram embedding)."""
+
+    def maybe_prepare_mlp_sync_batch(self, batch, need_sync=False):
+        return batch
+
+    def maybe_convert_decode_to_extend(self, batch):
+        return batch
+
+    def prepare_for_forward(self, batch, chunked_req=None):
+        return batch
+
+
+def req(rid, prompt_tokens, prefix_len=0, extend_end=None):
+    params = SamplingParams(max_new_tokens=16)
+    params.normalize(None)
+    r = Req(rid, "", list(range(prompt_tokens)), params)
+    r.prefix_len, r.extend_end = prefix_len, extend_end
+    return r
+
+
+class Running:
+    reqs = ()
+
+    def batch_size(self):
+        return len(self.reqs)
+
+    def filter_batch(self, **_kwargs):
+        pass
+
+    def is_empty(self):
+        return not self.reqs
+
+
+directory = os.environ.get("DSV41_PROGRESS_DIR") or tempfile.mkdtemp()
+growing = req("job-1", 30_000, prefix_len=6144, extend_end=6912)
+queued = req("job-10", 20_000)
+batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[growing])
+scheduler = Anything(tp_rank=0, chunked_req=growing, waiting_queue=[queued], dllm_config=None, enable_hisparse=False,
+                     require_mlp_sync=False, dp_attn_adapter=Passes(), ngram_embedding_manager=Passes(),
+                     _should_defer_prefill=lambda running: False,
+                     get_new_batch_prefill=lambda running: NextBatchPlan(batch_to_run=batch, running_batch=running))
+error = None
+try:
+    plan = Scheduler.get_next_batch_to_run(scheduler, Running(), None)
+except Exception as exc:  # noqa: BLE001 - reported, the test says what failed
+    error, plan = f"{type(exc).__name__}: {exc}", None
+inst = installer()
+path = reqstate.path_for(0, directory)
+snap = reqstate.read(path) if os.path.exists(path) else None
+emit({
+    "marked": marked(Scheduler.get_next_batch_to_run),
+    "installed": bool(inst and inst.applied("inflight")),
+    "error": error,
+    "plan_is_sglangs": plan is not None and plan.batch_to_run is batch,
+    "records": [[r.rid, r.state, r.prompt_tokens, r.prefilled_tokens, r.chunk_tokens] for r in snap.records]
+    if snap else None,
+    "writer_is_this_process": bool(snap and snap.pid == os.getpid()),
+})
