@@ -218,7 +218,8 @@ KEYS: tuple[Key, ...] = (
     _k("PYTORCH_CUDA_ALLOC_CONF", v.alloc_conf, "expandable_segments:False",
        "PyTorch allocator options; expandable_segments:True is refused (NaN logits)", env=True),
     _k("DSV41_PREFILL_EMPTY_CACHE_TOKENS", v.integer(0, MAX_CONTEXT), "8192",
-       "return cached allocator blocks after each prefill chunk of sequences this long (0: off)", env=True),
+       "return cached allocator blocks between the prefill chunks of sequences this long, right before each "
+       "chunk is launched, where the release waits only for the chunk before (0: off)", env=True),
     # memory guard
     _k("MEMORY_GUARD", v.choice("act", "observe", "off"), "act",
        "memory guard: act (abort the runaway prefill, abort_all, stop the ranks), observe (journal what it "

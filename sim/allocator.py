@@ -13,7 +13,7 @@ nothing small):
 - empty_cache() returns every segment that is wholly free to the OS, and nothing else.
 So a chunked prefill whose buffers grow with the prefix needs a new segment every chunk (no cached
 block is big enough), and an aborted request's memory stays with the process until an
-empty_cache() (the prefill_empty_cache adapter's hook, after a long prompt's chunk).
+empty_cache() (the prefill_empty_cache adapter's hook, between a long prompt's chunks).
 
 The bookkeeping is pure; segments come from a `Backing` (real anonymous memory in the stand-in, a
 counter in tests and benchmarks).

@@ -369,7 +369,7 @@ class Engine:
                             request.phase = Phase.DECODE
                 self._last_step_at = time.monotonic()
                 self._cond.notify_all()
-            # process_batch_result with the prefill_empty_cache adapter: after a chunk of a long
-            # sequence every wholly free cached segment goes back to the OS.
+            # The prefill_empty_cache adapter: after a chunk of a long sequence (before the next
+            # batch's launch, where the adapter runs) every wholly free cached segment goes back.
             if empties_cache([r.prompt_tokens for r, _ in batch], self.config.empty_cache_tokens):
                 self.allocator.empty_cache()

@@ -85,8 +85,10 @@ def test_max_new_tokens_and_reasoning_effort_on_chat_serving(sglang: Sglang) -> 
 def test_prefill_empty_cache_and_autotune_on_the_scheduler(sglang: Sglang) -> None:
     armed, _ = sglang.check("chk_scheduler")
     plain, _ = sglang.check("chk_scheduler", armed=False)
-    assert armed["marked"] == "prefill_empty_cache" and armed["marked_autotune"] == "autotune_keep"
-    assert (armed["long_prefill_chunk"], armed["mixed_batch"], armed["short_prefill"], armed["decode"]) == (1, 1, 0, 0)
+    assert "prefill_empty_cache" in armed["marked"] and armed["marked_autotune"] == "autotune_keep"
+    assert "prefill_empty_cache" not in plain["marked"]
+    assert (armed["long_prefill_chunk"], armed["mixed_batch"], armed["after_the_last_long_chunk"],
+            armed["short_prefill"], armed["decode"]) == (1, 1, 1, 0, 0)
     assert (plain["long_prefill_chunk"], plain["mixed_batch"]) == (0, 0)
     threshold, _ = sglang.check("chk_scheduler", env={"DSV41_PREFILL_EMPTY_CACHE_TOKENS": "50000"})
     assert threshold["long_prefill_chunk"] == 0

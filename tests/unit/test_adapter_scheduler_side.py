@@ -43,14 +43,25 @@ def test_should_empty_cache() -> None:
     assert not should_empty_cache(True, [100_000], 0)
 
 
-def test_after_batch_calls_empty_cache_per_long_prefill_chunk() -> None:
+def test_empty_cache_runs_before_each_long_prefill_chunk_and_once_after_the_last() -> None:
     calls = []
     hook = PrefillEmptyCache(8192, lambda: calls.append(1))
-    for _ in range(3):  # three chunks of one long prompt
-        hook.after_batch(None, object(), batch(True, 200_000))
-    hook.after_batch(None, object(), batch(True, 500, 600))
-    hook.after_batch(None, object(), batch(False, 200_000))
-    assert len(calls) == 3 == hook.calls
+    for _ in range(3):  # three chunks of one long prompt: the chunk before's buffers, each time
+        hook.before_batch(object(), batch(True, 200_000))
+    assert len(calls) == 3
+    hook.before_batch(object(), batch(False, 200_000))  # its first decode step: the last chunk's
+    assert len(calls) == 4
+    hook.before_batch(object(), batch(False, 200_000))  # decode steps never pay for it
+    hook.before_batch(object(), batch(True, 500, 600))  # nor short prompts
+    hook.before_batch(object(), batch(True, 500, 600))
+    assert len(calls) == 4 == hook.calls
+
+
+def test_the_hook_is_on_run_batch_before_the_launch() -> None:
+    spec = prefill_empty_cache.build({})
+    (patch,) = spec.patches
+    assert (patch.module, patch.attr, patch.kind, patch.params) == (
+        "sglang.srt.managers.scheduler", "Scheduler.run_batch", prefill_empty_cache.BEFORE, ("self", "batch"))
 
 
 def test_prefill_setting() -> None:

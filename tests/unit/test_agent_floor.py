@@ -132,7 +132,7 @@ def test_the_floor_is_checked_sent_with_the_unit_and_read_back_by_a_restarted_ag
             check_floor(*args)
     launch = SimpleNamespace(rank=0, fingerprint="ab", generation="g", runtime="host", argv=("/usr/bin/x",),
                              stop_timeout_s=10, exec_start_pre=(), exec_stop_post=(), binds=(), memory_max=0,
-                             memory_high=0, floor=FloorSpec(800 * MB, 2.5, 0.05))
+                             memory_high=0, cache_dir="", floor=FloorSpec(800 * MB, 2.5, 0.05))
     props = dict((name, value) for name, _, value in unit_properties(launch, {}, "spark1", "/var/lib/dsv41"))
     assert floor_from_fields(props["LogExtraFields"]) == FloorSpec(800 * MB, 2.5, 0.05)
     assert floor_from_fields([b"DSV41_NODE=spark1"]) == NO_FLOOR

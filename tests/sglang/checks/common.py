@@ -23,6 +23,16 @@ def marked(func: Any) -> Any:
     return getattr(func, "__dsv41_adapter__", None)
 
 
+def marks(func: Any) -> list:
+    """Every adapter's mark on a target, outermost first (hooks on one target chain by __wrapped__)."""
+    found = []
+    while func is not None and len(found) < 32:
+        if getattr(func, "__dsv41_adapter__", None):
+            found.append(func.__dsv41_adapter__)
+        func = getattr(func, "__wrapped__", None)
+    return found
+
+
 async def asgi_get(app: Any, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, str]:
     """One HTTP GET through an ASGI app, as uvicorn would send it: (status, body text)."""
     scope = {
