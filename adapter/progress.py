@@ -34,6 +34,21 @@ def path_for(tp_rank: int, directory: str = DIRECTORY) -> str:
     return os.path.join(directory, f"{PREFIX}{tp_rank}")
 
 
+def create_shared(path: str, size: int, initialise) -> mmap.mmap:
+    """A new shared-memory file of `size` bytes at `path`, replacing a previous one, its header
+    written by `initialise(map)` before it appears: a reader never sees a half-made file."""
+    temporary = f"{path}.{os.getpid()}"
+    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    initialise(mapped)
+    os.replace(temporary, path)
+    return mapped
+
+
 class ProgressWriter:
     """The rank's side: create the file for this TP rank (replacing a previous run's), then step()."""
 
@@ -43,15 +58,8 @@ class ProgressWriter:
         self._clock_ns = clock_ns
         self._count = 0
         self._seq = 0
-        temporary = f"{self.path}.{os.getpid()}"
-        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            os.ftruncate(fd, SIZE)
-            self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        _WORDS.pack_into(self._map, 0, MAGIC, 0, 0, 0, clock_ns(), os.getpid(), tp_rank)
-        os.replace(temporary, self.path)  # a reader never sees a half-made file
+        self._map = create_shared(self.path, SIZE,
+                                  lambda m: _WORDS.pack_into(m, 0, MAGIC, 0, 0, 0, clock_ns(), os.getpid(), tp_rank))
 
     @property
     def count(self) -> int:

@@ -17,12 +17,13 @@ chunk and output tokens, and the rid's first RID_BYTES bytes (UTF-8).
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 import struct
 import time
 from dataclasses import dataclass
+
+from adapter.progress import create_shared
 
 DIRECTORY = "/dev/shm"
 PREFIX = "dsv41-requests-tp"
@@ -85,15 +86,8 @@ class RequestsWriter:
         self.pid = os.getpid()
         self._clock_ns = clock_ns
         self._seq = 0
-        temporary = f"{self.path}.{self.pid}"
-        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            os.ftruncate(fd, SIZE)
-            self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        _HEADER.pack_into(self._map, 0, MAGIC, 0, clock_ns(), self.pid, 0, 0)
-        os.replace(temporary, self.path)  # a reader never sees a half-made file
+        self._map = create_shared(self.path, SIZE,
+                                  lambda m: _HEADER.pack_into(m, 0, MAGIC, 0, clock_ns(), self.pid, 0, 0))
 
     def write(self, records: list[Record]) -> None:
         listed = records[:MAX_RECORDS]
