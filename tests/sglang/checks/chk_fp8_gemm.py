@@ -91,8 +91,8 @@ def main():
     result["tiles_for"] = {f"{name}_{rows}": fp8_gemm.tiles_for(rows, n, k, g).label()
                            for name, (g, n, k) in (("wo_a", (4, 1024, 4096)), ("head", (1, 43136, 5120)))
                            for rows in (1, 6, 16, 17, 32, 64, 192, 768)}
-    result["tables_ascending"] = all(
-        [m for m, _ in table] == sorted(m for m, _ in table) for table in (fp8_gemm.NARROW, fp8_gemm.WIDE))
+    result["tables"] = {name: [[most, tiles.label()] for most, tiles in table]
+                        for name, table in (("narrow", fp8_gemm.NARROW), ("wide", fp8_gemm.WIDE))}
     result["split_range"] = {f"{k}_{bk}_{s}": list(fp8_gemm.split_range(k, bk, s))
                              for k, bk, s in ((4096, 128, 8), (4096, 128, 16), (256, 64, 3), (200, 128, 2),
                                               (5120, 128, 1), (256, 128, 8))}
