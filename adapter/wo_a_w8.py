@@ -18,7 +18,8 @@ reads the whole weight per step, so an fp8 copy halves its bytes. Hooks (checked
   (prefill chunks, larger verifies) take SGLang's bf16 path.
 - DSV41_WO_A_W8_DROP=1 releases the bf16 weight of every twinned layer: the parameter becomes a
   zero-stride placeholder of the same shape (2 bytes), and rows the twin does not serve are computed
-  by SGLang's bf16 path from the twin dequantised for that call (exact). The adapter is then
+  by SGLang's bf16 path from the twin dequantised for that call (exact; a Triton kernel on CUDA,
+  one read of the codes and one write of the bf16 weight). The adapter is then
   fail_closed: without it the rank would compute wo_a from the placeholder. Loading weights into a
   running rank (update_weights_from_disk) is not possible with DROP.
 
@@ -225,7 +226,7 @@ class WoAW8:
                 return out
         self.bf16_calls += 1
         if twin.dropped:
-            from adapter.fp8_blocks import dequantize
+            from adapter.fp8_gemm import dequantize
 
             wo_a = dequantize(twin.blocks, wo_a.dtype)
         return original(o, wo_a, is_decode, **rest)
