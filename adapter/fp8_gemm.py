@@ -87,29 +87,30 @@ class Tiles:
 
 
 # Launch tables: (largest row count, Tiles), first match wins; the last entry serves every larger
-# row count. Reasoned defaults for sm90 (H200, 132 SMs) at decode row counts, where the product
-# streams the weight once: enough programs in flight (about 4 per SM or more) to cover the memory
-# latency, 128-column K steps of 32-column chunks (one scale column each), fp32 partials across
-# split-K small beside the weight. bench/wo_a_fp8 and bench/draft_head_fp8 with --sweep measure the
-# alternatives and print tables in this form; replace these with the measured ones.
+# row count. Measured on sm90 (H200, 132 SMs) by the sweeps of bench/wo_a_fp8 and
+# bench/draft_head_fp8, which print tables in this form; GB10 (sm121) has fewer SMs and a tenth
+# of the bandwidth, so a sweep there may choose otherwise. At decode row counts the product
+# streams the weight once: enough programs in flight to cover the memory latency, K steps of
+# 32-column chunks (one scale column each), fp32 partials across split-K small beside the weight.
 #
 # NARROW: few output features per launch (wo_a, 4 groups x 1024, K 4096: 64 tiles of 64 outputs),
 # so split-K makes the programs: 64 x 8 = 512 at decode rows. Fewer splits as rows grow, so the
 # partials (split x rows x 16 KiB) stay well under the 16 MiB weight.
-NARROW = (
-    (16, Tiles(16, 64, 128, split_k=8, warps=4, stages=3)),
-    (32, Tiles(32, 64, 128, split_k=4, warps=4, stages=3)),
-    (64, Tiles(64, 64, 128, split_k=4, warps=4, stages=3)),
-    (256, Tiles(64, 64, 128, split_k=2, warps=4, stages=3)),
-    (1 << 30, Tiles(64, 128, 128, split_k=1, warps=8, stages=3)),
+NARROW = (  # measured on an NVIDIA H200: bench/decode_fp8 --quick --sweep (bench/results/decode_fp8-sweep-h200.txt)
+    (1, Tiles(1, 32, 256, split_k=8, warps=2, stages=3)),
+    (16, Tiles(16, 64, 64, split_k=8, warps=4, stages=4)),
+    (32, Tiles(32, 64, 64, split_k=8, warps=4, stages=4)),
+    (64, Tiles(32, 64, 128, split_k=4, warps=4, stages=3)),
+    (128, Tiles(128, 32, 128, split_k=2, warps=4, stages=3)),
+    (256, Tiles(64, 64, 64, split_k=2, warps=4, stages=4)),
+    (1 << 30, Tiles(128, 32, 128, split_k=1, warps=4, stages=3)),
 )
 # WIDE: many output features (the draft's LM head shard, 43,136 x 5120: 674 tiles of 64 outputs):
 # the outputs alone give enough programs, each streaming all of K.
-WIDE = (
-    (16, Tiles(16, 64, 128, split_k=1, warps=4, stages=4)),
-    (32, Tiles(32, 64, 128, split_k=1, warps=4, stages=4)),
-    (64, Tiles(64, 64, 128, split_k=1, warps=4, stages=3)),
-    (1 << 30, Tiles(64, 128, 128, split_k=1, warps=8, stages=3)),
+WIDE = (  # measured likewise
+    (16, Tiles(16, 64, 128, split_k=1, warps=4, stages=3)),
+    (32, Tiles(32, 128, 64, split_k=2, warps=4, stages=4)),
+    (1 << 30, Tiles(32, 64, 128, split_k=1, warps=4, stages=3)),
 )
 NARROW_OUTPUTS = 16384  # groups x out_features up to this is NARROW
 
