@@ -96,7 +96,7 @@ class Tiles:
 # NARROW: few output features per launch (wo_a, 4 groups x 1024, K 4096: 64 tiles of 64 outputs),
 # so split-K makes the programs: 64 x 8 = 512 at decode rows. Fewer splits as rows grow, so the
 # partials (split x rows x 16 KiB) stay well under the 16 MiB weight.
-NARROW = (  # measured on an NVIDIA H200: bench/decode_fp8 --quick --sweep (bench/results/decode_fp8-sweep-h200.txt)
+NARROW = (  # measured on an NVIDIA H200: bench/decode_fp8 --sweep (bench/results/decode_fp8-h200.txt)
     (1, Tiles(1, 32, 256, split_k=8, warps=2, stages=3)),
     (16, Tiles(16, 64, 64, split_k=8, warps=4, stages=4)),
     (32, Tiles(32, 64, 64, split_k=8, warps=4, stages=4)),
