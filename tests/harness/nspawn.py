@@ -677,8 +677,20 @@ class Node:
         or writes anything. Its disk (the overlay) stays; power_on() boots it again."""
         if self._proc is None or self._cgroups is None:
             raise HarnessError(f"node {self.name} is not running")
+        # At once: frozen first, so that no process of the node runs between the first SIGKILL and
+        # the last (a rank killed before its agent would otherwise be reported by that agent, as a
+        # real power cut never lets it). A frozen task dies of SIGKILL without running again.
         try:
-            self.thaw()  # a frozen task cannot die until thawed
+            self.freeze()
+        except (HarnessError, OSError):
+            pass
+        for pid in self._cgroups.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.thaw()
         except (HarnessError, OSError):
             pass
         if not self._cgroups.kill_all(tries=250):
