@@ -232,11 +232,12 @@ KEYS: tuple[Key, ...] = (
        "time an abort needs to take effect (the HTTP call plus up to one prefill chunk): the guard acts when the "
        "crossing is predicted within this"),
     _k("MEMORY_GUARD_ENVELOPE_S", v.real(0.05, 60.0), "1",
-       "span over which the guard takes a low (at least one prefill chunk): it projects the lows of a chunked "
-       "prefill's sawtooth this much further than the lead"),
+       "span over which the guard takes a low (at least one prefill chunk): it projects a fall (the lows of a "
+       "chunked prefill's sawtooth, and the slope of one that has lasted this long) this much further than the lead"),
     _k("MEMORY_GUARD_WINDOW_SAMPLES", v.integer(4, 1000), "10", "samples in the line whose slope the guard projects"),
     _k("MEMORY_GUARD_CONFIRM_SAMPLES", v.integer(1, 100), "2",
-       "consecutive samples that must predict a crossing before the guard acts"),
+       "consecutive samples that must predict a crossing before the guard acts (it looks that many samples further "
+       "ahead, so the confirmation does not make it late)"),
     _k("MEMORY_GUARD_HYSTERESIS_GB", v.real(0.0, 1024.0), "0.25",
        "re-arm only once every node is this far above the guard again; escalate only after memory fell this much "
        "more since the last action"),

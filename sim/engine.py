@@ -55,6 +55,7 @@ class Request:
     prompt_tokens: int
     created: float
     prefilled: int = 0
+    cached: int = 0  # prompt tokens found in the prefix cache (prefilled from the start, no new KV)
     generated: int = 0
     wanted: int = 0  # output tokens its client asked for so far (the decode step makes them)
     phase: Phase = Phase.WAITING
@@ -130,7 +131,11 @@ class Engine:
 
     # --- the tokenizer side -------------------------------------------------------------------
 
-    def submit(self, rid: str, prompt_tokens: int) -> Request:
+    def submit(self, rid: str, prompt_tokens: int, cached_tokens: int = 0) -> Request:
+        """A request in the waiting queue. `cached_tokens` of its prompt are a prefix-cache hit:
+        counted as prefilled from the start, with no KV of their own (the cache holds it), while
+        every chunk's indexer buffers still span the whole prefix. The HTTP side has no prefix
+        cache (0); the guard's scenario benchmark uses it."""
         limit = self.config.context_length
         if limit is not None and prompt_tokens > limit:
             raise Rejected(400, f"The input ({prompt_tokens} tokens) is longer than the model's context "
@@ -140,7 +145,9 @@ class Engine:
                 raise Rejected(503, "The server is shutting down; not accepting new requests.")
             if rid in self._requests:
                 raise Rejected(400, f"Duplicate request ID: {rid}")
-            request = Request(rid, max(prompt_tokens, 1), self._clock())
+            prompt = max(prompt_tokens, 1)
+            cached = min(max(0, cached_tokens), prompt - 1)  # the last token is always computed
+            request = Request(rid, prompt, self._clock(), prefilled=cached, cached=cached)
             self._requests[rid] = request
             self._cond.notify_all()
             return request
@@ -232,11 +239,11 @@ class Engine:
 
     def inflight(self) -> list[dict]:
         """The unfinished requests in arrival order, as the scheduler knows them (the schema of
-        adapter/inflight.py; the stand-in has no prefix cache, so nothing is served from one)."""
+        adapter/inflight.py; over HTTP the stand-in has no prefix cache, so nothing is served from one)."""
         now = self._clock()
         with self._cond:
             return [{"rid": r.rid, "prompt_tokens": r.prompt_tokens, "prefilled_tokens": r.prefilled,
-                     "cached_tokens": 0, "state": STATES[r.phase], "chunk_tokens": r.chunk_tokens,
+                     "cached_tokens": r.cached, "state": STATES[r.phase], "chunk_tokens": r.chunk_tokens,
                      "output_tokens": r.generated, "age_s": round(now - r.created, 3)}
                     for r in self._requests.values()]
 
@@ -310,7 +317,13 @@ class Engine:
             self._last_step_at = time.monotonic()
             self._cond.notify_all()
 
-    def _allocate_chunk(self, batch: list[tuple[Request, int]]) -> list[Block]:
+    def next_prefill(self) -> list[tuple[Request, int]] | None:
+        """The next prefill batch (see _next_batch), for a caller that steps the scheduler itself on
+        its own clock (the guard's scenario benchmark) instead of start()."""
+        with self._cond:
+            return self._next_batch()
+
+    def allocate_chunk(self, batch: list[tuple[Request, int]]) -> list[Block]:
         """The chunk's memory: the KV of its tokens (kept by each request) and the indexer's
         logits buffer over each request's prefix (returned when the chunk ends); the transients."""
         transients = []
@@ -348,28 +361,36 @@ class Engine:
                 continue
             started = self._clock()
             try:
-                transients = self._allocate_chunk(batch)
+                transients = self.allocate_chunk(batch)
             except (MemoryError, OSError) as exc:
                 # Like a CUDA out-of-memory error in SGLang's scheduler: the rank dies.
                 wanted = sum(take for _, take in batch) * self.config.bytes_per_token
                 self._on_fatal(f"out of memory prefilling request {batch[0][0].rid} "
                                f"({wanted} more bytes of KV and the chunk's buffers): {exc}")
                 return
-            left = sum(take for _, take in batch) / self.config.prefill_tokens_per_s - debt - (self._clock() - started)
+            left = self.chunk_seconds(batch) - debt - (self._clock() - started)
             self._sleep(max(0.0, left))
             debt = max(0.0, -left)
-            for block in transients:
-                self.allocator.free(block)
-            with self._cond:
-                for request, take in batch:
-                    request.chunk_tokens = 0
-                    if request.phase is Phase.PREFILL and not request.abort_requested:
-                        request.prefilled += take
-                        if request.prefilled >= request.prompt_tokens:
-                            request.phase = Phase.DECODE
-                self._last_step_at = time.monotonic()
-                self._cond.notify_all()
-            # The prefill_empty_cache adapter: after a chunk of a long sequence (before the next
-            # batch's launch, where the adapter runs) every wholly free cached segment goes back.
-            if empties_cache([r.prompt_tokens for r, _ in batch], self.config.empty_cache_tokens):
-                self.allocator.empty_cache()
+            self.end_chunk(batch, transients)
+
+    def chunk_seconds(self, batch: list[tuple[Request, int]]) -> float:
+        return sum(take for _, take in batch) / self.config.prefill_tokens_per_s
+
+    def end_chunk(self, batch: list[tuple[Request, int]], transients: list[Block]) -> None:
+        """The chunk's forward is done: its buffers go back to the allocator, its tokens are
+        prefilled (a request whose abort came meanwhile is finished at the next boundary)."""
+        for block in transients:
+            self.allocator.free(block)
+        with self._cond:
+            for request, take in batch:
+                request.chunk_tokens = 0
+                if request.phase is Phase.PREFILL and not request.abort_requested:
+                    request.prefilled += take
+                    if request.prefilled >= request.prompt_tokens:
+                        request.phase = Phase.DECODE
+            self._last_step_at = time.monotonic()
+            self._cond.notify_all()
+        # The prefill_empty_cache adapter: after a chunk of a long sequence (before the next
+        # batch's launch, where the adapter runs) every wholly free cached segment goes back.
+        if empties_cache([r.prompt_tokens for r, _ in batch], self.config.empty_cache_tokens):
+            self.allocator.empty_cache()

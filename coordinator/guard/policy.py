@@ -8,11 +8,15 @@ node cgroup's headroom):
 - the slope: a least-squares line through the last MEMORY_GUARD_WINDOW_SAMPLES samples, counted
   only for a sustained fall (each half of the window falls too: one allocation, a prefill chunk's
   transient, is a step in one half). A fall that has lasted tau seconds is projected
-  min(tau, lead) ahead: a burst is not extrapolated a whole lead into the future.
+  min(tau, lead + envelope) ahead: a burst is not extrapolated further than it has lasted, and a
+  steady fall is seen as far ahead as by the lows (the line goes through the sawtooth's middle,
+  whose lows come a chunk earlier), whether or not the lows' line is significant yet.
 - the lows: the minimum over each MEMORY_GUARD_ENVELOPE_S (at least one prefill chunk) and a line
   through the recent minima, projected lead + envelope ahead. A chunked prefill makes a sawtooth
   whose lows fall chunk by chunk; an abort only takes effect at the next chunk boundary, so the
   crossing must be seen coming from the lows, a chunk early.
+Both look further by the samples a confirmation waits for (confirm_samples - 1 intervals), so the
+confirmed action comes when the crossing is that far ahead, not a confirmation later.
 A slope counts only when it is significantly below zero (slope + 3 standard errors < 0), so noise
 around a level does not read as a fall; memory that sits below the guard without falling is not
 acted on (nothing is running out).
@@ -96,6 +100,12 @@ class GuardSettings:
         """How long an aborted request may still be listed: the abort ends it at the next chunk
         boundary (within the lead), and the list is a sample late."""
         return self.lead_s + self.envelope_s
+
+    @property
+    def confirm_reach_s(self) -> float:
+        """How much further ahead than an action needs a projection looks: the time the samples
+        after the first one in danger take to confirm it."""
+        return (self.confirm_samples - 1) * self.interval_ms / 1000
 
     def line_of(self, level: int) -> int:
         """Which of the early check's lines (a hysteresis band apart, 4 MiB at least) a level is on."""
@@ -250,14 +260,19 @@ class Assessment:
 
 
 def assess(node: str, reading: Reading, s: GuardSettings) -> Assessment:
+    """Danger: a projection crosses the guard within its horizon. Both projections look as far
+    ahead as an action needs, lead + envelope (the slope only as far as its fall has lasted), and
+    further by the samples the guard waits for to confirm a danger (confirm_samples - 1 intervals):
+    the action then comes on the sample at which the crossing is a horizon away, not that many
+    samples after it."""
     g = s.guard_bytes
     candidates = []
     if reading.slope is not None and reading.sustained and reading.slope.falling(s.significance):
-        horizon = min(s.lead_s, reading.fall_s)
+        horizon = min(s.lead_s + s.envelope_s, reading.fall_s) + s.confirm_reach_s
         crossing = 0.0 if reading.level <= g else (reading.level - g) / -reading.slope.slope
         candidates.append((crossing, horizon, "slope", reading.slope.slope, reading.level))
     if reading.lows is not None and reading.lows.falling(s.significance):
-        horizon = s.lead_s + s.envelope_s
+        horizon = s.lead_s + s.envelope_s + s.confirm_reach_s
         crossing = 0.0 if reading.low <= g else (reading.low - g) / -reading.lows.slope
         candidates.append((crossing, horizon, "lows", reading.lows.slope, reading.low))
     if not candidates:
@@ -299,6 +314,8 @@ class GuardState:
     # trusted again until the guard re-arms.
     hold_until: float = -math.inf
     hold_low: int | None = None
+    hold_rids: tuple[str, ...] = ()                  # the requests in flight the hold's projection covered
+    acted_rids: tuple[str, ...] = ()                 # the requests in flight at the last abort
     model_failed: bool = False
     # Per node, the lowest line (GuardSettings.line_of) memory was at when the requests were last
     # looked at while it fell (the early check).
@@ -386,7 +403,8 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             # The requests' cost saw the crossing coming: when, at the rate memory falls now.
             falling = -a.slope if a.slope < 0 else 0.0
             d = replace(d, basis=basis, crossing_s=(a.level - s.guard_bytes) / falling if falling else None)
-        return d, acted(ABORTED, aborted=(*at.aborted, *rids)[-32:], pending=(*at.pending, *rids),
+        listed = tuple(r.rid for r in inflight.requests) if inflight is not None else ()
+        return d, acted(ABORTED, aborted=(*at.aborted, *rids)[-32:], pending=(*at.pending, *rids), acted_rids=listed,
                         queued=tuple(r.rid for r in choice.then),
                         pending_since=now if not at.pending else at.pending_since, overdue_reported=False,
                         checked_lines=at.checked_lines, no_scheduler_view=at.no_scheduler_view)
@@ -412,7 +430,8 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                 return (decision(HOLD, f"{why}; not acting: the requests in flight are projected to take memory "
                                        f"no lower than {_gb(choice.projected_low_keeping_all)}{skipped}",
                                  projected_low_kept=choice.projected_low_keeping_all, skipped=choice.skipped),
-                        replace(at, hold_until=now + s.envelope_s, hold_low=choice.projected_low_keeping_all))
+                        replace(at, hold_until=now + s.envelope_s, hold_low=choice.projected_low_keeping_all,
+                                hold_rids=tuple(r.rid for r in inflight.requests)))
             choice = charge.growing_choice(inflight, a.level, s.cost, exclude=at.aborted)
         if choice.victims:
             return abort(why, choice, at)
@@ -467,13 +486,12 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         broke = _hold_broken(st, a, s)
         if now < st.hold_until and not broke:
             return decision(NONE), st
-        if broke:
-            st = replace(st, model_failed=True)
         if inflight is None:
             return decision(NEED_INFLIGHT), state
+        why = _why(a, s) + (_broken_why(st, inflight) if broke else "")
+        if broke:
+            st = _distrust(st, inflight)
         _, st = confirm(s, st, inflight, now)
-        why = _why(a, s) + (f"; memory fell below the {_gb(st.hold_low)} the requests were projected to leave"
-                            if broke else "")
         return act(why, st)
 
     # after an action: the aborts that had to wait for others, re-arm, wait, or act again
@@ -511,10 +529,10 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             broke = _hold_broken(st, a, s)
             if now < st.hold_until and not broke:
                 return decision(NONE), st
-            if broke:
-                st = replace(st, model_failed=True)
             if inflight is None:
                 return decision(NEED_INFLIGHT), state
+            if broke:
+                st = _distrust(st, inflight)
             since_sent = now - st.pending_since
             seen, st = confirm(s, st, inflight, now)
             still = list(st.pending) + list(seen.still)
@@ -531,6 +549,30 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             return (decision(STOP, f"memory kept falling {since:.2f} s after abort_all "
                                    f"({_gb(acted_level)} -> {_gb(a.level)}); {_why(a, s)}"),
                     acted(STOPPED))
+    if st.phase == ABORTED and not st.pending and not st.queued and s.cost.configured and not st.no_scheduler_view:
+        # The aborts took effect, and the guard is not re-armed yet (memory has not come back, or
+        # the lows still hold the fall's minimum). The escalation above waits for a further fall
+        # of the band below the level at the action: a prompt that arrived since would take that
+        # from a node already near the guard. So the list is looked at each time memory falls to
+        # a line it was not on (a band apart), and a request that was not in flight at the last
+        # abort growing is a new fall: acted on at once. The requests that were, the last
+        # decision has judged.
+        line = s.line_of(a.level)
+        lines = dict(st.checked_lines)
+        known = lines.get(a.node)
+        if known is None or line >= known + 2:
+            lines[a.node] = line  # (back up two bands: the next fall from here is looked at a band down)
+            return decision(NONE), replace(st, checked_lines=tuple(sorted(lines.items())))
+        if line < known:
+            if inflight is None:
+                return decision(NEED_INFLIGHT), state
+            lines[a.node] = line
+            st = replace(st, checked_lines=tuple(sorted(lines.items())))
+            before = set(st.acted_rids) | set(st.aborted)
+            new = [r.rid for r in charge.growing(inflight.requests) if r.rid not in before]
+            if new and not inflight.unavailable:
+                return act(f"{_why(a, s) if a.danger else f'{a.node}: available {_gb(a.level)} falling'}; "
+                           f"{', '.join(new[:3])} arrived after the last abort and grows", st)
     return decision(NONE), st
 
 
@@ -557,6 +599,26 @@ def release_queued(s: GuardSettings, st: GuardState, inflight: InflightList, now
     return d, replace(st, queued=tuple(rid for rid in st.queued if rid not in ready),
                       aborted=(*st.aborted, *ready)[-32:], pending=tuple(ready), pending_since=now,
                       overdue_reported=False)
+
+
+def _arrived_since_hold(st: GuardState, inflight: InflightList) -> list[str]:
+    held = set(st.hold_rids)
+    return [r.rid for r in inflight.requests if r.rid not in held] if not inflight.unavailable else []
+
+
+def _distrust(st: GuardState, inflight: InflightList) -> GuardState:
+    """Memory fell below the hold's projection: the model is wrong, unless a request the projection
+    did not cover arrived meanwhile (its memory is what took the level there: the model, asked
+    again with it listed, is still to be trusted)."""
+    if _arrived_since_hold(st, inflight):
+        return replace(st, hold_low=None, hold_until=-math.inf)
+    return replace(st, model_failed=True)
+
+
+def _broken_why(st: GuardState, inflight: InflightList) -> str:
+    text = f"; memory fell below the {_gb(st.hold_low)} the requests were projected to leave"
+    arrived = _arrived_since_hold(st, inflight)
+    return text + (f", with {', '.join(arrived[:3])} arrived since" if arrived else "")
 
 
 def _hold_broken(st: GuardState, a: Assessment, s: GuardSettings) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import pytest
 
@@ -534,6 +535,141 @@ def test_the_lows_follow_the_minimum_of_each_span():
         r = trend.add(t, int(1_000 * MB - (i % 4) * 50 * MB - 40 * MB * t))
     assert r.lows is not None and r.lows.slope == pytest.approx(-40 * MB, rel=0.1)
     assert r.low <= r.level
+
+
+def steady_fall(settings: p.GuardSettings, rate: float, above: int, flat_s: float = 1.0):
+    """A guard on the trend alone fed a flat level, then a steady fall from `above` the guard, one
+    sample per interval: (when the fall came within rate x (lead + envelope) of the guard, when
+    the guard acted, the action)."""
+    guard = p.Guard(settings)
+    dt = settings.interval_ms / 1000
+    g = settings.guard_bytes
+    reference = flat_s + (above - rate * (settings.lead_s + settings.envelope_s)) / rate
+    for i in range(int((flat_s + above / rate) / dt) + 1):
+        t = i * dt
+        level = g + above - int(rate * max(0.0, t - flat_s))
+        d = guard.observe("spark1", t, level, t, lambda: p.InflightList(
+            (p.InflightRequest("runaway", 10**7, 1, 1.0, "prefilling", 0, 768, 0),)))
+        if d.kind in p.ACTIONS:
+            return reference, t, d
+    raise AssertionError("no action")
+
+
+def test_a_steady_fall_is_acted_on_once_the_crossing_is_an_actions_time_ahead_not_a_confirmation_later():
+    # The confirmation's samples are looked ahead for: the action comes on the first sample at which
+    # the crossing is lead + envelope away (within one interval of it), with 2 samples or 3.
+    for confirm in (2, 3):
+        settings = dataclasses.replace(TREND_ONLY, confirm_samples=confirm)
+        dt = settings.interval_ms / 1000
+        reference, acted, d = steady_fall(settings, 2e9, 3_000 * MB)
+        assert d.kind == p.ABORT and d.victim.rid == "runaway"
+        assert reference - 1e-9 <= acted <= reference + dt + 1e-9, (confirm, acted - reference)
+
+
+def test_the_slope_looks_as_far_ahead_as_the_lows_once_its_fall_has_lasted_and_a_burst_no_further():
+    s = TREND_ONLY
+    reach = s.confirm_reach_s
+    assert reach == pytest.approx(0.02)
+    horizon = s.lead_s + s.envelope_s
+    fall = p.Fit(-1e9, 1e6)
+
+    def reading(level: int, fall_s: float) -> p.Reading:
+        # no line through the lows yet (a fall that began less than four spans ago, or whose lows
+        # are not a significant line): the slope alone
+        return p.Reading(10.0, level, fall, True, fall_s, level, None)
+    g = s.guard_bytes
+    inside = p.assess("spark1", reading(g + int(1e9 * (horizon + reach)) - MB, 5.0), s)
+    assert inside.danger and inside.basis == "slope" and inside.horizon_s == pytest.approx(horizon + reach)
+    assert not p.assess("spark1", reading(g + int(1e9 * (horizon + reach)) + MB, 5.0), s).danger
+    # a fall that has lasted 0.1 s is projected 0.1 s ahead (and the confirmation's reach), no further
+    assert p.assess("spark1", reading(g + int(1e9 * (0.1 + reach)) - MB, 0.1), s).danger
+    assert not p.assess("spark1", reading(g + int(1e9 * (0.1 + reach)) + MB, 0.1), s).danger
+
+
+class Feed:
+    """Samples fed straight to the policy, one per interval, with the in-flight list the engine
+    would show, and the runner's confirmation check after an abort."""
+
+    def __init__(self, settings: p.GuardSettings):
+        self.guard = p.Guard(settings)
+        self.t = 0.0
+        self.dt = settings.interval_ms / 1000
+        self.requests: tuple[p.InflightRequest, ...] = ()
+        self.actions: list[tuple[float, int, p.Decision]] = []
+
+    def listing(self) -> p.InflightList:
+        return p.InflightList(self.requests)
+
+    def run(self, seconds: float, level: Callable[[float], int]) -> None:
+        end = self.t + seconds
+        while self.t < end - 1e-9:
+            self.t += self.dt
+            at = level(self.t)
+            d = self.guard.observe("spark1", self.t, at, self.t, self.listing)
+            if d.kind in p.ACTIONS or d.kind == p.HOLD:
+                self.actions.append((self.t, at, d))
+            if self.guard.state.pending:
+                self.guard.note_listing(self.listing(), self.t)
+
+
+def prefilling(rid: str, prompt: int, prefilled: int, age: float = 1.0) -> p.InflightRequest:
+    return p.InflightRequest(rid, prompt, prefilled, age, "prefilling", 0, 768, 0)
+
+
+def decoding(rid: str, prompt: int) -> p.InflightRequest:
+    return p.InflightRequest(rid, prompt, prompt, 5.0, "decoding", 0, 0, 0)
+
+
+def test_a_prompt_arriving_after_an_abort_is_aborted_before_memory_falls_a_further_band():
+    # A prompt's first chunk takes memory to 60 MB below the guard at once (its long cached prefix's
+    # buffers): the guard aborts it. What it held stays with the engine's allocator, and memory comes
+    # back to 20 MB above the guard: not re-armed (below the band), and the lows still hold the
+    # spike. Then a prompt that cannot fit arrives and memory falls again: it is looked at as memory
+    # falls, and aborted while memory is still about the guard, not once it has fallen another band
+    # below the level of the first abort (210 MB below the guard).
+    s = SIM
+    g = s.guard_bytes
+    feed = Feed(s)
+    feed.requests = (decoding("chat", 2_000),)
+    feed.run(1.0, lambda t: g + 300 * MB)
+    feed.requests += (prefilling("spike", 80_000, 60_000, 0.01),)
+    start = feed.t
+    feed.run(0.3, lambda t: g - 60 * MB - int(200 * MB * (t - start)))
+    (t1, _, first), = [x for x in feed.actions if x[2].kind in p.ACTIONS]
+    assert first.kind == p.ABORT and first.victim.rid == "spike"
+    feed.requests = (decoding("chat", 2_000),)   # gone: the abort took effect
+    feed.run(0.2, lambda t: g + 20 * MB)
+    assert feed.guard.state.phase == p.ABORTED and not feed.guard.state.pending
+    feed.requests += (prefilling("late", 40_000, 0, 0.01),)   # 655 MB of KV: it cannot fit
+    start = feed.t
+    feed.run(0.5, lambda t: g + 20 * MB - int(500 * MB * (t - start)))
+    later = [x for x in feed.actions if x[2].kind in p.ACTIONS and x[0] > t1]
+    assert later and later[0][2].kind == p.ABORT and later[0][2].victim.rid == "late", later
+    assert later[0][1] >= g - 30 * MB, (later[0][1] - g) / MB
+
+
+def test_a_hold_broken_by_a_request_that_arrived_since_does_not_discredit_the_cost_model():
+    # The guard holds (the requests in flight end above the guard); a new prompt's memory takes the
+    # level below what the hold projected. That is not the model being wrong: it was not listed.
+    # The guard asks the model again with it listed and aborts it as the one that cannot fit,
+    # by the model, and keeps trusting the model.
+    s = SIM
+    g = s.guard_bytes
+    feed = Feed(s)
+    feed.requests = (prefilling("fits", 20_000, 19_000),)   # 16 MB more KV: it ends far above the guard
+    feed.run(1.0, lambda t: g + 400 * MB)
+    start = feed.t
+    feed.run(0.65, lambda t: g + 400 * MB - int(300 * MB * (t - start)))
+    holds = [x for x in feed.actions if x[2].kind == p.HOLD]
+    assert holds and not [x for x in feed.actions if x[2].kind in p.ACTIONS], feed.actions
+    feed.requests = (prefilling("fits", 20_000, 19_768), prefilling("new", 60_000, 0, 0.01))
+    at = feed.t
+    feed.run(0.2, lambda t: g + 400 * MB - int(300 * MB * (t - start)) - 150 * MB - int(300 * MB * (t - at)))
+    acted = [x for x in feed.actions if x[2].kind in p.ACTIONS]
+    assert acted and acted[0][2].kind == p.ABORT and acted[0][2].victim.rid == "new", acted
+    assert acted[0][2].victims[0].why in ("cannot_fit", "growing") and acted[0][1] > g
+    assert "arrived since" in acted[0][2].reason
+    assert not feed.guard.state.model_failed
 
 
 def test_settings_refuse_nonsense():

@@ -376,3 +376,47 @@ def test_the_time_spent_touching_memory_is_part_of_the_chunk_and_the_excess_is_c
     engine.abort("r")
     steps.finish()
     engine.close()
+
+
+def stepped(chunk=256, bytes_per_token=4096, transient_bytes=1.0, empty_cache_tokens=0):
+    """An engine whose scheduler the caller steps on its own clock (no thread)."""
+    clock, backing = Clock(), CountedMemory()
+    engine = Engine(EngineConfig(chunk_tokens=chunk, max_running=8, prefill_tokens_per_s=1000.0,
+                                 decode_tokens_per_s=1e6, bytes_per_token=bytes_per_token, max_total_tokens=10000,
+                                 context_length=None, transient_bytes=transient_bytes,
+                                 empty_cache_tokens=empty_cache_tokens),
+                    on_fatal=lambda why: None, clock=clock, allocator=CachingAllocator(backing))
+    return engine, clock, backing
+
+
+def test_a_prefix_cache_hit_is_prefilled_from_the_start_holds_no_kv_for_it_and_its_buffers_span_the_prefix():
+    engine, clock, backing = stepped()
+    request = engine.submit("hit", 1000, cached_tokens=900)
+    (entry,) = engine.inflight()
+    assert (entry["prefilled_tokens"], entry["cached_tokens"], entry["state"]) == (900, 900, "waiting")
+    batch = engine.next_prefill()
+    assert [(r.rid, take) for r, take in batch] == [("hit", 100)]
+    transients = engine.allocate_chunk(batch)
+    assert request.held_bytes == 100 * 4096  # the KV of its 100 new tokens only
+    assert [b.size for b in transients] == [-(-100 * 1000 // 512) * 512]  # [chunk, whole prefix]
+    assert engine.inflight()[0]["chunk_tokens"] == 100 and engine.chunk_seconds(batch) == pytest.approx(0.1)
+    engine.end_chunk(batch, transients)
+    assert request.phase is Phase.DECODE and request.prefilled == 1000
+    assert engine.inflight()[0]["cached_tokens"] == 900
+    # a prompt wholly in the cache still computes its last token
+    assert engine.submit("all", 50, cached_tokens=50).prefilled == 49
+
+
+def test_the_scheduler_stepped_by_its_caller_prefills_one_request_at_a_time_and_aborts_at_the_boundary():
+    engine, clock, backing = stepped(chunk=256)
+    a, b = engine.submit("a", 600), engine.submit("b", 300)
+    batch = engine.next_prefill()
+    assert [(r.rid, take) for r, take in batch] == [("a", 256)]
+    transients = engine.allocate_chunk(batch)
+    engine.abort("a")
+    assert a.phase is Phase.PREFILL  # the chunk runs to its end
+    engine.end_chunk(batch, transients)
+    batch = engine.next_prefill()  # the boundary: a is finished, its KV back to the allocator's cache
+    assert a.phase is Phase.FINISHED and a.finish_reason == "abort" and a.prefilled == 0
+    assert [(r.rid, take) for r, take in batch] == [("b", 256)]
+    assert backing.mapped == engine.allocator.stats().reserved > engine.allocator.stats().allocated

@@ -1,0 +1,382 @@
+"""The memory guard's choices against an oracle, on randomized multi-request workloads.
+
+Each scenario is a node with some memory above the guard and a few prompts arriving close
+together: short ones (no prefill_empty_cache hook: every chunk's indexer buffer stays in the
+allocator), long ones (the hook returns the cache after each chunk), prefix-cache hits (a long
+prefix, little KV of their own, large buffers), and sometimes a runaway that cannot fit even
+alone. Several fit alone but not together.
+
+The engine is the stand-in's own (sim/engine.py: its scheduler, one request chunk-prefilled at a
+time, an abort taking effect at the next chunk boundary, SGLang's exact-rid /abort_request; and
+sim/allocator.py, PyTorch's caching allocator that keeps freed blocks), stepped here on a
+simulated clock with memory counted, not allocated. Available memory is what the node has minus
+what the allocator holds from the OS.
+
+The guard is the real policy (coordinator.guard.policy.Guard with charge.py's cost model, the
+stand-in's own cost per token and per chunk-prefix token), fed what the runner feeds it: a sample
+every interval (with jitter and noise) through the agent's send filter (agent.memory.ChangeFilter,
+the send policy the runner asks for), the in-flight list parsed by the runner's own parser when a
+decision needs it, the runner's confirmation check every 50 ms, its actions reaching the engine
+2 ms later.
+
+The oracle knows every request's true peak: it replays the scenario without the guard for every
+set of requests aborted on arrival, smallest sets first, and keeps the first size at which the
+lowest available stays at or above the guard; of the sets of that size it is compared with the
+one closest to the guard's choice. An aborted request "the oracle would have kept" is one the
+guard aborted (by rid, by abort_all or by a stop) that is in none of those sets.
+
+Deterministic for a seed: no threads, no wall clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+
+from agent.memory import NO_PRESSURE, ChangeFilter, Sample, SendPolicy
+from coordinator.guard import policy as p
+from coordinator.guard.charge import CostModel
+from coordinator.guard.engine import parse_inflight
+from sim.allocator import CachingAllocator, CountedMemory
+from sim.engine import Engine, EngineConfig, Phase
+
+MB = 1_000_000
+MiB = 1 << 20
+
+# The integration test's shape (tests/integration/test_guard_memory.py): the stand-in's defaults
+# (16 KiB of KV per token, 4 bytes of indexer buffer per chunk x prefix token, 20k tokens/s,
+# 768-token chunks, the hook from 8192 tokens) and its guard settings.
+TOKEN_BYTES = 16_384
+TRANSIENT_BYTES = 4.0
+CHUNK = 768
+HOOK_TOKENS = 8192
+ENGINE = EngineConfig(chunk_tokens=CHUNK, max_running=64, prefill_tokens_per_s=20_000.0, decode_tokens_per_s=10.0,
+                      bytes_per_token=TOKEN_BYTES, max_total_tokens=0, context_length=None,
+                      transient_bytes=TRANSIENT_BYTES, empty_cache_tokens=HOOK_TOKENS)
+SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB,
+                           cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS))
+LATENCY_S = 0.002   # an action's HTTP call on the node's loopback
+CONFIRM_POLL_S = 0.05
+NOISE = 1 * MB      # sample noise, each way
+SETTLE_S = 2.0      # simulated after the last request ended
+
+
+@dataclass(frozen=True)
+class Spec:
+    rid: str
+    kind: str          # short | long | cached | runaway
+    arrival: float
+    prompt: int
+    cached: int
+    decode_s: float    # how long its client reads the answer once the prefill is done
+
+
+@dataclass(frozen=True)
+class Scenario:
+    index: int
+    base: int          # available on the node when it starts
+    requests: tuple[Spec, ...]
+
+
+def generate(rng: random.Random, index: int) -> Scenario:
+    """A node with 500-1100 MiB above its idle use (the guard 150 MB of it) and 2-6 prompts, most
+    arriving within half a second of each other."""
+    base = rng.randint(500, 1100) * MiB
+    room = (base - SETTINGS.guard_bytes) // TOKEN_BYTES  # tokens of KV that fit above the guard
+    n = rng.randint(2, 6)
+    specs = []
+    burst = rng.uniform(0.0, 0.5)
+    for i in range(n):
+        kind = rng.choices(("short", "long", "cached", "runaway"), (0.3, 0.35, 0.2, 0.15))[0]
+        if kind == "short":
+            prompt, cached = rng.randint(300, HOOK_TOKENS - 1), 0
+        elif kind == "long":
+            prompt, cached = rng.randint(HOOK_TOKENS, max(HOOK_TOKENS + 1, int(room * 0.9))), 0
+        elif kind == "cached":
+            prompt = rng.randint(2 * HOOK_TOKENS, max(2 * HOOK_TOKENS + 1, 3 * room))
+            cached = int(prompt * rng.uniform(0.5, 0.95))
+        else:
+            prompt, cached = rng.randint(int(room * 1.3), int(room * 4)), 0
+        arrival = burst + rng.uniform(0.0, 0.5) if rng.random() < 0.7 else rng.uniform(0.0, 5.0)
+        specs.append(Spec(f"s{index}-{kind}-{i}", kind, round(arrival, 3), prompt, cached,
+                          round(rng.uniform(0.3, 3.0), 2)))
+    specs.sort(key=lambda s: s.arrival)
+    return Scenario(index, base, tuple(specs))
+
+
+@dataclass
+class Run:
+    lowest: int
+    completed: set[str] = field(default_factory=set)
+    aborted: set[str] = field(default_factory=set)      # by the guard (a rid, abort_all, or a stop)
+    decisions: list[tuple[float, p.Decision]] = field(default_factory=list)
+    stopped: bool = False
+    t_end: float = 0.0
+    lowest_at_first_chunk: bool = False  # the lowest point came with a request's first chunk
+
+    def kinds(self, kind: str) -> int:
+        return sum(1 for _, d in self.decisions if d.kind == kind)
+
+
+def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset(), seed: int = 0,
+             settings: p.GuardSettings = SETTINGS) -> Run:
+    """One scenario on the stand-in's engine; with `guarded` the policy in the loop, else nothing
+    acts. Requests in `skip` are aborted on arrival (the oracle's choice): they hold nothing."""
+    rng = random.Random(seed)
+    clock = [0.0]
+    backing = CountedMemory()
+    engine = Engine(ENGINE, on_fatal=lambda why: None, clock=lambda: clock[0],
+                    allocator=CachingAllocator(backing))
+
+    def available() -> int:
+        return scenario.base - backing.mapped
+    run = Run(lowest=available())
+    arrivals = [s for s in scenario.requests]
+    requests = {}
+    decode_until: dict[str, float] = {}
+    batch, transients, chunk_end = None, [], math.inf
+    guard = p.Guard(settings) if guarded else None
+    asked = settings.send_request()
+    gate = ChangeFilter(SendPolicy(asked["min_change_bytes"], asked.get("heartbeat_ms", 5000) / 1000,
+                                   asked.get("replay_samples", 0), asked.get("follow_samples", 0)))
+    step = settings.interval_ms / 1000
+    next_sample = rng.uniform(0.0, step) if guarded else math.inf
+    actions: list[tuple[float, p.Decision]] = []
+    next_poll = math.inf
+    last_arrival = max(s.arrival for s in arrivals)
+
+    def listing() -> p.InflightList:
+        return parse_inflight({"requests": engine.inflight()})
+
+    def apply(d: p.Decision) -> None:
+        if d.kind == p.ABORT:
+            for v in d.victims:
+                engine.abort(v.request.rid)
+        elif d.kind == p.ABORT_ALL:
+            engine.abort("", abort_all=True)
+        elif d.kind == p.STOP:
+            run.stopped = True
+        for r in requests.values():
+            # a decoding request's client sees the abort at its next token (the HTTP side finishes it)
+            if r.abort_requested and r.phase is Phase.DECODE:
+                engine.finish(r, "abort")
+
+    def decide(d: p.Decision, now: float) -> None:
+        if d.kind != p.NONE:
+            run.decisions.append((now, d))
+        if d.kind in p.ACTIONS:
+            actions.append((now + LATENCY_S, d))
+
+    while True:
+        unfinished = [r for r in requests.values() if r.phase is not Phase.FINISHED]
+        if run.stopped:
+            break
+        if not arrivals and not unfinished and batch is None and not actions:
+            if clock[0] >= max(last_arrival, run.t_end) + SETTLE_S or not guarded:
+                break
+        t = min([chunk_end, next_sample, next_poll] + [a.arrival for a in arrivals[:1]] + [x[0] for x in actions]
+                + list(decode_until.values()) + [max(last_arrival, clock[0]) + SETTLE_S])
+        if t > 600:
+            raise RuntimeError(f"scenario {scenario.index} did not end")
+        clock[0] = t
+        while arrivals and arrivals[0].arrival <= t:
+            s = arrivals.pop(0)
+            requests[s.rid] = r = engine.submit(s.rid, s.prompt, s.cached)
+            if s.rid in skip:
+                engine.abort(s.rid)
+        if batch is not None and t >= chunk_end:
+            engine.end_chunk(batch, transients)
+            for r, _ in batch:
+                if r.phase is Phase.DECODE and r.rid not in decode_until:
+                    decode_until[r.rid] = t + next(s.decode_s for s in scenario.requests if s.rid == r.rid)
+            batch, transients, chunk_end = None, [], math.inf
+        for rid, until in list(decode_until.items()):
+            r = requests[rid]
+            if r.phase is Phase.FINISHED:
+                del decode_until[rid]
+            elif t >= until:
+                engine.finish(r, "stop")
+                del decode_until[rid]
+        for x in [x for x in actions if x[0] <= t]:
+            actions.remove(x)
+            apply(x[1])
+        if run.stopped:
+            break
+        if batch is None:
+            batch = engine.next_prefill()
+            if batch is not None:
+                first = any(r.prefilled == r.cached for r, _ in batch)
+                transients = engine.allocate_chunk(batch)
+                chunk_end = t + engine.chunk_seconds(batch)
+                if available() < run.lowest:
+                    run.lowest, run.lowest_at_first_chunk = available(), first
+        if guard is not None and t >= next_sample:
+            level = available() + rng.randint(-NOISE, NOISE)
+            for sample in gate.offer(Sample(t, 0, level, 0, 0, level, NO_PRESSURE, NO_PRESSURE, 0)):
+                decide(guard.observe("node", sample.at_monotonic_s, sample.available, t, listing), t)
+            next_sample = t + step * (1 + rng.uniform(-0.1, 0.1))
+            if guard.state.pending and next_poll == math.inf:
+                next_poll = t + CONFIRM_POLL_S
+        if guard is not None and t >= next_poll:
+            _, queued = guard.note_listing(listing(), t)
+            if queued is not None:
+                decide(queued, t)
+            next_poll = t + CONFIRM_POLL_S if guard.state.pending else math.inf
+        if any(r.phase is not Phase.FINISHED for r in requests.values()) or arrivals:
+            run.t_end = t
+    for rid, r in requests.items():
+        if r.phase is Phase.FINISHED and r.finish_reason == "stop":
+            run.completed.add(rid)
+        elif rid not in skip:
+            run.aborted.add(rid)  # by the guard's abort, its abort_all, or its stop
+    for s in arrivals:  # never arrived: the guard stopped the ranks first
+        run.aborted.add(s.rid)
+    return run
+
+
+@dataclass
+class Verdict:
+    scenario: Scenario
+    guard: Run
+    unguarded: Run
+    oracle_aborts: int
+    oracle_sets: list[frozenset[str]]
+    kept_by_oracle: set[str]     # aborted by the guard, in none of the oracle's best sets
+
+
+def oracle(scenario: Scenario, seed: int) -> tuple[int, list[frozenset[str]], Run]:
+    """The fewest requests aborted on arrival that keep the lowest point at or above the guard,
+    and every set of that size that does."""
+    rids = [s.rid for s in scenario.requests]
+    unguarded = simulate(scenario, guarded=False, seed=seed)
+    if unguarded.lowest >= SETTINGS.guard_bytes:
+        return 0, [frozenset()], unguarded
+    for k in range(1, len(rids) + 1):
+        sets = [frozenset(c) for c in itertools.combinations(rids, k)
+                if simulate(scenario, guarded=False, skip=frozenset(c), seed=seed).lowest >= SETTINGS.guard_bytes]
+        if sets:
+            return k, sets, unguarded
+    raise AssertionError("aborting everything keeps the node above the guard")
+
+
+def judge(scenario: Scenario, seed: int) -> Verdict:
+    k, sets, unguarded = oracle(scenario, seed)
+    guarded = simulate(scenario, guarded=True, seed=seed)
+    best = min(sets, key=lambda s: len(guarded.aborted - s))
+    return Verdict(scenario, guarded, unguarded, k, sets, guarded.aborted - best)
+
+
+def run_scenarios(count: int, seed: int) -> list[Verdict]:
+    rng = random.Random(seed)
+    return [judge(generate(rng, i), seed * 100_003 + i) for i in range(count)]
+
+
+def describe(v: Verdict) -> str:
+    """One scenario for the report: its requests, the oracle's and the guard's aborts, the lows."""
+    s = v.scenario
+    reqs = ", ".join(f"{r.rid}@{r.arrival:g}s {r.prompt}"
+                     + (f" ({r.cached} cached)" if r.cached else "") for r in s.requests)
+    acted = "; ".join(f"{t:.2f}s {d.kind} {','.join(x.request.rid for x in d.victims) or ''} "
+                      f"[{d.basis}] {d.reason[:300]}"
+                      for t, d in v.guard.decisions if d.kind in p.ACTIONS)
+    return (f"scenario {s.index}: {(s.base - SETTINGS.guard_bytes) / MB:.0f} MB above the guard; {reqs}; "
+            f"oracle aborts {v.oracle_aborts} (e.g. {sorted(v.oracle_sets[0])}), the guard {sorted(v.guard.aborted)}; "
+            f"lowest {(v.guard.lowest - SETTINGS.guard_bytes) / MB:.0f} MB above the guard with it, "
+            f"{(v.unguarded.lowest - SETTINGS.guard_bytes) / MB:.0f} MB without; actions: {acted}")
+
+
+def summary(verdicts: list[Verdict]) -> dict:
+    g = SETTINGS.guard_bytes
+    return {
+        "scenarios": len(verdicts),
+        "requests": sum(len(v.scenario.requests) for v in verdicts),
+        "needed": sum(1 for v in verdicts if v.oracle_aborts > 0),
+        "oracle_aborts": sum(v.oracle_aborts for v in verdicts),
+        "guard_aborts": sum(len(v.guard.aborted) for v in verdicts),
+        "kept_by_oracle": sum(len(v.kept_by_oracle) for v in verdicts),
+        "scenarios_kept_by_oracle": sum(1 for v in verdicts if v.kept_by_oracle),
+        "fewer_than_oracle": sum(1 for v in verdicts if len(v.guard.aborted) < v.oracle_aborts),
+        "below_guard": sum(1 for v in verdicts if v.guard.lowest < g),
+        "below_guard_first_chunk": sum(1 for v in verdicts if v.guard.lowest < g and v.guard.lowest_at_first_chunk),
+        "below_guard_unguarded": sum(1 for v in verdicts if v.unguarded.lowest < g),
+        "ran_out_unguarded": sum(1 for v in verdicts if v.unguarded.lowest <= 0),
+        "abort_all": sum(v.guard.kinds(p.ABORT_ALL) for v in verdicts),
+        "stops": sum(v.guard.kinds(p.STOP) for v in verdicts),
+        "lowest_margin": min(v.guard.lowest - g for v in verdicts),
+    }
+
+
+def extra_aborts(v: Verdict) -> list[tuple[float, p.Decision, list[str]]]:
+    """The guard's decisions that aborted a request the oracle would have kept."""
+    return [(t, d, [x.request.rid for x in d.victims if x.request.rid in v.kept_by_oracle])
+            for t, d in v.guard.decisions
+            if d.kind in p.ACTIONS and (any(x.request.rid in v.kept_by_oracle for x in d.victims)
+                                        or (d.kind != p.ABORT and v.kept_by_oracle))]
+
+
+def long_decodes(s: Scenario) -> Scenario:
+    """The same scenario with every answer read for a minute: no request ends, and hands its KV to
+    the next ones, before the others' peaks (what the guard's projection assumes)."""
+    return Scenario(s.index, s.base, tuple(Spec(r.rid, r.kind, r.arrival, r.prompt, r.cached, 60.0)
+                                           for r in s.requests))
+
+
+def report(count: int, seed: int, out=print) -> dict:
+    """The scenario section of bench/memory_guard: the scenarios as generated, and again with
+    every answer outlasting the others' peaks (which isolates what the guard cannot know: when
+    a client stops reading)."""
+    rng = random.Random(seed)
+    scenarios = [generate(rng, i) for i in range(count)]
+    as_generated = [judge(s, seed * 100_003 + s.index) for s in scenarios]
+    held = [judge(long_decodes(s), seed * 100_003 + s.index) for s in scenarios]
+    a, b = summary(as_generated), summary(held)
+    g = SETTINGS.guard_bytes
+    out(f"scenarios: {count} randomized workloads (seed {seed}), {a['requests']} requests, on the stand-in's engine "
+        f"model (sim/engine.py + sim/allocator.py) on a simulated clock, with the real policy and cost model "
+        f"(guard {g / MB:.0f} MB, lead {SETTINGS.lead_s:g} s, envelope {SETTINGS.envelope_s:g} s, "
+        f"{SETTINGS.interval_ms} ms samples through the agent's send filter)")
+    out(f"{'':58s}{'as generated':>14s}{'answers held':>14s}")
+    rows = [("scenarios in which some request had to go (oracle)", "needed"),
+            ("aborted requests the oracle would have kept (goal 0)", "kept_by_oracle"),
+            ("  in scenarios", "scenarios_kept_by_oracle"),
+            ("the oracle's aborts", "oracle_aborts"),
+            ("the guard's aborts (by rid, abort_all or stop)", "guard_aborts"),
+            ("scenarios the guard kept above it with fewer aborts", "fewer_than_oracle"),
+            ("scenarios below the guard, with the guard", "below_guard"),
+            ("  of which at an arriving request's first chunk", "below_guard_first_chunk"),
+            ("scenarios below the guard, nothing acting", "below_guard_unguarded"),
+            ("  of which the node ran out", "ran_out_unguarded"),
+            ("abort_all", "abort_all"),
+            ("stops", "stops")]
+    for name, key in rows:
+        out(f"{name:58s}{a[key]:14d}{b[key]:14d}")
+    out(f"{'lowest margin above the guard, with the guard (MB)':58s}{a['lowest_margin'] / MB:14.0f}"
+        f"{b['lowest_margin'] / MB:14.0f}")
+    # why: how far below the guard the cost model projected the low, keeping every request, at each
+    # decision that cost a request the oracle kept
+    for name, verdicts in (("as generated", as_generated), ("answers held", held)):
+        below, bases = [], {}
+        for v in verdicts:
+            for _, d, _ in extra_aborts(v):
+                bases[d.basis or d.kind] = bases.get(d.basis or d.kind, 0) + 1
+                if d.projected_low_kept is not None:
+                    below.append((g - d.projected_low_kept) / MB)
+        lefts = []
+        for v in verdicts:
+            if v.kept_by_oracle:
+                best = min(v.oracle_sets, key=lambda c: len(v.guard.aborted - c))
+                lefts.append((simulate(v.scenario, guarded=False, skip=best, seed=0).lowest - g) / MB)
+        if lefts:
+            lefts.sort()
+            out(f"{name}: where the guard aborted a request the oracle kept, the oracle's choice left "
+                f"{lefts[len(lefts) // 2]:.0f} MB above the guard at its lowest (median; {lefts[0]:.0f} to "
+                f"{lefts[-1]:.0f} MB); in {sum(1 for x in lefts if x < 50)} of {len(lefts)} scenarios less than 50 MB")
+        if bases:
+            below.sort()
+            out(f"{name}: decisions that cost a request the oracle kept, by basis: "
+                + ", ".join(f"{k} {n}" for k, n in sorted(bases.items()))
+                + (f"; the projected low keeping every request was {below[len(below) // 2]:.0f} MB below the "
+                   f"guard (median; {below[0]:.0f} to {below[-1]:.0f} MB)" if below else ""))
+    return {"as_generated": a, "held": b, "verdicts": as_generated, "held_verdicts": held}

@@ -1,0 +1,42 @@
+"""bench/memory_guard's scenario section (bench/guard_scenarios.py): the stand-in's engine on a
+simulated clock, the real policy in the loop, and the oracle it is judged against."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import guard_scenarios as gs
+
+pytestmark = pytest.mark.unit
+
+MiB = 1 << 20
+
+
+def several(base: int = 640 * MiB) -> gs.Scenario:
+    # the integration test's prompts: each fits alone, together they do not; 10k and 14k fit together
+    return gs.Scenario(0, base, (gs.Spec("p10k", "long", 0.0, 10_000, 0, 3.0),
+                                 gs.Spec("p14k", "long", 0.01, 14_000, 0, 3.0),
+                                 gs.Spec("p18k", "long", 0.02, 18_000, 0, 3.0)))
+
+
+def test_the_oracle_aborts_the_fewest_and_the_guard_matches_it_on_the_integration_tests_prompts():
+    v = gs.judge(several(), seed=3)
+    assert v.unguarded.lowest < gs.SETTINGS.guard_bytes  # nothing acting, the node goes below the guard
+    assert v.oracle_aborts == 1 and frozenset({"p18k"}) in v.oracle_sets
+    assert v.guard.aborted == {"p18k"} and v.kept_by_oracle == set()
+    assert v.guard.completed == {"p10k", "p14k"} and v.guard.lowest >= gs.SETTINGS.guard_bytes
+    assert v.guard.kinds("abort_all") == 0 and v.guard.kinds("stop") == 0
+
+
+def test_a_workload_that_fits_needs_no_abort_and_gets_none():
+    v = gs.judge(several(base=2_000 * MiB), seed=3)
+    assert v.oracle_aborts == 0 and v.guard.aborted == set() and v.kept_by_oracle == set()
+    assert v.guard.completed == {"p10k", "p14k", "p18k"}
+
+
+def test_the_scenarios_are_deterministic_for_a_seed():
+    def outcome(seed):
+        return [(v.scenario, sorted(v.guard.aborted), v.guard.lowest, v.oracle_aborts)
+                for v in gs.run_scenarios(4, seed)]
+    assert outcome(7) == outcome(7)
+    assert outcome(7) != outcome(8)
