@@ -356,8 +356,7 @@ def test_a_rank_exit_while_serving_is_blamed_and_recovered(cluster):
     incident = next(i for i in rt.incidents() if i.kind == "rank_exit")
     assert incident.node == "spark3", incident.message  # ended from outside, within the blame window
     assert incident.message.endswith("then spark1 (result exit-code, exited status 1)")
-    wait_phase(rt, "serving", timeout=10)
-    assert all(a.starts == 2 for a in agents.values())
+    wait_restarted(rt, agents, timeout=10)
 
 
 FLOOR = "available 0.700 GB below MEMORY_FLOOR_GB 0.800 GB: SIGTERM to every process of the rank"
@@ -376,8 +375,7 @@ def test_a_rank_its_node_floor_stopped_is_an_incident_naming_the_node_and_the_cl
     incident = wait_incident(rt, "memory_floor")
     assert incident.node == "spark2" and FLOOR in incident.message, incident.message
     assert "stopped by the node's memory floor" in incident.message
-    wait_phase(rt, "serving", timeout=10)
-    assert all(a.starts == 2 for a in agents.values())
+    wait_restarted(rt, agents, timeout=10)
     assert rt.snapshot().restart_attempt == 1  # a restart like a crash's: it spends an attempt
 
 
