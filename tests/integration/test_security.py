@@ -54,11 +54,12 @@ def install_bundle(node: Node, store: pki.PkiStore, name: str) -> bytes:
     return bundle
 
 
-@pytest.fixture(scope="module")
-def tls_agent(rootfs, tmp_path_factory):
-    store = pki.PkiStore(str(tmp_path_factory.mktemp("sec") / "pki"), group=None)
+def booted_tls_agent(rootfs, tmp_path_factory, machine: str):
+    """A booted node `machine` running the agent as spark2 with its bundle from a new PKI:
+    yields (node, port, store) and stops the node afterwards."""
+    store = pki.PkiStore(str(tmp_path_factory.mktemp(machine) / "pki"), group=None)
     store.init(NODES)
-    node = Node("sec-agent", rootfs)
+    node = Node(machine, rootfs)
     node.boot()
     port = free_port()
     try:
@@ -67,6 +68,11 @@ def tls_agent(rootfs, tmp_path_factory):
         yield node, port, store
     finally:
         node.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_agent(rootfs, tmp_path_factory):
+    yield from booted_tls_agent(rootfs, tmp_path_factory, "sec-agent")
 
 
 def secure_stub(port: int, store: pki.PkiStore, key: bytes | None, cert: bytes | None, name: str = "spark2"):

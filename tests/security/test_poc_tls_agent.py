@@ -17,9 +17,8 @@ from cryptography import x509
 from coordinator import pki
 from coordinator.agents import AgentClient, Tls
 from dsv41.v1 import agent_pb2 as pb
-from tests.harness.nspawn import Node
-from tests.integration.agentnode import free_port, install_agent, wait
-from tests.integration.test_security import NODES, agent_env_lines, install_bundle, read, secure_stub
+from tests.integration.agentnode import wait
+from tests.integration.test_security import NODES, booted_tls_agent, install_bundle, read, secure_stub
 
 pytestmark = pytest.mark.integration
 
@@ -28,17 +27,7 @@ IDLE = 1100
 
 @pytest.fixture(scope="module")
 def tls_agent(rootfs, tmp_path_factory):
-    store = pki.PkiStore(str(tmp_path_factory.mktemp("sec-poc") / "pki"), group=None)
-    store.init(NODES)
-    node = Node("sec-poc3", rootfs)
-    node.boot()
-    port = free_port()
-    try:
-        bundle = install_bundle(node, store, "spark2")
-        install_agent(node, port, extra=agent_env_lines(bundle))
-        yield node, port, store
-    finally:
-        node.stop()
+    yield from booted_tls_agent(rootfs, tmp_path_factory, "sec-poc3")
 
 
 def coordinator(store: pki.PkiStore, port: int, cert: bytes | None = None, key: bytes | None = None) -> AgentClient:
@@ -69,28 +58,27 @@ def many_descriptors():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def coordinator_gets_through(store: pki.PkiStore, port: int) -> None:
+    """The coordinator's status call is answered, within 10 s."""
+    client = coordinator(store, port)
+    start = time.monotonic()
+    try:
+        assert client.status(timeout=10).node == "spark2"
+    finally:
+        client.close()
+    assert time.monotonic() - start < 10
+
+
 def test_idle_connections_do_not_lock_the_coordinator_out(tls_agent, many_descriptors):
     node, port, store = tls_agent
     held = idle(port, IDLE, "127.0.0.2")  # another host on the network
     try:
-        client = coordinator(store, port)
-        start = time.monotonic()
-        try:
-            assert client.status(timeout=10).node == "spark2"
-        finally:
-            client.close()
-        assert time.monotonic() - start < 10
+        coordinator_gets_through(store, port)
         assert wait(lambda: node.journal(matches=["DSV41_EVENT=connection_refused"]), timeout=10)
         # From the coordinator's own address too (a local user on its host): a connection that never
         # spoke gives way to the coordinator's, which speaks at once.
         held += idle(port, IDLE, "127.0.0.1")
-        client = coordinator(store, port)
-        start = time.monotonic()
-        try:
-            assert client.status(timeout=10).node == "spark2"
-        finally:
-            client.close()
-        assert time.monotonic() - start < 10
+        coordinator_gets_through(store, port)
     finally:
         for s in held:
             s.close()
