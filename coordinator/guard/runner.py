@@ -248,6 +248,10 @@ class MemoryGuard:
         if found is None or found[0] != session.key:
             self._emit(d, "not carried out: the ranks stopped meanwhile")
             return
+        if d.kind == STOP:
+            # Logged before the request: the stop is the supervisor's, asynchronous, and its own events
+            # (and the phase `stopped`) must follow the guard's reason for it, never precede it.
+            self._emit(d)
         try:
             if d.kind == ABORT:
                 for victim in d.victims:
@@ -260,7 +264,8 @@ class MemoryGuard:
             self.stats.failures += 1
             self._emit(d, f"failed: {exc}")
             return
-        self._emit(d)
+        if d.kind != STOP:
+            self._emit(d)
 
     def _emit(self, d: Decision, outcome: str = "") -> None:
         for e in events_of(d, self.settings.mode, outcome):

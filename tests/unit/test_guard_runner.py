@@ -151,11 +151,15 @@ def rig():
         source = Source("spark1")
         journal = Journal()
         stops: list[str] = []
-        state = {"key": serving_key, "serving": serving}
+        state = {"key": serving_key, "serving": serving, "journal_at_stop": []}
+
+        def stop(reason: str) -> None:
+            state["journal_at_stop"].append(journal.kinds())
+            stops.append(reason)
         guard = MemoryGuard(p.GuardSettings(**{**settings.__dict__, "mode": mode}), {"spark1": source},
                             EngineApi(rank0.url), journal.log,
                             lambda: None if state["key"] is None else (state["key"], state["serving"]),
-                            stops.append, poll_s=0.02)
+                            stop, poll_s=0.02)
         made.append((guard, rank0))
         guard.start()
         return guard, rank0, source, journal, stops, state
@@ -205,7 +209,7 @@ def test_without_the_in_flight_route_it_aborts_all(rig):
 
 
 def test_memory_that_keeps_falling_ends_in_one_stop_request(rig):
-    guard, rank0, source, journal, stops, _ = rig(RUNAWAY)
+    guard, rank0, source, journal, stops, state = rig(RUNAWAY)
     assert source.opened.wait(2)
     source.push_ramp(700 * MB, 400 * MB, 2.0)   # the engine ignores the aborts
     journal.wait_for("memory_stop")
@@ -213,6 +217,8 @@ def test_memory_that_keeps_falling_ends_in_one_stop_request(rig):
     assert [a["abort_all"] for a in rank0.aborts] == [False, True]
     assert len(stops) == 1 and "after abort_all" in stops[0]
     assert journal.kinds().count("memory_stop") == 1
+    # The stop is asynchronous (the supervisor's): the guard's reason is in the journal before it is asked.
+    assert state["journal_at_stop"][0][-1] == "memory_stop"
 
 
 def test_a_failed_abort_is_journalled_as_failed(rig):
