@@ -108,6 +108,7 @@ class RankManager:
         self._lifecycle = threading.Lock()  # one start or stop at a time
         self._state_lock = threading.Condition()
         self._props: dict = {}  # last known Unit+Service properties, merged from GetAll and signals
+        self._props_version = 0  # bumped by every change of _props: a read begun earlier is older
         self._last_exit: ExitRecord | None = None
         self._watchers: list[Callable[[RankStatus], None]] = []
         self._expected_stop = False
@@ -196,6 +197,7 @@ class RankManager:
             previous = self._props
             before = previous.get("ActiveState", "inactive") if previous else "inactive"
             self._props = props if replace_all else {**previous, **props}
+            self._props_version += 1
             after = self._props.get("ActiveState", "inactive")
             exited = before in ("active", "activating", "deactivating", "reloading") and after in ("inactive", "failed")
             # The exit's facts: what systemd just said over what was known of the run that ended (a
@@ -228,6 +230,8 @@ class RankManager:
             return self.status()
 
     def _finalize_exit(self, expected: bool, exiting: dict, invocation: str) -> None:
+        with self._state_lock:
+            version = self._props_version
         try:
             props = self._systemd.properties(RANK_UNIT, (UNIT_IFACE, SERVICE_IFACE))
         except SystemdError:
@@ -236,8 +240,11 @@ class RankManager:
             # By the time systemd answers, a new run may already have started under the same name:
             # its properties describe that run, not the exit being recorded.
             same_run = bool(props) and props.get("InvocationID") == exiting.get("InvocationID")
-            if same_run:
+            # The unit's state is taken from this read only if nothing newer arrived meanwhile (a
+            # stop's reset-failed and re-read, a signal): else a unit already gone reads "failed".
+            if same_run and self._props_version == version:
                 self._props = props
+                self._props_version += 1
             record = _exit_from(props if same_run else exiting, self._clock)
             cause, detail = self._causes.get(record.invocation_id, ("", ""))
             record = self._last_exit = replace(record, cause=cause, cause_detail=detail)
@@ -257,6 +264,7 @@ class RankManager:
         if status.active_state == "failed" and not expected:
             try:
                 self._systemd.reset_failed(RANK_UNIT)
+                self.refresh()  # the unit is gone now, and no signal says so
             except SystemdError as exc:
                 self._log.warning("rank_reset_failed", f"ResetFailedUnit {RANK_UNIT}: {exc}", unit=RANK_UNIT)
 

@@ -61,7 +61,8 @@ def test_sigterm_during_health_returns_within_20_s_and_leaves_no_rank(nodes, coo
     assert no_rank_anywhere(nodes)
     log = c.log.read_text()
     confirmed = [line for line in log.splitlines() if "DSV41_EVENT=rank_stop_confirmed" in line]
-    assert [line.split(":")[0].lstrip("<6>") for line in confirmed] == ["spark1", "spark2", "spark3"]
+    told = [line for line in log.splitlines() if "DSV41_EVENT=rank_stop" in line or "DSV41_EVENT=node_unheard" in line]
+    assert [line.split(":")[0].lstrip("<6>") for line in confirmed] == ["spark1", "spark2", "spark3"], told
 
 
 def test_a_restart_then_a_stop_queued_during_a_bring_up_ends_stopped_without_a_second_bring_up(nodes, coordinator):
