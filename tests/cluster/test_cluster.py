@@ -504,10 +504,13 @@ def test_13_a_powered_off_worker_is_lost_first_waited_for_and_serves_again_after
     lost_seen, booted_seen = len(incidents(head, "node_lost")), len(incidents(head, "node_rebooted"))
     exits_seen = len(incidents(head, "rank_exit"))
     spark3.power_cut()
+    cut_at = time.monotonic()
     lost = new_incident(head, "node_lost", lost_seen, timeout=4 * LEASE_S)
+    # A node without power says nothing: its peers' ranks wait in their collective (as NCCL's do),
+    # so it is found by its lease, named, and nothing else is blamed.
+    assert time.monotonic() - cut_at <= 2 * LEASE_S + 1.0
     assert lost["DSV41_NODE_NAME"] == "spark3", lost["MESSAGE"]
-    # spark1's and spark2's ranks exited when spark3's connections closed: blamed on spark3, not on them
-    assert "then rank exits on spark1" in lost["MESSAGE"], lost["MESSAGE"]
+    assert lost["MESSAGE"].startswith("spark3: spark3 lost: not heard from since "), lost["MESSAGE"]
     assert len(incidents(head, "rank_exit")) == exits_seen
     wait_for(lambda: status(head).get("phase") == "waiting", 60, "not waiting for spark3")
     assert status(head)["phase_detail"].startswith("waiting for spark3: ")

@@ -673,10 +673,16 @@ class Node:
         _ip("link", "set", self.host_veth, "up" if up else "down")
 
     def power_cut(self) -> None:
-        """The node loses power: every process of it dies at once (nspawn too), nothing shuts down
-        or writes anything. Its disk (the overlay) stays; power_on() boots it again."""
+        """The node loses power: every process of it dies at once (nspawn too), nothing shuts down,
+        writes anything or says goodbye on the network. Its disk (the overlay) stays; power_on()
+        boots it again."""
         if self._proc is None or self._cgroups is None:
             raise HarnessError(f"node {self.name} is not running")
+        # Silent: the link goes first. A killed process's sockets are closed by its kernel, which
+        # sends FIN or RST to every peer; a node without power sends nothing, so its peers wait
+        # (TCP retransmits, NCCL's collectives) instead of seeing their connections end.
+        if self.host_veth and _link_exists(self.host_veth):
+            _ip("link", "set", self.host_veth, "down", check=False)
         # At once: frozen first, so that no process of the node runs between the first SIGKILL and
         # the last (a rank killed before its agent would otherwise be reported by that agent, as a
         # real power cut never lets it). A frozen task dies of SIGKILL without running again.

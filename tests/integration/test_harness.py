@@ -283,6 +283,56 @@ def test_a_power_cut_kills_everything_at_once_and_power_on_boots_the_same_disk_f
     assert reach(b, a.address, 5.0) == "refused"
 
 
+HOLDER = """
+import socket, sys
+s = socket.create_server(("0.0.0.0", 7442))
+c, _ = s.accept()
+c.recv(100)
+"""
+
+# Connects to the holder, says it is connected, then waits for the connection to end.
+WATCHER = """
+import pathlib, socket, sys, time
+deadline = time.monotonic() + 10
+while True:
+    try:
+        c = socket.create_connection((sys.argv[1], 7442), timeout=2)
+        break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+pathlib.Path("/run/watcher-connected").touch()
+c.settimeout(float(sys.argv[2]))
+try:
+    print("closed" if c.recv(100) == b"" else "data")
+except socket.timeout:
+    print("silence")
+except OSError as exc:
+    print(f"reset: {exc}")
+"""
+
+
+def test_a_power_cut_says_nothing_to_the_peers_connections_which_stay_open(cluster):
+    # A rank killed by its kernel closes its sockets (a FIN); one whose node lost power does not,
+    # and its peers wait for it (TCP retransmits, NCCL's collectives block).
+    c = cluster({"a": "192.168.241.21", "b": "192.168.241.22"})
+    a, b = c["a"], c["b"]
+    a.run(["systemd-run", "--quiet", "--unit=dsv41-holder", "python3", "-c", HOLDER])
+    b.run(["systemd-run", "--quiet", "--unit=dsv41-watcher", "--property=StandardOutput=file:/run/watcher.out",
+           "python3", "-c", WATCHER, a.address, "4"])
+    deadline = time.monotonic() + 15
+    while b.run(["test", "-e", "/run/watcher-connected"], check=False).returncode != 0:
+        assert time.monotonic() < deadline, "the watcher never connected"
+        time.sleep(0.05)
+    a.power_cut()
+    deadline = time.monotonic() + 15
+    while b.show("dsv41-watcher.service", "ActiveState")["ActiveState"] in ("active", "activating"):
+        assert time.monotonic() < deadline, "the watcher never ended"
+        time.sleep(0.1)
+    assert b.run(["cat", "/run/watcher.out"]).stdout.strip() == "silence"
+
+
 def test_a_frozen_node_answers_nothing_but_its_kernel_and_a_cut_link_passes_nothing(cluster):
     c = cluster({"a": "192.168.241.21", "b": "192.168.241.22"})
     a, b = c["a"], c["b"]
