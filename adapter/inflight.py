@@ -20,7 +20,8 @@ Schema (the stand-in engine serves the same route with the same schema from its 
          "state": "waiting", "cached_tokens": 0, "chunk_tokens": 0, "output_tokens": 0}
       ],
       "source": "scheduler",
-      "scheduler_age_s": 0.012
+      "scheduler_age_s": 0.012,
+      "step_launched_monotonic_s": 81234.567891
     }
 
     rid               str    SGLang's request id, the value POST /abort_request {"rid": ...} takes
@@ -39,8 +40,10 @@ Schema (the stand-in engine serves the same route with the same schema from its 
 "source" is "scheduler" when the scheduler's snapshot was read; without one (the scheduler has not
 taken a step yet, or its process is gone) it is "tokenizer_manager" and the entries carry only
 the first four fields, prefilled_tokens being 0 until the first output token and prompt_tokens
-after it. "scheduler_age_s" says how old the snapshot is; "scheduler_problem" why it could not be
-used, when it could not. If the server's request states cannot be read (still starting, or a
+after it. "scheduler_age_s" says how old the snapshot is; "step_launched_monotonic_s" when the
+step it lists was launched (`Scheduler.run_batch` returned, so its allocations are made), on rank
+0's host's CLOCK_MONOTONIC, null while it is not yet (a memory sample of that host taken later
+has the step's buffers in it); "scheduler_problem" why it could not be used, when it could not. If the server's request states cannot be read (still starting, or a
 multi-tokenizer layout without them) the route answers 503 with {"error": "..."}. SGLang's
 --api-key middleware covers this route like every other: the caller sends the key.
 
@@ -248,7 +251,9 @@ class InflightRoute:
         if snap is None:
             return 200, payload(requests)
         age = round(max(0, self._monotonic_ns() - snap.written_ns) / 1e9, 3)
-        return 200, payload(merge(requests, snap.records), SCHEDULER_SOURCE, scheduler_age_s=age)
+        launched = round(snap.launched_ns / 1e9, 6) if snap.launched_ns else None
+        return 200, payload(merge(requests, snap.records), SCHEDULER_SOURCE, scheduler_age_s=age,
+                            step_launched_monotonic_s=launched)
 
     def install(self, app: Any) -> None:
         from starlette.requests import Request
@@ -315,5 +320,6 @@ def build(env: Mapping[str, str]) -> AdapterSpec | None:
                 tracker.after_next_batch,
                 params=("self", "running_batch", "last_batch"),
             ),
+            Patch(SCHEDULER, "Scheduler.run_batch", AFTER, tracker.after_run_batch, params=("self", "batch")),
         ),
     )

@@ -8,9 +8,11 @@ store of the whole snapshot into a shared mapping between two bumps of a sequenc
 and no system call on the scheduler's hot path. The route reads it when asked; a read that
 overlaps a write is retried.
 
-Layout (little-endian, one mapping of SIZE bytes): a header of magic "DSV41RQ1", the sequence
-word (odd while a write is under way), the snapshot's CLOCK_MONOTONIC ns, the writer's pid, the
-number of records, the requests not listed (more than MAX_RECORDS), then the records: state
+Layout (little-endian, one mapping of SIZE bytes): a header of magic "DSV41RQ2", the sequence
+word (odd while a write is under way), the snapshot's CLOCK_MONOTONIC ns, when the step it lists
+was launched (CLOCK_MONOTONIC ns once `Scheduler.run_batch` returned, its allocations made; 0
+before), the writer's pid, the number of records, the requests not listed (more than
+MAX_RECORDS), then the records: state
 (0 waiting, 1 prefilling, 2 decoding), the rid's full length in bytes, prompt, prefilled, cached,
 chunk and output tokens, and the rid's first RID_BYTES bytes (UTF-8).
 """
@@ -27,11 +29,11 @@ from adapter.progress import create_shared
 
 DIRECTORY = "/dev/shm"
 PREFIX = "dsv41-requests-tp"
-MAGIC = int.from_bytes(b"DSV41RQ1", "little")
+MAGIC = int.from_bytes(b"DSV41RQ2", "little")
 STATES = ("waiting", "prefilling", "decoding")
 RID_BYTES = 160
 MAX_RECORDS = 1024
-_HEADER = struct.Struct("<QQQQII")  # magic, seq, written_ns, pid, count, unlisted
+_HEADER = struct.Struct("<QQQQQII")  # magic, seq, written_ns, launched_ns, pid, count, unlisted
 _RECORD = struct.Struct(f"<BxH5I{RID_BYTES}s8x")  # state, rid length, 5 counts, rid: 192 bytes
 _SEQ = struct.Struct("<Q")
 _SEQ_OFFSET = 8
@@ -61,6 +63,7 @@ class Snapshot:
     written_ns: int
     pid: int
     unlisted: int = 0  # requests beyond MAX_RECORDS, not in `records`
+    launched_ns: int = 0  # when the step listed was launched (0: not yet)
 
 
 def _encode(r: Record) -> bytes:
@@ -86,8 +89,9 @@ class RequestsWriter:
         self.pid = os.getpid()
         self._clock_ns = clock_ns
         self._seq = 0
+        self._header = (0, 0, 0, 0)  # written_ns, launched_ns, count, unlisted of the last write
         self._map = create_shared(self.path, SIZE,
-                                  lambda m: _HEADER.pack_into(m, 0, MAGIC, 0, clock_ns(), self.pid, 0, 0))
+                                  lambda m: _HEADER.pack_into(m, 0, MAGIC, 0, clock_ns(), 0, self.pid, 0, 0))
 
     def write(self, records: list[Record]) -> None:
         listed = records[:MAX_RECORDS]
@@ -95,8 +99,17 @@ class RequestsWriter:
         self._seq += 1
         _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2 - 1)
         self._map[_HEADER.size:_HEADER.size + len(body)] = body
-        _HEADER.pack_into(self._map, 0, MAGIC, self._seq * 2 - 1, self._clock_ns(), self.pid, len(listed),
-                          len(records) - len(listed))
+        self._header = (self._clock_ns(), 0, len(listed), len(records) - len(listed))
+        _HEADER.pack_into(self._map, 0, MAGIC, self._seq * 2 - 1, self._header[0], 0, self.pid, *self._header[2:])
+        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2)
+
+    def mark_launched(self) -> None:
+        """The step the last snapshot lists is launched: its buffers are allocated from now on."""
+        written, _, count, unlisted = self._header
+        self._header = (written, self._clock_ns(), count, unlisted)
+        self._seq += 1
+        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2 - 1)
+        _HEADER.pack_into(self._map, 0, MAGIC, self._seq * 2 - 1, written, self._header[1], self.pid, count, unlisted)
         _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2)
 
     def close(self) -> None:
@@ -126,7 +139,7 @@ def read(path: str, allowed_uids: tuple[int, ...] | None = None, attempts: int =
                              "rank's own user may write it")
         for _ in range(attempts):
             header = os.pread(fd, _HEADER.size, 0)
-            magic, seq, written_ns, pid, count, unlisted = _HEADER.unpack(header)
+            magic, seq, written_ns, launched_ns, pid, count, unlisted = _HEADER.unpack(header)
             if magic != MAGIC:
                 raise Unreadable(f"{path}: not a request-state file")
             if seq % 2:
@@ -136,7 +149,7 @@ def read(path: str, allowed_uids: tuple[int, ...] | None = None, attempts: int =
             if _SEQ.unpack(os.pread(fd, _SEQ.size, _SEQ_OFFSET))[0] != seq:
                 continue
             records = tuple(_decode(body[i:i + _RECORD.size]) for i in range(0, len(body), _RECORD.size))
-            return Snapshot(records, written_ns, pid, unlisted)
+            return Snapshot(records, written_ns, pid, unlisted, launched_ns)
         raise Unreadable(f"{path}: always being written")
     finally:
         os.close(fd)

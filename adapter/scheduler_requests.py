@@ -10,7 +10,9 @@ handful of requests).
 A request in the batch about to run prefills [prefix_len, extend_end) of its prompt: prefix_len
 tokens are in its KV already (earlier chunks, or the prefix cache's `cached_tokens`), the rest is
 the chunk now launched. The chunked request outside that batch (a decode step ran instead) keeps
-its progress with no chunk running.
+its progress with no chunk running. An AFTER hook on `Scheduler.run_batch` marks the snapshot's
+step launched, with the time: the guard knows from it whether a memory sample has that step's
+buffers in it.
 """
 
 from __future__ import annotations
@@ -86,4 +88,12 @@ class SchedulerRequests:
         writer.write(snapshot_records(getattr(plan, "batch_to_run", None), getattr(scheduler, "chunked_req", None),
                                       running, getattr(scheduler, "waiting_queue", None) or ()))
         self.snapshots += 1
+        return None
+
+    def after_run_batch(self, _result: Any, scheduler: Any, *_args: Any, **_kwargs: Any) -> None:
+        """The batch the snapshot lists is launched (under overlap scheduling run_batch returns
+        once it is enqueued): its allocations are made, and a memory sample from now on has them."""
+        writer = self._writer
+        if writer is not None and writer.pid == os.getpid():
+            writer.mark_launched()
         return None

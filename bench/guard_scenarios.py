@@ -23,7 +23,14 @@ The oracle knows every request's true peak: it replays the scenario without the 
 set of requests aborted on arrival, smallest sets first, and keeps the first size at which the
 lowest available stays at or above the guard; of the sets of that size it is compared with the
 one closest to the guard's choice. An aborted request "the oracle would have kept" is one the
-guard aborted (by rid, by abort_all or by a stop) that is in none of those sets.
+guard aborted (by rid, by abort_all or by a stop) that is in none of those sets. This oracle
+also knows the future: which prompts arrive later and when each client stops reading.
+
+The same-moment oracle (needless_at_decisions) knows only what the guard could: at each of the
+guard's actions it sees the requests in flight then, and knows their true peaks (the engine's
+own run from that moment, allocator and all), but no later arrival and no client stopping early.
+A victim of the guard's it would have kept was aborted because the cost model's projection was
+wrong, not because the future was unknown.
 
 Deterministic for a seed: no threads, no wall clock.
 """
@@ -36,6 +43,7 @@ import random
 from dataclasses import dataclass, field
 
 from agent.memory import NO_PRESSURE, ChangeFilter, Sample, SendPolicy
+from coordinator.guard import charge
 from coordinator.guard import policy as p
 from coordinator.guard.charge import CostModel
 from coordinator.guard.engine import parse_inflight
@@ -56,7 +64,7 @@ ENGINE = EngineConfig(chunk_tokens=CHUNK, max_running=64, prefill_tokens_per_s=2
                       bytes_per_token=TOKEN_BYTES, max_total_tokens=0, context_length=None,
                       transient_bytes=TRANSIENT_BYTES, empty_cache_tokens=HOOK_TOKENS)
 SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB,
-                           cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS))
+                           cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS), rank0_node="node")
 LATENCY_S = 0.002   # an action's HTTP call on the node's loopback
 CONFIRM_POLL_S = 0.05
 NOISE = 1 * MB      # sample noise, each way
@@ -115,15 +123,28 @@ class Run:
     stopped: bool = False
     t_end: float = 0.0
     lowest_at_first_chunk: bool = False  # the lowest point came with a request's first chunk
+    live: set[str] = field(default_factory=set)  # with a fork: the requests in flight at it
 
     def kinds(self, kind: str) -> int:
         return sum(1 for _, d in self.decisions if d.kind == kind)
 
 
+@dataclass(frozen=True)
+class Fork:
+    """Where a guarded run stops being the guard's: at its `decision`-th action (0 first) the
+    requests in `aborts` are aborted instead (with the same latency), and from then on nothing
+    acts, no request arrives and every client reads its answer to the end: what is left is what
+    the requests in flight at that moment go on to take."""
+    decision: int
+    aborts: frozenset[str]
+
+
 def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset(), seed: int = 0,
-             settings: p.GuardSettings = SETTINGS) -> Run:
+             settings: p.GuardSettings = SETTINGS, fork: Fork | None = None) -> Run:
     """One scenario on the stand-in's engine; with `guarded` the policy in the loop, else nothing
-    acts. Requests in `skip` are aborted on arrival (the oracle's choice): they hold nothing."""
+    acts. Requests in `skip` are aborted on arrival (the oracle's choice): they hold nothing.
+    With `fork`, the run from the guard's fork.decision-th action on (Run.lowest from there, and
+    Run.live the requests in flight then)."""
     rng = random.Random(seed)
     clock = [0.0]
     backing = CountedMemory()
@@ -138,6 +159,8 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
     decode_until: dict[str, float] = {}
     batch, transients, chunk_end = None, [], math.inf
     guard = p.Guard(settings) if guarded else None
+    acted = [0]             # the guard's actions so far
+    forked = [False]
     asked = settings.send_request()
     gate = ChangeFilter(SendPolicy(asked["min_change_bytes"], asked.get("heartbeat_ms", 5000) / 1000,
                                    asked.get("replay_samples", 0), asked.get("follow_samples", 0)))
@@ -148,7 +171,7 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
     last_arrival = max(s.arrival for s in arrivals)
 
     def listing() -> p.InflightList:
-        return parse_inflight({"requests": engine.inflight()})
+        return parse_inflight({"requests": engine.inflight(), "step_launched_monotonic_s": engine.step_launched_at()})
 
     def apply(d: p.Decision) -> None:
         if d.kind == p.ABORT:
@@ -164,9 +187,23 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
                 engine.finish(r, "abort")
 
     def decide(d: p.Decision, now: float) -> None:
+        if forked[0]:
+            return
+        if d.kind in p.ACTIONS and fork is not None and acted[0] == fork.decision:
+            forked[0] = True
+            run.lowest = available()
+            run.live = {rid for rid, r in requests.items() if r.phase is not Phase.FINISHED and not r.abort_requested}
+            arrivals.clear()
+            for rid in decode_until:
+                decode_until[rid] = math.inf
+            if fork.aborts:
+                victims = tuple(charge.Victim(charge.InflightRequest(rid, 0, 0), "holds", 0) for rid in sorted(fork.aborts))
+                actions.append((now + LATENCY_S, p.Decision(p.ABORT, "node", "the oracle's", victims=victims)))
+            return
         if d.kind != p.NONE:
             run.decisions.append((now, d))
         if d.kind in p.ACTIONS:
+            acted[0] += 1
             actions.append((now + LATENCY_S, d))
 
     while True:
@@ -190,7 +227,8 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
             engine.end_chunk(batch, transients)
             for r, _ in batch:
                 if r.phase is Phase.DECODE and r.rid not in decode_until:
-                    decode_until[r.rid] = t + next(s.decode_s for s in scenario.requests if s.rid == r.rid)
+                    decode_until[r.rid] = math.inf if forked[0] else \
+                        t + next(s.decode_s for s in scenario.requests if s.rid == r.rid)
             batch, transients, chunk_end = None, [], math.inf
         for rid, until in list(decode_until.items()):
             r = requests[rid]
@@ -212,6 +250,11 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
                 chunk_end = t + engine.chunk_seconds(batch)
                 if available() < run.lowest:
                     run.lowest, run.lowest_at_first_chunk = available(), first
+            elif forked[0] and not actions:
+                break  # nothing left to prefill, nothing to act: memory no longer changes
+        if forked[0]:
+            next_sample = next_poll = math.inf
+            continue
         if guard is not None and t >= next_sample:
             level = available() + rng.randint(-NOISE, NOISE)
             for sample in gate.offer(Sample(t, 0, level, 0, 0, level, NO_PRESSURE, NO_PRESSURE, 0)):
@@ -229,6 +272,8 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
     for rid, r in requests.items():
         if r.phase is Phase.FINISHED and r.finish_reason == "stop":
             run.completed.add(rid)
+        elif forked[0] and r.phase is Phase.DECODE:
+            pass  # a fork ends once the prefills are done: its client reads on
         elif rid not in skip:
             run.aborted.add(rid)  # by the guard's abort, its abort_all, or its stop
     for s in arrivals:  # never arrived: the guard stopped the ranks first
@@ -244,6 +289,7 @@ class Verdict:
     oracle_aborts: int
     oracle_sets: list[frozenset[str]]
     kept_by_oracle: set[str]     # aborted by the guard, in none of the oracle's best sets
+    needless: set[str] = field(default_factory=set)  # aborted by the guard, kept by the same-moment oracle
 
 
 def oracle(scenario: Scenario, seed: int) -> tuple[int, list[frozenset[str]], Run]:
@@ -261,11 +307,39 @@ def oracle(scenario: Scenario, seed: int) -> tuple[int, list[frozenset[str]], Ru
     raise AssertionError("aborting everything keeps the node above the guard")
 
 
+def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings: p.GuardSettings = SETTINGS) -> set[str]:
+    """The guard's victims an oracle deciding at the same moments would have kept: one that knows
+    the true peak of every request in flight (the engine's own run from there, allocator and all)
+    and nothing the guard cannot know either (no later arrival, every client reading on). At each
+    of the guard's actions it aborts the fewest requests in flight that keep the lowest point from
+    there at or above the guard; a victim of the guard's in none of those sets (the one closest to
+    the guard's choice) was aborted needlessly."""
+    needless: set[str] = set()
+    actions = [d for _, d in guarded.decisions if d.kind in p.ACTIONS]
+    for i, d in enumerate(actions):
+        keep_all = simulate(scenario, guarded=True, seed=seed, settings=settings, fork=Fork(i, frozenset()))
+        live = sorted(keep_all.live)
+        victims = {v.request.rid for v in d.victims} if d.kind == p.ABORT else set(live)
+        victims &= set(live)
+        if keep_all.lowest >= SETTINGS.guard_bytes:
+            needless |= victims
+            continue
+        for k in range(1, len(live) + 1):
+            sets = [frozenset(c) for c in itertools.combinations(live, k)
+                    if simulate(scenario, guarded=True, seed=seed, settings=settings, fork=Fork(i, frozenset(c))).lowest
+                    >= SETTINGS.guard_bytes]
+            if sets:
+                needless |= victims - min(sets, key=lambda c: len(victims - c))
+                break
+    return needless
+
+
 def judge(scenario: Scenario, seed: int) -> Verdict:
     k, sets, unguarded = oracle(scenario, seed)
     guarded = simulate(scenario, guarded=True, seed=seed)
     best = min(sets, key=lambda s: len(guarded.aborted - s))
-    return Verdict(scenario, guarded, unguarded, k, sets, guarded.aborted - best)
+    return Verdict(scenario, guarded, unguarded, k, sets, guarded.aborted - best,
+                   needless_at_decisions(scenario, seed, guarded))
 
 
 def run_scenarios(count: int, seed: int) -> list[Verdict]:
@@ -296,6 +370,8 @@ def summary(verdicts: list[Verdict]) -> dict:
         "oracle_aborts": sum(v.oracle_aborts for v in verdicts),
         "guard_aborts": sum(len(v.guard.aborted) for v in verdicts),
         "kept_by_oracle": sum(len(v.kept_by_oracle) for v in verdicts),
+        "needless": sum(len(v.needless) for v in verdicts),
+        "scenarios_needless": sum(1 for v in verdicts if v.needless),
         "scenarios_kept_by_oracle": sum(1 for v in verdicts if v.kept_by_oracle),
         "fewer_than_oracle": sum(1 for v in verdicts if len(v.guard.aborted) < v.oracle_aborts),
         "below_guard": sum(1 for v in verdicts if v.guard.lowest < g),
@@ -341,6 +417,8 @@ def report(count: int, seed: int, out=print) -> dict:
     rows = [("scenarios in which some request had to go (oracle)", "needed"),
             ("aborted requests the oracle would have kept (goal 0)", "kept_by_oracle"),
             ("  in scenarios", "scenarios_kept_by_oracle"),
+            ("aborted requests the same-moment oracle would have kept", "needless"),
+            ("  in scenarios", "scenarios_needless"),
             ("the oracle's aborts", "oracle_aborts"),
             ("the guard's aborts (by rid, abort_all or stop)", "guard_aborts"),
             ("scenarios the guard kept above it with fewer aborts", "fewer_than_oracle"),

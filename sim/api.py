@@ -31,7 +31,7 @@ _OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
 def inflight_body(engine: Engine) -> dict:
     """GET /dsv41/inflight; the adapter's route inside real SGLang serves the same schema."""
-    return {"requests": engine.inflight(), "source": "sim"}
+    return {"requests": engine.inflight(), "source": "sim", "step_launched_monotonic_s": engine.step_launched_at()}
 
 
 class ApiState:

@@ -117,6 +117,7 @@ class Engine:
         self._cond = threading.Condition()
         self._requests: dict[str, Request] = {}  # in arrival order; finished ones are removed
         self._last_step_at = float("-inf")  # time.monotonic() when the last forward step completed
+        self._launched_at: float | None = None  # when the prefill step now running was launched (its memory taken)
         self._accepting = True
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
@@ -328,6 +329,10 @@ class Engine:
         logits buffer over each request's prefix (returned when the chunk ends); the transients."""
         transients = []
         cfg = self.config
+        # The prefill_empty_cache adapter runs before a long prompt's chunk is launched too: what
+        # the short prompts before it left cached goes back before its first chunk.
+        if empties_cache([r.prompt_tokens for r, _ in batch], cfg.empty_cache_tokens):
+            self.allocator.empty_cache()
         for request, take in batch:
             kv = self.allocator.malloc(take * cfg.bytes_per_token)
             if kv is not None:
@@ -338,7 +343,15 @@ class Engine:
             block = self.allocator.malloc(int(cfg.transient_bytes * take * (request.prefilled + take)))
             if block is not None:
                 transients.append(block)
+        with self._cond:
+            self._launched_at = self._clock()
         return transients
+
+    def step_launched_at(self) -> float | None:
+        """When the prefill step now running was launched, on this engine's clock (the route's
+        step_launched_monotonic_s); None between steps."""
+        with self._cond:
+            return self._launched_at
 
     def _run(self) -> None:
         # Touching pages takes real time (about 0.4 s per GiB): it is part of the chunk's time, and
@@ -382,6 +395,7 @@ class Engine:
         for block in transients:
             self.allocator.free(block)
         with self._cond:
+            self._launched_at = None
             for request, take in batch:
                 request.chunk_tokens = 0
                 if request.phase is Phase.PREFILL and not request.abort_requested:
@@ -391,6 +405,7 @@ class Engine:
             self._last_step_at = time.monotonic()
             self._cond.notify_all()
         # The prefill_empty_cache adapter: after a chunk of a long sequence (before the next
-        # batch's launch, where the adapter runs) every wholly free cached segment goes back.
+        # batch's launch, where the adapter runs, whatever that batch is) every wholly free cached
+        # segment goes back.
         if empties_cache([r.prompt_tokens for r, _ in batch], self.config.empty_cache_tokens):
             self.allocator.empty_cache()

@@ -26,6 +26,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable
 
+from . import projection
+
 WAITING, PREFILLING, DECODING = "waiting", "prefilling", "decoding"
 
 
@@ -59,6 +61,9 @@ class InflightRequest:
 class InflightList:
     requests: tuple[InflightRequest, ...] = ()
     unavailable: str = ""   # why there is no list (route missing, rank 0 not answering); "" when there is
+    # When the step it lists was launched (its memory taken), on rank 0's host's CLOCK_MONOTONIC;
+    # None while it is not, or when the route does not say.
+    step_launched_at: float | None = None
 
     @property
     def scheduler_view(self) -> bool:
@@ -112,17 +117,11 @@ class CostModel:
 
 
 def projected_low(level: int, kept: Iterable[InflightRequest], aborted: Iterable[InflightRequest],
-                  model: CostModel) -> int:
+                  model: CostModel, running_in_level: bool = False) -> int:
     """The lowest available memory ahead if `kept` run to the end of their prefill and `aborted`
-    leave what they hold in the allocator for them."""
-    kept = list(kept)
-    kv = sum(model.kv_to_come(r) for r in kept)
-    transients = [model.transient_peak(r) for r in kept]
-    hooked = [t for r, t in zip(kept, transients) if model.hooked(r)]
-    kept_transient = max(hooked, default=0) + sum(t for r, t in zip(kept, transients) if not model.hooked(r))
-    reusable = sum(model.held(r) for r in aborted)
-    fresh_kv = max(0, kv - reusable)  # KV reuses the blocks an aborted request left; buffers grow past them
-    return level - fresh_kv - kept_transient
+    leave what they hold in the allocator for them (projection.py steps the allocator);
+    `running_in_level`: the level was sampled after the step now running was launched."""
+    return projection.projected_low(level, kept, aborted, model, running_in_level)
 
 
 @dataclass(frozen=True)
@@ -164,7 +163,7 @@ def growing(requests: Iterable[InflightRequest]) -> list[InflightRequest]:
 
 
 def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostModel,
-           exclude: Iterable[str] = (), max_victims: int = 8) -> Choice:
+           exclude: Iterable[str] = (), max_victims: int = 8, running_in_level: bool = False) -> Choice:
     """The fewest aborts that keep the projected low at or above the guard, preferring sets that
     hold the request now growing, then those that leave the most; requests already aborted
     (`exclude`) count as aborted. A request whose rid is a prefix of others' can only go after
@@ -183,7 +182,7 @@ def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostMode
     skipped = tuple((rid, f"/abort_request {rid!r} would also end {', '.join(o.rid for o in others)}")
                     for rid, others in sorted(conflicts.items()))
     grow = {r.rid for r in growing(live)}
-    keep_all = projected_low(level, live, gone, model)
+    keep_all = projected_low(level, live, gone, model, running_in_level)
 
     def expanded(chosen: tuple[InflightRequest, ...]) -> tuple[InflightRequest, ...]:
         out = list(chosen)
@@ -193,7 +192,7 @@ def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostMode
 
     def low_without(victims: Iterable[InflightRequest]) -> int:
         victims = list(victims)
-        return projected_low(level, [r for r in live if r not in victims], gone + victims, model)
+        return projected_low(level, [r for r in live if r not in victims], gone + victims, model, running_in_level)
 
     def rank(chosen: tuple[InflightRequest, ...]) -> tuple:
         return (len(expanded(chosen)), not any(v.rid in grow for v in chosen), -low_without(expanded(chosen)),
@@ -220,7 +219,8 @@ def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostMode
                   low_without(total), keep_all, skipped, needed=True, explained=explained, then=later)
 
 
-def growing_choice(inflight: InflightList, level: int, model: CostModel, exclude: Iterable[str] = ()) -> Choice:
+def growing_choice(inflight: InflightList, level: int, model: CostModel, exclude: Iterable[str] = (),
+                   running_in_level: bool = False) -> Choice:
     """The requests now growing as victims (those whose rid is a prefix of others' after them)."""
     skip = set(exclude)
     live = [r for r in inflight.requests if r.rid not in skip]
@@ -232,9 +232,10 @@ def growing_choice(inflight: InflightList, level: int, model: CostModel, exclude
     now = [r for r in grow if r not in later] + [o for r in later for o in conflicts[r.rid] if o not in grow]
     gone = [r for r in inflight.requests if r.rid in skip]
     kept = [r for r in live if r not in now and r not in later]
-    low = projected_low(level, kept, gone + now + list(later), model)
+    low = projected_low(level, kept, gone + now + list(later), model, running_in_level)
     return Choice(victims_of(now, {r.rid for r in grow}, model, blockers=conflicts, later=later), low,
-                  projected_low(level, live, gone, model), (), needed=False, explained=False, then=later)
+                  projected_low(level, live, gone, model, running_in_level), (), needed=False, explained=False,
+                  then=later)
 
 
 def victims_of(requests: Iterable[InflightRequest], grow: set[str], model: CostModel,

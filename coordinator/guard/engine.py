@@ -87,7 +87,8 @@ class EngineApi:
 
 def parse_inflight(body: object) -> InflightList:
     """The route's JSON (adapter/inflight.py): {"requests": [{"rid", "prompt_tokens", "prefilled_tokens",
-    "age_s", and from rank 0's scheduler "state", "cached_tokens", "chunk_tokens", "output_tokens"}], ...}."""
+    "age_s", and from rank 0's scheduler "state", "cached_tokens", "chunk_tokens", "output_tokens"}],
+    "step_launched_monotonic_s": when the step it lists was launched, or null, ...}."""
     if not isinstance(body, dict) or not isinstance(body.get("requests"), list):
         raise ValueError("expected an object with a list under 'requests'")
     requests = []
@@ -101,4 +102,7 @@ def parse_inflight(body: object) -> InflightList:
                                         int(item.get("prefilled_tokens", 0)), float(item.get("age_s", 0.0)), state,
                                         int(item.get("cached_tokens", 0)), int(item.get("chunk_tokens", 0)),
                                         int(item.get("output_tokens", 0))))
-    return InflightList(tuple(requests))
+    launched = body.get("step_launched_monotonic_s")
+    if launched is not None and (isinstance(launched, bool) or not isinstance(launched, (int, float))):
+        raise ValueError(f"step_launched_monotonic_s {launched!r} is not a number")
+    return InflightList(tuple(requests), step_launched_at=None if launched is None else float(launched))

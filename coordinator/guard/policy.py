@@ -81,6 +81,8 @@ class GuardSettings:
     heartbeat_ms: int = 5000
     # What a request costs each rank (charge.CostModel): the victims are chosen by it.
     cost: CostModel = field(default_factory=CostModel)
+    # The node rank 0 runs on (the head): its samples and rank 0's scheduler share a clock.
+    rank0_node: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -257,6 +259,7 @@ class Assessment:
     crossing_s: float | None = None  # predicted time to the guard; None: not falling
     horizon_s: float = 0.0          # how far ahead that projection looked
     exhaust_s: float | None = None  # predicted time until nothing is available
+    at: float = 0.0                 # when `level` was sampled, on the node's clock
 
 
 def assess(node: str, reading: Reading, s: GuardSettings) -> Assessment:
@@ -277,11 +280,11 @@ def assess(node: str, reading: Reading, s: GuardSettings) -> Assessment:
         candidates.append((crossing, horizon, "lows", reading.lows.slope, reading.low))
     if not candidates:
         slope = reading.slope.slope if reading.slope is not None else 0.0
-        return Assessment(node, reading.level, False, reading.low, slope=slope)
+        return Assessment(node, reading.level, False, reading.low, slope=slope, at=reading.at)
     dangerous = [c for c in candidates if c[0] <= c[1]]
     crossing, horizon, basis, slope, level = min(dangerous or candidates)
     return Assessment(node, reading.level, bool(dangerous), reading.low, basis, slope, crossing, horizon,
-                      max(0, level) / -slope)
+                      max(0, level) / -slope, reading.at)
 
 
 @dataclass(frozen=True)
@@ -366,6 +369,13 @@ def confirm(s: GuardSettings, state: GuardState, inflight: InflightList, now: fl
                                                 overdue_reported=state.overdue_reported or bool(overdue))
 
 
+def running_in_level(s: GuardSettings, a: Assessment, inflight: InflightList) -> bool:
+    """Whether the level was sampled after the step the list shows running was launched: only
+    rank 0's own node shares the clock the list says it in (CLOCK_MONOTONIC of one host)."""
+    return bool(s.rank0_node) and a.node == s.rank0_node and inflight.step_launched_at is not None \
+        and a.at >= inflight.step_launched_at
+
+
 def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
            inflight: InflightList | None = None, serving: bool = True) -> tuple[Decision, GuardState]:
     """The next action after one node's sample. `inflight` None means not fetched yet: an action
@@ -420,7 +430,8 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             # spurious fall (noise at the guard); it escalates to a stop if memory keeps falling.
             kind = fallback
             return decision(kind, f"{why}; nothing is in flight to abort"), acted(_PHASE_OF[kind])
-        choice = charge.choose(inflight, a.level, s.guard_bytes, s.cost, exclude=at.aborted)
+        choice = charge.choose(inflight, a.level, s.guard_bytes, s.cost, exclude=at.aborted,
+                               running_in_level=running_in_level(s, a, inflight))
         skipped = "".join(f"; not aborting {rid} alone: {text}" for rid, text in choice.skipped)
         if not choice.needed:
             urgent = a.exhaust_s is not None and a.exhaust_s <= s.lead_s
@@ -432,7 +443,8 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                                  projected_low_kept=choice.projected_low_keeping_all, skipped=choice.skipped),
                         replace(at, hold_until=now + s.envelope_s, hold_low=choice.projected_low_keeping_all,
                                 hold_rids=tuple(r.rid for r in inflight.requests)))
-            choice = charge.growing_choice(inflight, a.level, s.cost, exclude=at.aborted)
+            choice = charge.growing_choice(inflight, a.level, s.cost, exclude=at.aborted,
+                                           running_in_level=running_in_level(s, a, inflight))
         if choice.victims:
             return abort(why, choice, at)
         kind = fallback
@@ -465,7 +477,8 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             return decision(NONE), looked
         if inflight.requests and not inflight.scheduler_view:
             return decision(NONE), replace(looked, no_scheduler_view=True)  # an older route: no early checks
-        choice = charge.choose(inflight, a.level, s.guard_bytes, s.cost, exclude=at.aborted)
+        choice = charge.choose(inflight, a.level, s.guard_bytes, s.cost, exclude=at.aborted,
+                               running_in_level=running_in_level(s, a, inflight))
         if not (choice.needed and choice.explained and choice.victims):
             return decision(NONE), looked
         why = (f"{a.node}: available {_gb(a.level)} falling {max(0.0, -a.slope) / 1e9:.2f} GB/s, guard "

@@ -46,4 +46,5 @@ def from_config(cfg: Mapping[str, object]) -> GuardSettings:
         # the slope window in samples, so it always holds enough of them for a line and its error
         window_s=int(cfg["MEMORY_GUARD_WINDOW_SAMPLES"]) * interval_ms / 1000,
         cost=cost_model(cfg, getattr(cfg, "passthrough", None)),
+        rank0_node=str(getattr(getattr(cfg, "head", None), "name", "") or ""),
     )

@@ -124,6 +124,19 @@ def test_the_shared_snapshot_round_trips_and_a_long_rid_is_marked_incomplete(tmp
     assert reqstate.read(str(tmp_path / "absent")) is None
 
 
+def test_a_snapshot_says_when_its_step_was_launched_and_the_next_one_starts_unlaunched(tmp_path) -> None:
+    clock = iter([1, 5_000_000_000, 5_030_000_000, 5_100_000_000])  # creation, write, launch, write
+    writer = reqstate.RequestsWriter(0, str(tmp_path), clock_ns=lambda: next(clock, 0))
+    record = reqstate.Record("a", "prefilling", 100, 50, 0, 25, 0)
+    writer.write([record])
+    assert reqstate.read(writer.path).launched_ns == 0  # listed, not launched yet
+    writer.mark_launched()
+    snap = reqstate.read(writer.path)
+    assert snap.launched_ns == 5_030_000_000 and snap.written_ns == 5_000_000_000 and snap.records == (record,)
+    writer.write([record])
+    assert reqstate.read(writer.path).launched_ns == 0
+
+
 def test_a_write_under_way_is_never_read_half_done(tmp_path) -> None:
     writer = reqstate.RequestsWriter(0, str(tmp_path))
     writer.write([reqstate.Record("a", "waiting", 1, 0, 0, 0, 0)])
@@ -147,6 +160,10 @@ def test_the_route_joins_the_tokenizer_view_with_the_scheduler_snapshot(tmp_path
                           monotonic_ns=lambda: reqstate.read(str(tmp_path / "dsv41-requests-tp0")).written_ns + 12_000_000)
     status, body = route.body()
     assert status == 200 and body["source"] == "scheduler" and body["scheduler_age_s"] == 0.012
+    assert body["step_launched_monotonic_s"] is None  # run_batch has not returned yet
+    tracker.after_run_batch(None, scheduler, plan.batch_to_run)
+    launched = reqstate.read(str(tmp_path / "dsv41-requests-tp0")).launched_ns
+    assert launched > 0 and route.body()[1]["step_launched_monotonic_s"] == round(launched / 1e9, 6)
     rows = {r["rid"]: (r["state"], r["prefilled_tokens"], r["chunk_tokens"]) for r in body["requests"]}
     # "new" has not reached the scheduler's snapshot yet: it waits and holds nothing
     assert rows == {"dec": ("decoding", 900, 0), "grow": ("prefilling", 6144, 768), "wait": ("waiting", 0, 0),

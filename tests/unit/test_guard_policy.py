@@ -442,7 +442,10 @@ def req(rid, prompt, prefilled=0, state=None, chunk=0, age=0.0):
     return p.InflightRequest(rid, prompt, prefilled, age, state, 0, chunk, 0)
 
 
-COST = CostModel(token_bytes=10_000, transient_bytes=0.0, chunk_tokens=1000, empty_cache_tokens=8192)
+# One chunk of KV is 10 MiB, a segment of its own (projection.py rounds nothing away), so the
+# figures below are whole MiB.
+COST = CostModel(token_bytes=10_240, transient_bytes=0.0, chunk_tokens=1024, empty_cache_tokens=8192)
+MiB = 1 << 20
 
 
 def test_the_cost_model_charges_kv_to_come_and_the_indexer_buffers_with_and_without_the_hook():
@@ -462,47 +465,47 @@ def test_the_cost_model_charges_kv_to_come_and_the_indexer_buffers_with_and_with
 
 
 def test_victims_are_the_fewest_that_keep_the_projected_low_above_the_guard():
-    # 600 MB above a 150 MB guard; a decoding request holds 200 MB, "grow" has 300 MB to come,
-    # "big" waits with 400 MB to come, "tiny" waits with 10 MB
-    inflight = p.InflightList((req("dec", 20_000, 20_000, age=9.0), req("grow", 40_000, 10_000, chunk=1000, age=5.0),
-                               req("big", 40_000, age=2.0), req("tiny", 1_000, age=1.0)))
-    choice = charge.choose(inflight, 600 * MB, 150 * MB, COST)
-    assert choice.projected_low_keeping_all == 600 * MB - 710 * MB
-    # aborting "big" alone leaves 600 - 310 = 290 MB >= 150 MB: one victim, though it is not the
-    # one growing (aborting "grow" alone would leave 600 - 410 + 100 = 290 MB too: the grower wins)
+    # 600 MiB above a 150 MiB guard; a decoding request holds 200 MiB, "grow" has 300 MiB to come,
+    # "big" waits with 400 MiB to come, "tiny" waits with 10 MiB
+    inflight = p.InflightList((req("dec", 20_480, 20_480, age=9.0), req("grow", 40_960, 10_240, chunk=1024, age=5.0),
+                               req("big", 40_960, age=2.0), req("tiny", 1_024, age=1.0)))
+    choice = charge.choose(inflight, 600 * MiB, 150 * MiB, COST)
+    assert choice.projected_low_keeping_all == 600 * MiB - 710 * MiB
+    # aborting "big" alone leaves 600 - 310 = 290 MiB >= 150 MiB: one victim, though it is not the
+    # one growing (aborting "grow" alone would leave 600 - 410 + 100 = 290 MiB too: the grower wins)
     assert [(v.request.rid, v.why) for v in choice.victims] == [("grow", "growing")]
-    assert choice.projected_low == 600 * MB - 410 * MB + 100 * MB and choice.explained
+    assert choice.projected_low == 600 * MiB - 410 * MiB + 100 * MiB and choice.explained
     # with less room one is not enough: the fewest that do, the grower among them, and of those
-    # the pair that leaves the most (aborting "dec" instead of "big" would leave 290 MB, not 400)
-    choice = charge.choose(inflight, 400 * MB, 150 * MB, COST)
+    # the pair that leaves the most (aborting "dec" instead of "big" would leave 290 MiB, not 400)
+    choice = charge.choose(inflight, 400 * MiB, 150 * MiB, COST)
     assert [(v.request.rid, v.why) for v in choice.victims] == [("grow", "growing"), ("big", "cannot_fit")]
-    assert choice.projected_low == 400 * MB
+    assert choice.projected_low == 400 * MiB
     # already aborted requests are out of the running but leave what they held to the others
-    choice = charge.choose(inflight, 400 * MB, 150 * MB, COST, exclude=["grow"])
+    choice = charge.choose(inflight, 400 * MiB, 150 * MiB, COST, exclude=["grow"])
     assert [v.request.rid for v in choice.victims] == ["big"]
 
 
 def test_a_rid_that_is_a_prefix_of_another_is_never_chosen():
-    inflight = p.InflightList((req("r-1", 40_000, 10_000, chunk=1000), req("r-10", 30_000)))
+    inflight = p.InflightList((req("r-1", 40_960, 10_240, chunk=1024), req("r-10", 30_720)))
     assert charge.prefix_conflicts(inflight.requests) == {"r-1": ["r-10"]}
-    choice = charge.choose(inflight, 400 * MB, 150 * MB, COST)
-    # r-1 would cross on its own (400 - 300 MB) and r-10 alone cannot save it: r-1 must go, and
+    choice = charge.choose(inflight, 400 * MiB, 150 * MiB, COST)
+    # r-1 would cross on its own (400 - 300 MiB) and r-10 alone cannot save it: r-1 must go, and
     # "r-1" would end r-10 too. So r-10 goes first, by its own rid, and r-1 after it.
     assert [(v.request.rid, v.why) for v in choice.victims] == [("r-10", "unblocks")]
     assert [r.rid for r in choice.then] == ["r-1"]
     assert choice.skipped[0][0] == "r-1" and "would also end r-10" in choice.skipped[0][1]
-    choice = charge.choose(inflight, 700 * MB, 150 * MB, COST)  # r-1 alone fits; the pair does not
+    choice = charge.choose(inflight, 700 * MiB, 150 * MiB, COST)  # r-1 alone fits; the pair does not
     assert [v.request.rid for v in choice.victims] == ["r-10"]
     # the other way round r-10 is the one growing, and aborting it is exact
-    inflight = p.InflightList((req("r-1", 30_000), req("r-10", 40_000, 10_000, chunk=1000)))
-    assert [v.request.rid for v in charge.choose(inflight, 500 * MB, 150 * MB, COST).victims] == ["r-10"]
+    inflight = p.InflightList((req("r-1", 30_720), req("r-10", 40_960, 10_240, chunk=1024)))
+    assert [v.request.rid for v in charge.choose(inflight, 500 * MiB, 150 * MiB, COST).victims] == ["r-10"]
 
 
 def test_without_the_schedulers_view_every_short_prompt_counts_as_growing():
-    legacy = p.InflightList((p.InflightRequest("a", 100_000, 0, 3.0), p.InflightRequest("b", 200_000, 0, 1.0),
-                             p.InflightRequest("done", 500, 500, 9.0)))
+    legacy = p.InflightList((p.InflightRequest("a", 102_400, 0, 3.0), p.InflightRequest("b", 204_800, 0, 1.0),
+                             p.InflightRequest("done", 512, 512, 9.0)))
     assert [r.rid for r in charge.growing(legacy.requests)] == ["a", "b"] and not legacy.scheduler_view
-    choice = charge.choose(legacy, 2_200 * MB, 150 * MB, COST)
+    choice = charge.choose(legacy, 2_200 * MiB, 150 * MiB, COST)
     assert [v.request.rid for v in choice.victims] == ["b"]  # the 2 GB it is still to allocate
 
 
@@ -717,3 +720,24 @@ def test_the_floor_must_sit_below_the_guard():
     with pytest.raises(config.ConfigInvalid) as info:
         config.parse(edited(SEED_TEXT, MEMORY_GUARD_TOKEN_BYTES="12k"), "/etc/dsv41/cluster.env", HOME)
     assert any("MEMORY_GUARD_TOKEN_BYTES" in str(e) for e in info.value.errors)
+
+
+def test_the_running_step_counts_as_in_the_level_only_for_rank_0s_node_sampled_after_its_launch():
+    settings = p.GuardSettings(guard_bytes=150 * MB, rank0_node="spark1")
+    listing = p.InflightList((p.InflightRequest("r", 40 * 768, 10 * 768, 1.0, "prefilling", 0, 768, 0),),
+                             step_launched_at=100.0)
+    on = dict(level=500 * MB, danger=True)
+    assert p.running_in_level(settings, p.Assessment("spark1", at=100.2, **on), listing)
+    assert not p.running_in_level(settings, p.Assessment("spark1", at=99.9, **on), listing)   # sampled before it
+    assert not p.running_in_level(settings, p.Assessment("spark2", at=100.2, **on), listing)  # another host's clock
+    unlaunched = p.InflightList(listing.requests)
+    assert not p.running_in_level(settings, p.Assessment("spark1", at=100.2, **on), unlaunched)
+    assert not p.running_in_level(p.GuardSettings(guard_bytes=150 * MB), p.Assessment("spark1", at=100.2, **on),
+                                  listing)
+    # it decides: with the chunk's buffers (and KV) known to be taken, the same level is enough
+    model = CostModel(token_bytes=16_384, transient_bytes=4.0, chunk_tokens=768, empty_cache_tokens=8192)
+    before = charge.choose(listing, 590 * MB, 150 * MB, model)
+    after = charge.choose(listing, 590 * MB, 150 * MB, model, running_in_level=True)
+    assert before.needed and not after.needed
+    # its KV (12.6 MB) and its buffers less those of the chunk before (2.4 MB)
+    assert after.projected_low_keeping_all - before.projected_low_keeping_all == 768 * 16_384 + 4 * 768 * 768

@@ -357,6 +357,13 @@ def test_parse_inflight_rejects_what_is_not_the_schema():
     with pytest.raises(ValueError):
         parse_inflight([])
     assert parse_inflight({"requests": []}).requests == ()
+    # when the step listed was launched: a number, or null (not yet, or a route that does not say)
+    assert parse_inflight({"requests": [], "step_launched_monotonic_s": 81234.5}).step_launched_at == 81234.5
+    assert parse_inflight({"requests": [], "step_launched_monotonic_s": None}).step_launched_at is None
+    assert parse_inflight({"requests": []}).step_launched_at is None
+    for wrong in ("81234.5", True, [1]):
+        with pytest.raises(ValueError, match="step_launched_monotonic_s"):
+            parse_inflight({"requests": [], "step_launched_monotonic_s": wrong})
 
 
 def test_engine_api_refuses_what_is_not_plain_http():

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from dataclasses import replace
+
 from bench import guard_scenarios as gs
+from coordinator.guard.charge import CostModel
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +26,7 @@ def test_the_oracle_aborts_the_fewest_and_the_guard_matches_it_on_the_integratio
     v = gs.judge(several(), seed=3)
     assert v.unguarded.lowest < gs.SETTINGS.guard_bytes  # nothing acting, the node goes below the guard
     assert v.oracle_aborts == 1 and frozenset({"p18k"}) in v.oracle_sets
-    assert v.guard.aborted == {"p18k"} and v.kept_by_oracle == set()
+    assert v.guard.aborted == {"p18k"} and v.kept_by_oracle == set() and v.needless == set()
     assert v.guard.completed == {"p10k", "p14k"} and v.guard.lowest >= gs.SETTINGS.guard_bytes
     assert v.guard.kinds("abort_all") == 0 and v.guard.kinds("stop") == 0
 
@@ -40,3 +43,21 @@ def test_the_scenarios_are_deterministic_for_a_seed():
                 for v in gs.run_scenarios(4, seed)]
     assert outcome(7) == outcome(7)
     assert outcome(7) != outcome(8)
+
+
+def test_a_fork_replays_the_guards_run_to_its_action_and_then_lets_the_requests_in_flight_run():
+    s = several()
+    keep_all = gs.simulate(s, guarded=True, seed=3, fork=gs.Fork(0, frozenset()))
+    assert keep_all.live == {"p10k", "p14k", "p18k"} and keep_all.lowest < gs.SETTINGS.guard_bytes
+    without = gs.simulate(s, guarded=True, seed=3, fork=gs.Fork(0, frozenset({"p18k"})))
+    assert without.lowest >= gs.SETTINGS.guard_bytes and without.aborted == {"p18k"}
+
+
+def test_the_same_moment_oracle_names_the_aborts_a_wrong_cost_model_made():
+    # A cost model that takes each token for twice its KV sees a crossing where there is none.
+    wrong = replace(gs.SETTINGS, cost=CostModel(2 * gs.TOKEN_BYTES, gs.TRANSIENT_BYTES, gs.CHUNK, gs.HOOK_TOKENS))
+    s = several(base=1_000 * MiB)
+    assert gs.simulate(s, guarded=False, seed=3).lowest >= gs.SETTINGS.guard_bytes  # it all fits
+    guarded = gs.simulate(s, guarded=True, seed=3, settings=wrong)
+    assert guarded.aborted, "the wrong model should have aborted something"
+    assert gs.needless_at_decisions(s, 3, guarded, wrong) == guarded.aborted

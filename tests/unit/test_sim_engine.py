@@ -189,7 +189,7 @@ def test_with_the_empty_cache_hook_a_long_prompt_costs_one_chunk_and_gives_it_ba
     engine.close()
 
 
-def test_the_hook_also_returns_what_an_aborted_request_left_in_the_cache():
+def test_the_hook_returns_what_an_aborted_request_left_in_the_cache_before_a_long_prompts_first_chunk():
     engine, steps, _, _ = make(bytes_per_token=64 * 1024, chunk=256, empty_cache_tokens=2048)
     short = engine.submit("short", 1000)  # below the threshold: no hook on its chunks
     for _ in range(4):
@@ -201,11 +201,15 @@ def test_the_hook_also_returns_what_an_aborted_request_left_in_the_cache():
     cached = engine.allocator.stats()
     assert cached.allocated == 0 and cached.reserved >= 1000 * 64 * 1024  # kept by the allocator
     engine.submit("long", 4096)
-    steps.next_chunk()  # its first chunk reuses a cached block
-    assert engine.allocator.stats().reserved == cached.reserved
+    # The adapter runs before a long prompt's chunk is launched (adapter/prefill_empty_cache.py):
+    # what the aborted short prompt left goes back before the long one's first chunk.
+    steps.next_chunk()
+    first = engine.allocator.stats()
+    assert first.reserved < cached.reserved and first.reserved == first.allocated
     steps.finish()
-    steps.next_chunk()  # after the long prompt's first chunk the hook returned every free segment
-    assert engine.allocator.stats().reserved < cached.reserved
+    steps.next_chunk()  # and the first chunk's buffers before the second
+    second = engine.allocator.stats()
+    assert second.reserved == second.allocated
     engine.abort("long")
     steps.finish()
     engine.close()
@@ -420,3 +424,19 @@ def test_the_scheduler_stepped_by_its_caller_prefills_one_request_at_a_time_and_
     assert a.phase is Phase.FINISHED and a.finish_reason == "abort" and a.prefilled == 0
     assert [(r.rid, take) for r, take in batch] == [("b", 256)]
     assert backing.mapped == engine.allocator.stats().reserved > engine.allocator.stats().allocated
+
+
+def test_the_engine_says_when_the_prefill_step_now_running_was_launched():
+    now = [100.0]
+    config = EngineConfig(chunk_tokens=256, max_running=8, prefill_tokens_per_s=1000.0, decode_tokens_per_s=10.0,
+                          bytes_per_token=1024, max_total_tokens=0, context_length=None)
+    engine = Engine(config, on_fatal=lambda why: None, clock=lambda: now[0], allocator=CachingAllocator(CountedMemory()))
+    engine.submit("r", 600)
+    assert engine.step_launched_at() is None
+    batch = engine.next_prefill()
+    assert engine.step_launched_at() is None  # planned, its memory not taken yet
+    now[0] = 100.5
+    transients = engine.allocate_chunk(batch)
+    assert engine.step_launched_at() == 100.5
+    engine.end_chunk(batch, transients)
+    assert engine.step_launched_at() is None

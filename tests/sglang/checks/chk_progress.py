@@ -7,7 +7,7 @@ import tempfile
 from types import SimpleNamespace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import Anything, emit, installer, marked  # noqa: E402
+from common import Anything, emit, installer, marks  # noqa: E402
 
 from adapter import progress  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
@@ -24,7 +24,7 @@ for _ in range(3):
 inst = installer()
 found = progress.read_all(directory, allowed_uids=(os.getuid(),))
 emit({
-    "marked": marked(Scheduler.run_batch),
+    "marked": marks(Scheduler.run_batch),
     "installed": bool(inst and inst.applied("forward_progress")),
     "counts": {p.tp_rank: p.count for p in found},
     "pids": sorted({p.pid == os.getpid() for p in found}),

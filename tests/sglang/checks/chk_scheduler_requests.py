@@ -1,7 +1,8 @@
 """The inflight adapter's scheduler hook on the real Scheduler.get_next_batch_to_run: SGLang's own
 body runs (the chunked request's stash, the running batch filter, the prefill plan, the
 schedule-time stamps on real Req objects), then the hook publishes the snapshot that rank 0's
-route reads; read back through the route's own reader."""
+route reads; read back through the route's own reader. The real Scheduler.run_batch then returns
+(through its prebuilt path), and the hook after it marks the snapshot's step launched."""
 
 import os
 import sys
@@ -81,10 +82,34 @@ try:
     plan = Scheduler.get_next_batch_to_run(scheduler, Running(), None)
 except Exception as exc:  # noqa: BLE001 - reported, the test says what failed
     error, plan = f"{type(exc).__name__}: {exc}", None
-inst = installer()
 path = reqstate.path_for(0, directory)
+listed = reqstate.read(path) if os.path.exists(path) else None
+
+
+class Prebuilt:
+    """A forward mode SGLang's run_batch hands to its prebuilt path at once (the launch itself is
+    a GPU's): run_batch returns, and the hook after it marks the listed step launched."""
+
+    def is_split_prefill(self):
+        return False
+
+    def is_prebuilt(self):
+        return True
+
+
+launch_error = None
+try:
+    Scheduler.run_batch(Anything(forward_ct=0, _sched_idled=False, processed_tokens_counter=0,
+                                 scripted_scheduler_hook=None, forward_sleep_time=None),
+                        SimpleNamespace(forward_mode=Prebuilt(), extend_num_tokens=0, reqs=[], split_index=0))
+except Exception as exc:  # noqa: BLE001 - reported, the test says what failed
+    launch_error = f"{type(exc).__name__}: {exc}"
+inst = installer()
 snap = reqstate.read(path) if os.path.exists(path) else None
 emit({
+    "launch_error": launch_error,
+    "launched_before_run_batch": bool(listed and listed.launched_ns),
+    "launched_after_run_batch": bool(snap and snap.launched_ns and snap.launched_ns >= snap.written_ns),
     "marked": marked(Scheduler.get_next_batch_to_run),
     "installed": bool(inst and inst.applied("inflight")),
     "error": error,
