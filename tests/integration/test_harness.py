@@ -176,17 +176,21 @@ c.sendall(socket.gethostname().encode() + b":" + data)
 c.close()
 """
 
-CLIENT = """
-import socket, sys, time
+# Connects to PORT on argv[1] as `c` (the server's unit may not listen yet); the scripts below go on.
+CONNECT = """
+import pathlib, socket, sys, time
 deadline = time.monotonic() + 10
 while True:
     try:
-        c = socket.create_connection((sys.argv[1], 7441), timeout=2)
+        c = socket.create_connection((sys.argv[1], PORT), timeout=2)
         break
-    except ConnectionRefusedError:  # the server unit may not listen yet
+    except ConnectionRefusedError:
         if time.monotonic() > deadline:
             raise
         time.sleep(0.05)
+"""
+
+CLIENT = CONNECT.replace("PORT", "7441") + """
 c.sendall(sys.argv[2].encode())
 print(c.recv(100).decode())
 """
@@ -291,17 +295,7 @@ c.recv(100)
 """
 
 # Connects to the holder, says it is connected, then waits for the connection to end.
-WATCHER = """
-import pathlib, socket, sys, time
-deadline = time.monotonic() + 10
-while True:
-    try:
-        c = socket.create_connection((sys.argv[1], 7442), timeout=2)
-        break
-    except ConnectionRefusedError:
-        if time.monotonic() > deadline:
-            raise
-        time.sleep(0.05)
+WATCHER = CONNECT.replace("PORT", "7442") + """
 pathlib.Path("/run/watcher-connected").touch()
 c.settimeout(float(sys.argv[2]))
 try:
