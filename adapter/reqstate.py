@@ -96,21 +96,28 @@ class RequestsWriter:
     def write(self, records: list[Record]) -> None:
         listed = records[:MAX_RECORDS]
         body = b"".join(_encode(r) for r in listed)  # built before the sequence opens: the write is one copy
-        self._seq += 1
-        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2 - 1)
+        odd = self._open()
         self._map[_HEADER.size:_HEADER.size + len(body)] = body
         self._header = (self._clock_ns(), 0, len(listed), len(records) - len(listed))
-        _HEADER.pack_into(self._map, 0, MAGIC, self._seq * 2 - 1, self._header[0], 0, self.pid, *self._header[2:])
-        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2)
+        self._close(odd)
 
     def mark_launched(self) -> None:
         """The step the last snapshot lists is launched: its buffers are allocated from now on."""
         written, _, count, unlisted = self._header
+        odd = self._open()
         self._header = (written, self._clock_ns(), count, unlisted)
+        self._close(odd)
+
+    def _open(self) -> int:
+        """Marks a write under way (an odd sequence word); returns that word."""
         self._seq += 1
         _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2 - 1)
-        _HEADER.pack_into(self._map, 0, MAGIC, self._seq * 2 - 1, written, self._header[1], self.pid, count, unlisted)
-        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq * 2)
+        return self._seq * 2 - 1
+
+    def _close(self, odd: int) -> None:
+        written, launched, count, unlisted = self._header
+        _HEADER.pack_into(self._map, 0, MAGIC, odd, written, launched, self.pid, count, unlisted)
+        _SEQ.pack_into(self._map, _SEQ_OFFSET, odd + 1)
 
     def close(self) -> None:
         self._map.close()

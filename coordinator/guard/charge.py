@@ -83,6 +83,10 @@ class CostModel:
         """Whether there is a cost to project with (MEMORY_GUARD_TOKEN_BYTES or _TRANSIENT_BYTES)."""
         return self.token_bytes > 0 or self.transient_bytes > 0
 
+    def chunk_of(self, r: InflightRequest) -> int:
+        """The tokens a prefill chunk of `r` takes (its whole prompt when prefill is not chunked)."""
+        return r.prompt_tokens if self.chunk_tokens <= 0 else self.chunk_tokens
+
     def hooked(self, r: InflightRequest) -> bool:
         return 0 < self.empty_cache_tokens <= r.prompt_tokens
 
@@ -101,7 +105,7 @@ class CostModel:
         left = r.remaining_tokens
         if not left or not self.transient_bytes:
             return 0
-        chunk = r.prompt_tokens if self.chunk_tokens <= 0 else self.chunk_tokens
+        chunk = self.chunk_of(r)
         if self.hooked(r):
             last = min(chunk, r.prompt_tokens)
             return int(self.transient_bytes * last * r.prompt_tokens)

@@ -17,8 +17,13 @@ sim/engine.py and sim/allocator.py, does the same):
 The level sampled holds the buffers of the chunks already done by the request being prefilled
 (free, in the allocator's cache; with the hook only the last one's: done_chunk_buffers). The
 chunk now running is in it too when the sample was taken after the step was launched (rank 0's
-scheduler says when: adapter/scheduler_requests.py); otherwise it is counted as still to come. Blocks freed by requests that
-have ended are not known, so not counted: the projection errs low, not high, by what they are.
+scheduler says when: adapter/scheduler_requests.py); otherwise it is counted as still to come.
+Blocks freed by requests that have ended are not known, so not counted: the projection errs low,
+not high, by what they are.
+
+The allocator's rules are written here again, not imported from sim/allocator.py, on purpose:
+the stand-in is the independent implementation tests/unit/test_guard_projection.py checks this
+one against.
 """
 
 from __future__ import annotations
@@ -101,19 +106,15 @@ def projected_low(level: int, kept: Iterable["InflightRequest"], aborted: Iterab
     for r in prefill_order(kept):
         prefix = r.prefilled_tokens
         launched = running_in_level and r.prefilling and r.chunk_tokens > 0
-        if launched and model.hooked(r):
-            # The hook returned the done chunks' buffers before this one's were allocated.
-            prefix += min(r.chunk_tokens, r.prompt_tokens - prefix)
-            memory.release(int(model.transient_bytes * r.chunk_tokens * prefix))
-        else:
+        if not (launched and model.hooked(r)):  # with the hook they went back before this chunk's
             for block in done_chunk_buffers(r, model):
                 memory.release(block)
-            if launched:
-                prefix += min(r.chunk_tokens, r.prompt_tokens - prefix)
-                memory.release(int(model.transient_bytes * r.chunk_tokens * prefix))
+        if launched:  # its KV is in the level, and its buffers, free once it ends
+            prefix += min(r.chunk_tokens, r.prompt_tokens - prefix)
+            memory.release(int(model.transient_bytes * r.chunk_tokens * prefix))
         if prefix >= r.prompt_tokens:
             continue
-        chunk = r.prompt_tokens if model.chunk_tokens <= 0 else model.chunk_tokens
+        chunk = model.chunk_of(r)
         if model.hooked(r):
             # Every chunk starts from an empty cache: its low is at its last chunk, with all its KV.
             memory.empty_cache()
@@ -167,11 +168,11 @@ def done_chunk_buffers(r: "InflightRequest", model: "CostModel") -> list[int]:
     holds as free blocks, whether or not its next chunk's were allocated yet. Without the hook,
     every one's (nothing returns them). With it, only the last one's and only while its next
     chunk is in the step launched: the hook returns them right before that chunk's own buffers
-    are allocated (between steps they may be gone already). The chunk now running is counted as
-    still to come, since a sample may predate its launch."""
+    are allocated (between steps they may be gone already). The chunk now running is not among
+    them (projected_low credits it when the level was sampled after its launch)."""
     if not r.prefilling or not model.transient_bytes or (model.hooked(r) and not r.chunk_tokens):
         return []
-    chunk = r.prompt_tokens if model.chunk_tokens <= 0 else model.chunk_tokens
+    chunk = model.chunk_of(r)
     ends = list(range(r.cached_tokens + chunk, r.prefilled_tokens + 1, chunk))
     if r.prefilled_tokens > r.cached_tokens and (not ends or ends[-1] != r.prefilled_tokens):
         ends.append(r.prefilled_tokens)  # a last chunk shorter than the others
