@@ -18,7 +18,7 @@ from dsv41.journal import EventLog
 
 from .rankspec import (NO_FLOOR, RANK_UNIT, FloorSpec, RankLaunch, fill_env, fingerprint_from_fields, floor_from_fields,
                        unit_properties)
-from .systemd import UNIT_IFACE, Systemd, SystemdError, unit_path
+from .systemd import NO_SUCH_UNIT, UNIT_IFACE, Systemd, SystemdError, unit_path
 
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
 _UNKNOWN = 2**64 - 1
@@ -348,7 +348,16 @@ class RankManager:
         group = current.control_group
         self._expected_stop = True
         try:
-            job = self._systemd.stop(RANK_UNIT, deadline_s)
+            try:
+                job = self._systemd.stop(RANK_UNIT, deadline_s)
+            except SystemdError as exc:
+                if exc.name != NO_SUCH_UNIT:
+                    raise
+                # It ended by itself and its transient unit was unloaded between the read and the stop.
+                self.refresh()
+                self._log.info("rank_stopped", f"{RANK_UNIT} ended by itself before the stop reached it",
+                               unit=RANK_UNIT, outcome="WAS_NOT_RUNNING", leftover=0)
+                return "WAS_NOT_RUNNING", self._last_exit, 0
             outcome = "CLEAN"
             if job.result == "pending":
                 self._log.warning("rank_stop_deadline", f"{RANK_UNIT} still stopping after {deadline_s:g} s: "

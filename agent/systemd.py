@@ -24,6 +24,7 @@ MANAGER_PATH = "/org/freedesktop/systemd1"
 MANAGER_IFACE = "org.freedesktop.systemd1.Manager"
 UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 PROPS_IFACE = "org.freedesktop.DBus.Properties"
+NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
 _JOB_HISTORY = 512
 
 PropertiesCallback = Callable[[str, str, dict], None]  # (unit path, interface, changed properties)
@@ -167,13 +168,18 @@ class Systemd:
         return self.wait_job(job, timeout_s)
 
     def kill(self, name: str, signal: int, who: str = "all") -> None:
-        self.call(MANAGER_PATH, MANAGER_IFACE, "KillUnit", GLib.Variant("(ssi)", (name, who, signal)))
+        """An unloaded unit has nothing to kill: its cgroup, and so every process of it, is gone."""
+        try:
+            self.call(MANAGER_PATH, MANAGER_IFACE, "KillUnit", GLib.Variant("(ssi)", (name, who, signal)))
+        except SystemdError as exc:
+            if exc.name != NO_SUCH_UNIT:
+                raise
 
     def reset_failed(self, name: str) -> None:
         try:
             self.call(MANAGER_PATH, MANAGER_IFACE, "ResetFailedUnit", GLib.Variant("(s)", (name,)))
         except SystemdError as exc:
-            if exc.name != "org.freedesktop.systemd1.NoSuchUnit":
+            if exc.name != NO_SUCH_UNIT:
                 raise
 
     def properties(self, name: str, interfaces: Iterable[str]) -> dict | None:
@@ -181,7 +187,7 @@ class Systemd:
         try:
             (path,) = self.call(MANAGER_PATH, MANAGER_IFACE, "GetUnit", GLib.Variant("(s)", (name,)), "(o)")
         except SystemdError as exc:
-            if exc.name == "org.freedesktop.systemd1.NoSuchUnit":
+            if exc.name == NO_SUCH_UNIT:
                 return None
             raise
         merged: dict = {}

@@ -7,7 +7,7 @@ from typing import Iterable
 
 from gi.repository import GLib
 
-from ..systemd import MANAGER_IFACE, MANAGER_PATH, UNIT_IFACE, Systemd, SystemdError
+from ..systemd import MANAGER_IFACE, MANAGER_PATH, NO_SUCH_UNIT, UNIT_IFACE, Systemd, SystemdError
 
 MOUNT_IFACE = "org.freedesktop.systemd1.Mount"
 SERVICE_IFACE = "org.freedesktop.systemd1.Service"
@@ -59,7 +59,7 @@ class Units:
         try:
             return self._systemd.stop(name, timeout_s).result
         except SystemdError as exc:
-            if exc.name == "org.freedesktop.systemd1.NoSuchUnit":
+            if exc.name == NO_SUCH_UNIT:
                 return "done"
             raise
 

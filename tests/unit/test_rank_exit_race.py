@@ -15,7 +15,7 @@ import pytest
 
 from agent.rank import RankManager
 from agent.rankspec import RANK_UNIT
-from agent.systemd import UNIT_IFACE, unit_path
+from agent.systemd import NO_SUCH_UNIT, UNIT_IFACE, SystemdError, unit_path
 from dsv41.journal import EventLog
 
 pytestmark = pytest.mark.unit
@@ -34,6 +34,8 @@ class ScriptedSystemd:
     def __init__(self, props: dict | None):
         self.props = props
         self.resets = 0
+        self.stops = 0
+        self.ends_before_stop = False
         self._signal = None
         self._hold: threading.Event | None = None
         self.read_begun = threading.Event()
@@ -60,6 +62,14 @@ class ScriptedSystemd:
         self.resets += 1
         if self.props is not None and self.props["ActiveState"] == "failed":
             self.props = None  # a transient unit is garbage-collected once reset
+
+    def stop(self, name: str, timeout_s: float):
+        self.stops += 1
+        if self.ends_before_stop:
+            self.props = None  # it exited cleanly and systemd unloaded it just before the call
+        if self.props is None:
+            raise SystemdError(f"Unit {name} not loaded.", NO_SUCH_UNIT)
+        raise AssertionError("this script only covers a unit that is gone when the stop arrives")
 
     def emit(self, changed: dict) -> None:
         self.props = {**(self.props or {}), **changed}
@@ -118,3 +128,15 @@ def test_a_newer_signal_during_the_exit_read_is_kept_too():
     release.set()
     wait_exits(rank, 1)
     assert rank.status().active_state == "activating"
+
+
+def test_a_rank_that_ends_between_the_read_and_the_stop_is_reported_not_running():
+    # Seen on the cluster tier: a thawed node's rank ended by itself (status 0, so its transient unit
+    # was unloaded at once) while the coordinator's StopRank was between its read and StopUnit.
+    systemd = ScriptedSystemd(dict(ACTIVE))
+    rank = manager(systemd)
+    systemd.ends_before_stop = True
+    outcome, _, leftover = rank.stop(5.0)
+    assert systemd.stops == 1
+    assert (outcome, leftover) == ("WAS_NOT_RUNNING", 0)
+    assert rank.status().active_state == "absent"
