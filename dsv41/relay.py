@@ -90,6 +90,16 @@ def _refuse(sock: socket.socket) -> None:
     sock.close()
 
 
+def _has_sent(sock: socket.socket) -> bool:
+    """Whether the caller's bytes wait to be read (peeked, left in place)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return False  # reset: nothing to keep
+
+
 def _peercred(sock: socket.socket) -> tuple[int, int, int]:
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return pid, uid, gid
@@ -258,10 +268,19 @@ class Relay:
         return None
 
     def _silent(self, source_key: str | None) -> _Pair | None:
-        """The oldest connection (of that source; of any for None) whose caller never spoke, or None."""
-        candidates = [p for p in self._pairs if not p.spoke
-                      and (source_key is None or p.peer.source_key == source_key)]
-        return min(candidates, key=lambda p: p.opened) if candidates else None
+        """The oldest connection (of that source; of any for None) whose caller never spoke, or None.
+        A caller whose bytes wait unread has spoken: a burst of accepts runs before the reads, and a
+        flood queued behind a real caller (the kernel queues a full backlog's connections late) must
+        not close it between its connect and its first read."""
+        candidates = sorted((p for p in self._pairs if not p.spoke
+                             and (source_key is None or p.peer.source_key == source_key)),
+                            key=lambda p: p.opened)
+        for pair in candidates:
+            if _has_sent(pair.client.sock):
+                pair.spoke = True
+                continue
+            return pair
+        return None
 
     def _connect(self, client: socket.socket, peer: Peer) -> None:
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -206,9 +206,11 @@ def test_the_guard_aborts_a_runaway_prefill_before_the_head_runs_out_20_times(no
 
 def test_control_without_the_guard_acting_the_same_runaway_kills_the_rank(nodes, tmp_path):
     head = nodes["spark1"]
-    # the node's own floor off too: nothing acts
+    # The node's own floor off too: nothing acts. The normal answer (33 tokens) decodes at 2 tokens/s
+    # so that it is still in flight when the runaway, ~2 s after it arrives, exhausts the node: at the
+    # guard runs' 10 tokens/s it could end first on a loaded machine, and this asserts it is lost.
     env = cluster_env(nodes, **{**GUARD_ENV, "MEMORY_GUARD": "observe", "RESTART_MAX_ATTEMPTS": "0",
-                                "MEMORY_FLOOR_GB": "0"})
+                                "MEMORY_FLOOR_GB": "0", "DSV41_SIM_DECODE_TOKENS_PER_S": "2"})
     c = Coordinator(tmp_path, env).start()
     try:
         assert c.wait_phase("serving", "failed").phase == "serving"
@@ -221,9 +223,9 @@ def test_control_without_the_guard_acting_the_same_runaway_kills_the_rank(nodes,
         b.join(60)
         # the node reached its limit and the rank was killed by a signal (the OOM killer's SIGKILL)
         assert memory.read("memory.failcnt") > failures and memory.lowest_available() == 0
-        assert "error" in results["runaway-0"] and "error" in results["normal-0"]
+        assert "error" in results["runaway-0"] and "error" in results["normal-0"], results
         observed = events(c.log, "memory_abort_observed")
-        assert observed and observed[0]["DSV41_VICTIM_RID"] == "runaway-0"
+        assert observed and observed[0]["DSV41_VICTIM_RID"] == "runaway-0", observed
         assert events(c.log, "memory_abort") == []
         status = c.wait_phase("failed", timeout=30)
         assert status.last_incident.node == "spark1" and "signal" in status.last_incident.message, status

@@ -123,3 +123,26 @@ def test_when_every_connection_has_spoken_a_new_one_is_refused(served):
         extra.close()
         for channel, _ in channels:
             channel.close()
+
+
+def test_a_caller_whose_bytes_wait_unread_is_not_taken_for_silent(served, tmp_path):
+    # The kernel queues connections and their first bytes before the relay accepts them; idle
+    # connections queued behind a real caller's reach the relay in the same burst of accepts, before
+    # it has read the caller's preface. The caller has spoken: an idle one gives way, not it.
+    agent, relay, port, _, refused = served
+    relay.stop()
+    late = Relay(str(tmp_path / "g.sock"), Limits(8, 3), refused=lambda peer, why: refused.append(why))
+    port = late.listen_tcp("127.0.0.1", 0, "agent")
+    channel, s = stub(f"127.0.0.1:{port}")
+    call = s.GetStatus.future(pb.GetStatusRequest(), timeout=10)
+    time.sleep(0.5)  # connected (the kernel's backlog) and its preface sent, unaccepted
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]  # queued behind it
+    late.start()
+    try:
+        assert len(call.result(timeout=10).node) == 200_000
+        wait_for(lambda: any("that had not spoken, for a new one" in why for why in refused))
+    finally:
+        late.stop()
+        for sock in idle:
+            sock.close()
+        channel.close()
