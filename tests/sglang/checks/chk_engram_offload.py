@@ -36,6 +36,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import emit, installer, marked  # noqa: E402
+from rankenv import end_rank  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -303,9 +304,9 @@ def worker(rank, port, model_dir, packed_dir, out_root, moduli, armed):
             save(out_dir, f"reference_l{layer}", refs[layer])
     gathered = [None] * 3
     dist.all_gather_object(gathered, facts, group=world)
-    dist.barrier(group=world)
     if rank == 0:
         emit({"ranks": gathered, "layout_rows": list(layout.num_embeddings), "vocab": vocab})
+    end_rank()
 
 
 def main():

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 os.environ.setdefault("SGLANG_OPT_USE_FUSED_HASH_TOPK", "0")  # the CUDA JIT hash top-k; torch's on CPU
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import emit, installer, marked  # noqa: E402
-from rankenv import dspark_config, free_port, start_rank, v41_config  # noqa: E402
+from rankenv import dspark_config, end_rank, free_port, start_rank, v41_config  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -172,6 +172,7 @@ def worker(rank, tp, root, port):
     dist.all_gather_object(gathered, facts, group=world)
     if rank == 0:
         emit({"ranks": gathered})
+    end_rank()
 
 
 def _k(row):

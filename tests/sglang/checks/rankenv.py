@@ -47,6 +47,18 @@ def start_rank(root: str, rank: int = 0, tp: int = 1, port: int | None = None) -
     ps.initialize_model_parallel()
 
 
+def end_rank() -> None:
+    """Leave SGLang's parallel state together: a barrier, then its groups and gloo destroyed. A spawned
+    rank that exits while a peer still talks to it can die in gloo's threads (SIGABRT, "terminate
+    called without an active exception"), which fails the whole spawn."""
+    import torch.distributed as dist
+    from sglang.srt.distributed import parallel_state as ps
+
+    dist.barrier(group=ps.get_world_group().cpu_group)
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+
+
 def v41_config(**overrides):
     from sglang.srt.configs.deepseek_v4 import DeepSeekV4Config
 
