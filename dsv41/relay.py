@@ -94,10 +94,8 @@ def _has_sent(sock: socket.socket) -> bool:
     """Whether the caller's bytes wait to be read (peeked, left in place)."""
     try:
         return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-    except (BlockingIOError, InterruptedError):
+    except OSError:  # nothing waiting (BlockingIOError), or reset: nothing to keep
         return False
-    except OSError:
-        return False  # reset: nothing to keep
 
 
 def _peercred(sock: socket.socket) -> tuple[int, int, int]:

@@ -26,7 +26,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable
 
-from . import projection
+from .projection import projected_low
 
 WAITING, PREFILLING, DECODING = "waiting", "prefilling", "decoding"
 
@@ -118,14 +118,6 @@ class CostModel:
 
     def to_come(self, r: InflightRequest) -> int:
         return self.kv_to_come(r) + self.transient_peak(r)
-
-
-def projected_low(level: int, kept: Iterable[InflightRequest], aborted: Iterable[InflightRequest],
-                  model: CostModel, running_in_level: bool = False) -> int:
-    """The lowest available memory ahead if `kept` run to the end of their prefill and `aborted`
-    leave what they hold in the allocator for them (projection.py steps the allocator);
-    `running_in_level`: the level was sampled after the step now running was launched."""
-    return projection.projected_low(level, kept, aborted, model, running_in_level)
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def test_a_caller_whose_bytes_wait_unread_is_not_taken_for_silent(served, tmp_pa
     # The kernel queues connections and their first bytes before the relay accepts them; idle
     # connections queued behind a real caller's reach the relay in the same burst of accepts, before
     # it has read the caller's preface. The caller has spoken: an idle one gives way, not it.
-    agent, relay, port, _, refused = served
+    _, relay, _, _, refused = served
     relay.stop()
     late = Relay(str(tmp_path / "g.sock"), Limits(8, 3), refused=lambda peer, why: refused.append(why))
     port = late.listen_tcp("127.0.0.1", 0, "agent")
