@@ -323,8 +323,13 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRp
                 if pushed:  # a PSI trigger cut the wait short: the timer's tick is still due
                     continue
                 next_at += interval
-                if next_at < self._monotonic():  # a slow reader: skip ticks rather than burst
-                    next_at = self._monotonic() + interval
+                now = self._monotonic()
+                if next_at < now:
+                    # A tick missed (a slow reader, or the agent starved of CPU while the rank
+                    # populates memory): take the next sample at once, then keep the cadence from
+                    # it. One fresh sample, not a burst of the missed ones, and not a further
+                    # interval's wait: a node falling fast is seen when the agent can look.
+                    next_at = now
         finally:
             remove()
             fired.close()

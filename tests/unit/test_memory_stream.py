@@ -43,14 +43,14 @@ class Context:
         raise AssertionError(f"aborted: {code}: {details}")
 
 
-def service(tmp_path, triggers):
+def service(tmp_path, triggers, monotonic=time.monotonic):
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc/meminfo").write_text("MemTotal: 1000000 kB\nMemAvailable: 500000 kB\n")
     (tmp_path / "proc/pressure").mkdir()
     (tmp_path / "proc/pressure/memory").write_text("some avg10=1.25 avg60=0.00 avg300=0.00 total=4242\n")
     sampler = memory.MemorySampler(str(tmp_path / "proc"), str(tmp_path / "cg"))
     settings = SimpleNamespace(allowed_runtimes=("host",), allowed_images=())
-    return AgentService(settings, None, None, sampler, triggers, None, time.monotonic())
+    return AgentService(settings, None, None, sampler, triggers, None, monotonic(), monotonic=monotonic)
 
 
 @pytest.mark.parametrize("send", [{}, {"min_change_bytes": 1 << 30, "heartbeat_ms": 10_000}])
@@ -103,5 +103,30 @@ def test_seq_counts_the_samples_taken_so_a_client_sees_how_many_were_not_sent(tm
     threading.Timer(0.2, rewrite_in_place, [meminfo, "MemTotal: 1000000 kB\nMemAvailable: 300000 kB\n"]).start()
     moved = next(stream)  # held back until available fell by 195 MiB, some ten ticks later
     assert moved.available_bytes == 300000 * 1024 and moved.seq > 5
+    context.active = False
+    stream.close()
+
+
+def test_a_missed_tick_is_taken_at_once_not_an_interval_later(tmp_path):
+    """The reader (or the CPU) held the loop past its next tick: the next sample comes at once, and
+    the cadence resumes from it. Waiting a further interval would leave a node that falls fast
+    unseen for up to two intervals (the memory guard's slowest reactions)."""
+    triggers, context = Triggers(), Context()
+    clock = {"now": 100.0}
+    stream = service(tmp_path, triggers, monotonic=lambda: clock["now"]).WatchMemory(
+        pb.WatchMemoryRequest(interval_ms=1_000), context)
+    assert next(stream).seq == 1
+    clock["now"] += 1.4  # the consumer took 1.4 s to come back: the 1 s tick is 0.4 s overdue
+    t0 = time.monotonic()
+    late = next(stream)
+    assert late.seq == 2 and time.monotonic() - t0 < 0.5, "the overdue tick waited a further interval"
+    clock["now"] += 0.25  # back on cadence: the next tick is 1 s after the late one, 0.75 s from here
+    got = []
+    reader = threading.Thread(target=lambda: got.append(next(stream)), daemon=True)
+    reader.start()
+    reader.join(0.4)
+    assert not got, "a tick on cadence came early: the missed ticks were replayed as a burst"
+    reader.join(2.0)
+    assert [s.seq for s in got] == [3]
     context.active = False
     stream.close()
