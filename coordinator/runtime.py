@@ -34,7 +34,7 @@ from .messages import (AutotuneResetJob, CanaryDone, CanarySent, PackStartJob, R
                        WatchLost, WorkSeen)
 from .parallel import on_each, spawn
 from .policy import Action, Activity, RankExit, Request
-from .state import Incident, Snapshot, generation_of
+from .state import STARTING, Incident, Snapshot, generation_of
 
 __all__ = ["ClusterRuntime", "Incident", "Snapshot", "StepFailed", "generation_of"]
 
@@ -69,7 +69,10 @@ class ClusterRuntime:
         self.base_url = f"http://{cfg['HEAD_IP']}:{cfg['PORT']}"
         # Published state: written by the supervisor only, read by anyone under the lock.
         self._lock = threading.Lock()
-        self._snapshot = Snapshot(since=clock())
+        # Until the supervisor has looked for ranks to adopt, the cluster is neither stopped nor
+        # serving: saying "stopped" there is what a status read between the control socket's
+        # first answer and the first decision would have shown.
+        self._snapshot = Snapshot(phase=STARTING, detail="looking for running ranks to adopt", since=clock())
         self._snapshot_heard: dict[str, liveness.Heard] = {}  # the heartbeats, as readers see them
         self._incidents: list[Incident] = []
         self._incident_listeners: list[Callable[[Incident], None]] = []
@@ -291,8 +294,12 @@ class ClusterRuntime:
             self._bring_up_with_retries(reset_attempts=True)
 
     def _first_start(self) -> None:
-        if not self._adopt() and self._autostart:
+        if self._adopt():
+            return
+        if self._autostart:
             self._bring_up_with_retries()
+        elif self.snapshot().phase == STARTING:  # nothing runs (ranks that run but do not answer stay "health")
+            self._set(phase="stopped", detail="nothing was running; waiting for dsv41ctl start")
 
     # ------------------------------------------------------------------ events
 

@@ -9,6 +9,10 @@ import hashlib
 from dataclasses import dataclass, field
 
 
+# The phase from the coordinator's start until its supervisor has looked for ranks to adopt.
+STARTING = "starting"
+
+
 @dataclass(frozen=True)
 class Incident:
     at_unix_s: float

@@ -13,12 +13,13 @@ from dsv41.v1 import agent_pb2 as pb
 
 from ..bringup import PHASES as STEP_PHASES
 from ..packstate import layer_state
+from ..state import STARTING
 from .nodes import NodeView
 from .recorder import Recorder
 
 # Every phase the runtime reports, so that a dashboard sees each one at 0 before it first happens:
 # the bring-up steps' (from their registry) and the supervisor's own.
-PHASES = ("stopped", *STEP_PHASES, "serving", "stopping", "restarting", "waiting", "failed")
+PHASES = (STARTING, "stopped", *STEP_PHASES, "serving", "stopping", "restarting", "waiting", "failed")
 RESOURCES = ("cpu", "memory", "io")
 
 

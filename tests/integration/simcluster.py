@@ -97,8 +97,8 @@ class Coordinator:
     def status(self) -> cpb.ClusterStatus:
         return self.stub().GetStatus(cpb.ClusterStatusRequest(), timeout=20)
 
-    def wait_phase(self, *phases: str, timeout: float = 60.0, other_than: str = "") -> cpb.ClusterStatus:
-        """The status once its phase is one of `phases` (or, with other_than, any phase but that one)."""
+    def wait_phase(self, *phases: str, timeout: float = 60.0) -> cpb.ClusterStatus:
+        """The status once its phase is one of `phases`."""
         deadline = time.monotonic() + timeout
         status = None
         while time.monotonic() < deadline:
@@ -109,11 +109,11 @@ class Coordinator:
                     raise
                 time.sleep(0.05)
                 continue
-            if status.phase in phases or (other_than and status.phase != other_than):
+            if status.phase in phases:
                 return status
             time.sleep(0.1)
         raise AssertionError(f"phase {status.phase if status else '?'} ({status.phase_detail if status else ''}), "
-                             f"wanted {phases or ('any but ' + other_than)}\n{self.log.read_text()[-3000:]}")
+                             f"wanted {phases}\n{self.log.read_text()[-3000:]}")
 
     def terminate(self, timeout: float = 90.0) -> int:
         self.proc.terminate()

@@ -344,9 +344,8 @@ def test_the_coordinators_guard_stops_a_bring_up_whose_load_would_exhaust_the_he
                                 "MEMORY_FLOOR_GB": "0.1", "RESTART_MAX_ATTEMPTS": "0"})
     c = Coordinator(tmp_path, env).start()
     try:
-        # The control socket answers a moment before the bring-up begins, while the phase is still the
-        # initial "stopped": wait for the bring-up first, or "stopped" below could be that one.
-        c.wait_phase(other_than="stopped", timeout=60)
+        # Until the supervisor's first decision the phase is "starting" (coordinator/runtime.py), so the
+        # "stopped" waited for here is the guard's, not the coordinator's initial state.
         status = c.wait_phase("stopped", "failed", "serving", timeout=120)
         assert status.phase == "stopped", status
         (stop,) = [line for line in c.log.read_text().splitlines() if "DSV41_EVENT=memory_stop " in line

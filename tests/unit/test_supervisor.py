@@ -544,3 +544,54 @@ def test_ranks_that_exit_around_a_node_that_went_dark_blame_the_node(cluster):
     wait_phase(rt, "waiting", timeout=10)
     agents["spark3"].down = False
     wait_phase(rt, "serving", timeout=15)
+
+
+def test_the_coordinator_says_starting_until_it_has_looked_for_ranks_to_adopt_not_stopped(cluster):
+    # The control socket answers before the supervisor's first decision; "stopped" there was a lie
+    # to a status read (and to a test waiting for a bring-up to end).
+    rt, agents, rank0, journal, _ = cluster()
+    assert rt.snapshot().phase == "starting"
+    for agent in agents.values():
+        agent.frozen = True  # the agents do not answer yet: the search for running ranks waits
+    rt.run(autostart=False)
+    time.sleep(0.3)
+    snap = rt.snapshot()
+    assert (snap.phase, snap.detail) == ("starting", "looking for running ranks to adopt")
+    ok, message = rt.unexport(force=False, unmount=False, wait_s=1)
+    assert not ok and "starting (phase starting)" in message
+    for agent in agents.values():
+        agent.frozen = False
+    snap = wait_phase(rt, "stopped", timeout=15)
+    assert snap.detail == "nothing was running; waiting for dsv41ctl start"
+    assert sum(a.starts for a in agents.values()) == 0
+
+
+def test_with_autostart_the_first_phase_after_starting_is_the_bring_up_not_stopped(cluster):
+    rt, agents, rank0, journal, stream = cluster()
+    seen = []
+    rt.run()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and rt.snapshot().phase != "health":
+        if not seen or seen[-1] != rt.snapshot().phase:
+            seen.append(rt.snapshot().phase)
+        time.sleep(0.001)
+    assert rt.snapshot().phase == "health", stream.getvalue()
+    assert "stopped" not in seen and seen[0] in ("starting", "preflight"), seen
+
+
+def test_a_stop_while_starting_stops_what_runs_and_starts_nothing(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    for agent in agents.values():
+        agent.running, agent.frozen = f"{agent.node}-old", True  # ranks of an earlier coordinator
+    rt.run()
+    time.sleep(0.2)
+    assert rt.snapshot().phase == "starting"
+    rt.request("stop")
+    for agent in agents.values():
+        agent.frozen = False
+    snap = wait_phase(rt, "stopped", timeout=15)
+    assert snap.detail == "requested by dsv41ctl stop"
+    time.sleep(0.3)
+    assert rt.snapshot().phase == "stopped"
+    assert not any(a.running for a in agents.values()) and sum(a.starts for a in agents.values()) == 0
+    assert sorted(calls(journal, "stop_rank")) == ["spark1", "spark2", "spark3"]
