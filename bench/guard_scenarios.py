@@ -457,4 +457,35 @@ def report(count: int, seed: int, out=print) -> dict:
                 + ", ".join(f"{k} {n}" for k, n in sorted(bases.items()))
                 + (f"; the projected low keeping every request was {below[len(below) // 2]:.0f} MB below the "
                    f"guard (median; {below[0]:.0f} to {below[-1]:.0f} MB)" if below else ""))
+    decision_cost(out)
     return {"as_generated": a, "held": b, "verdicts": as_generated, "held_verdicts": held}
+
+
+def decision_cost(out=print, repeats: int = 20) -> None:
+    """What one decision by the requests' cost (charge.choose: the allocator replayed once, then
+    every set of victims projected) takes on this CPU, for queues of 2 to 10 long prompts, as a
+    ratio to the path every sample takes (the trend's update and assessment), timed here too."""
+    import time
+    model = SETTINGS.cost
+    trend = p.Trend(SETTINGS)
+    level, t = 900 * MB, 0.0
+    started = time.perf_counter()
+    for _ in range(2000):
+        t += 0.02
+        level -= 2 * MB
+        p.assess("node", trend.add(t, level), SETTINGS)
+    per_sample = (time.perf_counter() - started) / 2000
+    cells = []
+    for n in (2, 4, 6, 10):
+        reqs = [charge.InflightRequest("done", 60_000, 60_000, 9.0, charge.DECODING),
+                charge.InflightRequest("grow", 100_000, 40_000, 8.0, charge.PREFILLING, chunk_tokens=CHUNK)]
+        reqs += [charge.InflightRequest(f"w{i}", 40_000 + 9_000 * i, 0, 7.0 - i, charge.WAITING) for i in range(n - 2)]
+        listing = charge.InflightList(tuple(reqs), step_launched_at=0.0)
+        worst = 0.0
+        for _ in range(repeats):
+            started = time.perf_counter()
+            charge.choose(listing, 2_000 * MB, SETTINGS.guard_bytes, model, running_in_level=True)
+            worst = max(worst, time.perf_counter() - started)
+        cells.append(f"{n} requests {worst * 1e3:.1f} ms ({worst / per_sample:.0f}x)")
+    out(f"a decision by the requests' cost (charge.choose, prompts of 40k-120k tokens, the slowest of {repeats}): "
+        + ", ".join(cells) + f"; a sample's trend and assessment: {per_sample * 1e6:.0f} us (1x)")

@@ -26,9 +26,12 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable
 
-from .projection import projected_low
+from .projection import Projection, projected_low
 
 WAITING, PREFILLING, DECODING = "waiting", "prefilling", "decoding"
+# With more requests in flight than this, sets of more than two victims are grown greedily: each
+# projection steps the whole queue through the allocator, and there are n-choose-k sets of k.
+EXHAUSTIVE_UP_TO = 8
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostMode
     skipped = tuple((rid, f"/abort_request {rid!r} would also end {', '.join(o.rid for o in others)}")
                     for rid, others in sorted(conflicts.items()))
     grow = {r.rid for r in growing(live)}
-    keep_all = projected_low(level, live, gone, model, running_in_level)
+    projection = Projection(level, inflight.requests, model, running_in_level)  # replayed once, for every set
+    keep_all = projection.low(live, gone)
 
     def expanded(chosen: tuple[InflightRequest, ...]) -> tuple[InflightRequest, ...]:
         out = list(chosen)
@@ -186,9 +190,14 @@ def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostMode
             out += [o for o in conflicts.get(r.rid, ()) if o not in out]
         return tuple(out)
 
+    lows: dict[frozenset[str], int] = {}  # a set is ranked after it is tried: project it once
+
     def low_without(victims: Iterable[InflightRequest]) -> int:
         victims = list(victims)
-        return projected_low(level, [r for r in live if r not in victims], gone + victims, model, running_in_level)
+        key = frozenset(r.rid for r in victims)
+        if key not in lows:
+            lows[key] = projection.low([r for r in live if r not in victims], gone + victims)
+        return lows[key]
 
     def rank(chosen: tuple[InflightRequest, ...]) -> tuple:
         return (len(expanded(chosen)), not any(v.rid in grow for v in chosen), -low_without(expanded(chosen)),
@@ -202,7 +211,7 @@ def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostMode
         if sets:
             best = min(sets, key=rank)
             break
-        if len(live) > 12 and k >= 2:
+        if len(live) > EXHAUSTIVE_UP_TO and k >= 2:
             best = _greedy(live, lambda c: low_without(expanded(c)), guard_bytes, max_victims)  # a long queue
             break
     explained = best is not None
@@ -228,9 +237,10 @@ def growing_choice(inflight: InflightList, level: int, model: CostModel, exclude
     now = [r for r in grow if r not in later] + [o for r in later for o in conflicts[r.rid] if o not in grow]
     gone = [r for r in inflight.requests if r.rid in skip]
     kept = [r for r in live if r not in now and r not in later]
-    low = projected_low(level, kept, gone + now + list(later), model, running_in_level)
+    projection = Projection(level, inflight.requests, model, running_in_level)
+    low = projection.low(kept, gone + now + list(later))
     return Choice(victims_of(now, {r.rid for r in grow}, model, blockers=conflicts, later=later), low,
-                  projected_low(level, live, gone, model, running_in_level), (), needed=False, explained=False,
+                  projection.low(live, gone), (), needed=False, explained=False,
                   then=later)
 
 

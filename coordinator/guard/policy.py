@@ -369,6 +369,15 @@ def confirm(s: GuardSettings, state: GuardState, inflight: InflightList, now: fl
                                                 overdue_reported=state.overdue_reported or bool(overdue))
 
 
+def settled(s: GuardSettings, a: Assessment, inflight: InflightList, aborted: Iterable[str] = ()) -> bool:
+    """No request listed can take more memory (the scheduler says each decodes: its prefill is
+    done) and the node is still above the guard."""
+    gone = set(aborted)
+    live = [r for r in inflight.requests if r.rid not in gone]
+    return (s.cost.configured and inflight.scheduler_view and bool(live) and a.level > s.guard_bytes
+            and all(r.state == charge.DECODING for r in live))
+
+
 def running_in_level(s: GuardSettings, a: Assessment, inflight: InflightList) -> bool:
     """Whether the level was sampled after the step the list shows running was launched: only
     rank 0's own node shares the clock the list says it in (CLOCK_MONOTONIC of one host)."""
@@ -447,6 +456,16 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                                            running_in_level=running_in_level(s, a, inflight))
         if choice.victims:
             return abort(why, choice, at)
+        if settled(s, a, inflight, at.aborted):
+            # Nothing listed will take more, and an abort_all would free nothing (the allocator
+            # keeps what they hold): the trend is the end of a prefill that is over, or memory
+            # someone else takes, which the fallback below the guard (abort_all, then the stop)
+            # and the node's floor answer.
+            return (decision(HOLD, f"{why}; not acting: every request in flight is decoding (nothing it "
+                                   f"allocates), {_gb(a.level - s.guard_bytes)} above the guard",
+                             projected_low_kept=choice.projected_low_keeping_all),
+                    replace(at, hold_until=now + s.envelope_s, hold_low=a.level,
+                            hold_rids=tuple(r.rid for r in inflight.requests)))
         kind = fallback
         cannot = "no request is prefilling" if not choice.skipped else "the request growing cannot be aborted " \
                  "by its rid"

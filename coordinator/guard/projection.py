@@ -4,26 +4,24 @@ caching allocator (pure: no memory is touched).
 What the engine does, per rank (SGLang's scheduler and PyTorch's caching allocator; the stand-in,
 sim/engine.py and sim/allocator.py, does the same):
 - the request being chunk-prefilled goes on first, then the waiting ones as they arrived
-  (--schedule-policy fcfs, SGLang's default), one chunk at a time;
-- each chunk allocates its tokens' KV, which the request keeps, and the indexer's buffers
-  (transient_bytes x chunk x prefix), freed after the chunk;
-- a freed block stays with the process, and a later allocation it fits is served from it (the
-  smallest that fits, split when more than 1 MiB would be left over): a prompt's buffers reuse
-  those an earlier prompt's chunks at the same prefixes left, and KV reuses what an aborted
-  request held;
-- before a chunk of a prompt of at least the prefill_empty_cache threshold, and before the batch
-  after its last chunk, every free block goes back to the system (empty_cache), so such a
-  prompt's low is at its last chunk and it leaves nothing cached.
-The level sampled holds the buffers of the chunks already done by the request being prefilled
-(free, in the allocator's cache; with the hook only the last one's: done_chunk_buffers). The
-chunk now running is in it too when the sample was taken after the step was launched (rank 0's
-scheduler says when: adapter/scheduler_requests.py); otherwise it is counted as still to come.
-Blocks freed by requests that have ended are not known, so not counted: the projection errs low,
-not high, by what they are.
+  (--schedule-policy fcfs, SGLang's default), a chunk's token budget at a time: a prompt's last
+  piece and the next prompt's first share a step;
+- each piece allocates its tokens' KV, which the request keeps, and the indexer's buffers
+  (transient_bytes x tokens x prefix), freed when the step ends;
+- a freed block stays with the process and merges with the free blocks beside it in its
+  segment; a later allocation is served from the smallest free block that fits (split when more
+  than 1 MiB would be left over), else from a new segment;
+- before a step holding a prompt of at least the prefill_empty_cache threshold, and before the
+  step after it, every wholly free segment goes back to the system (empty_cache).
+Where the allocator's free blocks are now follows from what the listed requests did: their
+prefill so far is replayed from an empty cache (replay), and the step now running counts as taken
+when the sample came after rank 0's scheduler launched it (adapter/scheduler_requests.py).
+Blocks that requests no longer listed left are not known: the projection errs low by what they
+would give the others.
 
 The allocator's rules are written here again, not imported from sim/allocator.py, on purpose:
 the stand-in is the independent implementation tests/unit/test_guard_projection.py checks this
-one against.
+one against (to the byte, on queues whose history is listed).
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ SPLIT_REMAINDER = 1 * MiB   # kSmallSize: a block is split only when more than t
 MIN_LARGE_ALLOC = 10 * MiB  # below this a new segment is LARGE_BUFFER, else rounded to ROUND_LARGE
 LARGE_BUFFER = 20 * MiB
 ROUND_LARGE = 2 * MiB
-EXACT_CHUNKS = 16           # an unhooked prompt with more chunks left than this is counted at once
+ROUND = 512                 # every request is rounded up to this
 
 
 def segment_size(nbytes: int) -> int:
@@ -48,37 +46,125 @@ def segment_size(nbytes: int) -> int:
     return LARGE_BUFFER if nbytes < MIN_LARGE_ALLOC else -(-nbytes // ROUND_LARGE) * ROUND_LARGE
 
 
+def round_size(nbytes: int) -> int:
+    return max(ROUND, -(-nbytes // ROUND) * ROUND)
+
+
+class _Segment:
+    """A segment's blocks in address order, each [size, free]."""
+
+    __slots__ = ("size", "blocks")
+
+    def __init__(self, size: int, blocks: list[list] | None = None) -> None:
+        self.size = size
+        self.blocks = blocks if blocks is not None else [[size, True]]
+
+
+Handle = tuple[_Segment, list]
+
+
 class _Allocator:
-    """Available memory and the free blocks the process keeps. A block of at least
-    MIN_LARGE_ALLOC was a segment of its own, which empty_cache() returns once it is free; a
-    smaller one shares a LARGE_BUFFER segment with others, and stays (it is still reused)."""
+    """Available memory and the free blocks the process keeps, with the segments they belong to."""
 
     def __init__(self, available: int) -> None:
         self.available = available
-        self.whole: list[int] = []   # free blocks that are whole segments, sorted
-        self.shared: list[int] = []  # free blocks in segments partly in use, sorted
+        self._free: list[tuple[int, int, _Segment, list]] = []  # (size, seq, segment, block), sorted
+        self._seq = 0
 
-    def malloc(self, nbytes: int) -> None:
+    def largest_free(self) -> int:
+        return self._free[-1][0] if self._free else 0
+
+    def _index(self, segment: _Segment, block: list) -> None:
+        self._seq += 1
+        bisect.insort(self._free, (block[0], self._seq, segment, block), key=lambda f: f[:2])
+
+    def _unindex(self, block: list) -> None:
+        i = bisect.bisect_left(self._free, block[0], key=lambda f: f[0])
+        while self._free[i][3] is not block:
+            i += 1
+        del self._free[i]
+
+    def malloc(self, nbytes: int) -> Handle | None:
         if nbytes <= 0:
-            return
-        fits = [(pool[i], pool) for pool in (self.whole, self.shared)
-                if (i := bisect.bisect_left(pool, nbytes)) < len(pool)]
-        if fits:
-            block, pool = min(fits, key=lambda f: f[0])  # best fit
-            pool.remove(block)
+            return None
+        size = round_size(nbytes)
+        i = bisect.bisect_left(self._free, size, key=lambda f: f[0])
+        if i < len(self._free):  # best fit
+            _, _, segment, block = self._free.pop(i)
         else:
-            block = segment_size(nbytes)
-            self.available -= block
-        if block - nbytes > SPLIT_REMAINDER:
-            bisect.insort(self.shared, block - nbytes)  # its segment is now partly in use
+            segment = _Segment(segment_size(size))
+            self.available -= segment.size
+            block = segment.blocks[0]
+        if block[0] - size > SPLIT_REMAINDER:
+            rest = [block[0] - size, True]
+            segment.blocks.insert(_position(segment, block) + 1, rest)
+            block[0] = size
+            self._index(segment, rest)
+        block[1] = False
+        return segment, block
 
-    def release(self, nbytes: int) -> None:
-        if nbytes > 0:
-            bisect.insort(self.whole if nbytes >= MIN_LARGE_ALLOC else self.shared, nbytes)
+    def free(self, handle: Handle | None) -> None:
+        if handle is None:
+            return
+        segment, block = handle
+        block[1] = True
+        blocks = segment.blocks
+        i = _position(segment, block)
+        if i + 1 < len(blocks) and blocks[i + 1][1]:
+            self._unindex(blocks[i + 1])
+            block[0] += blocks.pop(i + 1)[0]
+        if i > 0 and blocks[i - 1][1]:
+            self._unindex(blocks[i - 1])
+            blocks[i - 1][0] += blocks.pop(i)[0]
+            block = blocks[i - 1]
+        self._index(segment, block)
+
+    def add_free_segments(self, sizes: Iterable[int]) -> None:
+        """Wholly free segments of these sizes (what a block that was a segment of its own leaves
+        when it is freed), indexed at once."""
+        for size in sizes:
+            self._seq += 1
+            segment = _Segment(size)
+            self._free.append((size, self._seq, segment, segment.blocks[0]))
+        self._free.sort(key=lambda f: f[:2])
 
     def empty_cache(self) -> None:
-        self.available += sum(self.whole)
-        self.whole.clear()
+        kept = []
+        for entry in self._free:
+            segment = entry[2]
+            if len(segment.blocks) == 1:
+                self.available += segment.size
+            else:
+                kept.append(entry)
+        self._free = kept
+
+    def clone(self, handles: Iterable[Handle]) -> tuple["_Allocator", dict[int, Handle]]:
+        """A copy to project on, with the handles given mapped into it (by their block's id). Only
+        the segments with a free block and those of the handles are copied: the others are wholly
+        in use and stay so, since nothing the projection frees is in them."""
+        handles = list(handles)
+        copies: dict[int, _Segment] = {}
+        mapped: dict[int, Handle] = {}
+        blocks: dict[int, list] = {}
+        for segment in [e[2] for e in self._free] + [h[0] for h in handles]:
+            if id(segment) not in copies:
+                copy = _Segment(segment.size, [list(b) for b in segment.blocks])
+                copies[id(segment)] = copy
+                for old, new in zip(segment.blocks, copy.blocks):
+                    blocks[id(old)] = new
+        out = _Allocator(self.available)
+        out._seq = self._seq
+        out._free = [(size, seq, copies[id(segment)], blocks[id(block)]) for size, seq, segment, block in self._free]
+        for segment, block in handles:
+            mapped[id(block)] = (copies[id(segment)], blocks[id(block)])
+        return out, mapped
+
+
+def _position(segment: _Segment, block: list) -> int:
+    for i, b in enumerate(segment.blocks):
+        if b is block:
+            return i
+    raise ValueError("block not in its segment")
 
 
 def prefill_order(requests: Iterable["InflightRequest"]) -> list["InflightRequest"]:
@@ -88,93 +174,168 @@ def prefill_order(requests: Iterable["InflightRequest"]) -> list["InflightReques
     return [r for r in reqs if r.prefilling] + [r for r in reqs if not r.prefilling]
 
 
+def history_batches(requests: list["InflightRequest"], model: "CostModel") -> list[list[tuple]]:
+    """The prefill steps that brought the listed requests where they are, as (request, prefix,
+    tokens) pieces: the ones done prefilling first (oldest first; their pieces planned with the
+    chunk budget shared, as the scheduler does when they were queued together), then the ones
+    being prefilled, whose pieces are known: a first one of what the budget had left (the
+    remainder of their tokens done), then whole chunks."""
+    chunk = model.chunk_tokens if model.chunk_tokens > 0 else None
+    batches: list[list[tuple]] = []
+    current: list[tuple] = []
+    left = chunk
+
+    def flush() -> None:
+        nonlocal current, left
+        if current:
+            batches.append(current)
+        current, left = [], chunk
+
+    for r in sorted((r for r in requests if not r.waiting and not r.prefilling), key=lambda r: -r.age_s):
+        prefix = r.cached_tokens
+        while prefix < r.prefilled_tokens:
+            take = r.prefilled_tokens - prefix if left is None else min(left, r.prefilled_tokens - prefix)
+            current.append((r, prefix, take))
+            prefix += take
+            if left is not None:
+                left -= take
+                if left == 0:
+                    flush()
+        if left is None:
+            flush()
+    for r in (r for r in requests if r.prefilling):
+        done = r.prefilled_tokens - r.cached_tokens
+        if done <= 0:
+            continue
+        first = done % chunk if chunk else done
+        if not first or first != left:
+            flush()  # it did not start in the step the ones before it ended
+        prefix = r.cached_tokens
+        if first:
+            current.append((r, prefix, first))
+            prefix += first
+            flush()
+        while prefix < r.prefilled_tokens:
+            batches.append([(r, prefix, chunk)])
+            prefix += chunk
+    flush()
+    return batches
+
+
+def _allocate_batch(memory: _Allocator, pieces: list, model: "CostModel", kv: dict[str, list]) -> list:
+    """One prefill step's memory, as the engine takes it: the hook's empty_cache() first when a
+    prompt in the step is long enough, then each piece's KV (kept) and its indexer buffers over
+    its prefix; returns the buffers (freed when the step ends)."""
+    if any(model.hooked(r) for r, _, _ in pieces):
+        memory.empty_cache()
+    buffers = []
+    for r, start, take in pieces:
+        kv.setdefault(r.rid, []).append(memory.malloc(model.token_bytes * take))
+        buffers.append(memory.malloc(int(model.transient_bytes * take * (start + take))))
+    return buffers
+
+
+def _end_batch(memory: _Allocator, hooked: bool, buffers: list) -> None:
+    for block in buffers:
+        memory.free(block)
+    if hooked:
+        memory.empty_cache()  # the hook, before the next step
+
+
+class Projection:
+    """The allocator as the listed requests left it (replayed once), to project from for any
+    split of them into kept and aborted (charge.choose asks for many)."""
+
+    def __init__(self, level: int, requests: Iterable["InflightRequest"], model: "CostModel",
+                 running_in_level: bool = False) -> None:
+        self.level, self.model, self.running_in_level = level, model, running_in_level
+        requests = list(requests)
+        self._memory = _Allocator(level)
+        self._kv: dict[str, list] = {}
+        for pieces in history_batches(requests, model):
+            _end_batch(self._memory, any(model.hooked(r) for r, _, _ in pieces),
+                       _allocate_batch(self._memory, pieces, model, self._kv))
+        self._running: list = []
+        self._running_hooked = False
+        if running_in_level:
+            pieces = [(r, r.prefilled_tokens, min(r.chunk_tokens, r.prompt_tokens - r.prefilled_tokens))
+                      for r in requests if r.prefilling and r.chunk_tokens > 0]
+            self._running = _allocate_batch(self._memory, pieces, model, self._kv)
+            self._running_hooked = any(model.hooked(r) for r, _, _ in pieces)
+        self._memory.available = level  # the level sampled holds all of it
+
+    def low(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> int:
+        """The lowest available memory ahead if `kept` run to the end of their prefill and
+        `aborted` end at the next step boundary, leaving what they hold cached for the others."""
+        model = self.model
+        kept = list(kept)
+        gone = [h for r in aborted for h in self._kv.get(r.rid, ()) if h is not None]
+        whole = [h[0].size for h in gone if len(h[0].blocks) == 1]  # a segment of its own: freed, wholly free
+        gone = [h for h in gone if len(h[0].blocks) > 1]
+        running = [h for h in self._running if h is not None]
+        memory, mapped = self._memory.clone(gone + running)
+        # The step now running ends (its buffers freed; with the hook, returned), then the
+        # aborted requests end at that boundary.
+        _end_batch(memory, self._running_hooked, [mapped[id(h[1])] for h in running])
+        memory.add_free_segments(whole)
+        for h in gone:
+            memory.free(mapped[id(h[1])])
+        queue = []
+        for r in prefill_order(kept):
+            prefix = r.prefilled_tokens
+            if self.running_in_level and r.prefilling and r.chunk_tokens > 0:
+                prefix += min(r.chunk_tokens, r.prompt_tokens - prefix)
+            if prefix < r.prompt_tokens:
+                queue.append([r, prefix])
+        low = self.level
+        budget = model.chunk_tokens if model.chunk_tokens > 0 else None
+        while queue:
+            low = _hooked_run(memory, queue[0], model, low)
+            left, pieces = budget, []
+            for entry in queue:
+                r, prefix = entry
+                take = r.prompt_tokens - prefix if left is None else min(left, r.prompt_tokens - prefix)
+                pieces.append((r, prefix, take))
+                entry[1] += take
+                if left is not None:
+                    left -= take
+                    if left == 0:
+                        break
+            buffers = _allocate_batch(memory, pieces, model, {})
+            low = min(low, memory.available)
+            _end_batch(memory, any(model.hooked(r) for r, _, _ in pieces), buffers)
+            queue = [e for e in queue if e[1] < e[0].prompt_tokens]
+        return low
+
+
+def _hooked_run(memory: _Allocator, entry: list, model: "CostModel", low: int) -> int:
+    """The whole chunks in the middle of a long prompt prefilled with the hook, at once: each
+    starts from an empty cache, so when no free block is left that its KV or its buffers fit,
+    each takes a new segment for both and gives the buffers' back; the lowest is at the last
+    of them. Advances entry's prefix past them (the last piece is left to the stepping, which
+    may share its step); returns the low so far."""
+    r, prefix = entry
+    chunk = model.chunk_tokens
+    if chunk <= 0 or not model.hooked(r):
+        return low
+    n = (r.prompt_tokens - prefix - 1) // chunk
+    kv = round_size(model.token_bytes * chunk)
+    first = round_size(int(model.transient_bytes * chunk * (prefix + chunk)))
+    if n < 2 or kv < MIN_LARGE_ALLOC or segment_size(kv) - kv > SPLIT_REMAINDER or first < MIN_LARGE_ALLOC:
+        return low
+    memory.empty_cache()
+    if memory.largest_free() >= min(kv, first):
+        return low  # a free block would serve some of them: step them one by one
+    end = prefix + n * chunk
+    memory.available -= n * segment_size(kv)
+    entry[1] = end
+    return min(low, memory.available - segment_size(round_size(int(model.transient_bytes * chunk * end))))
+
+
 def projected_low(level: int, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"],
                   model: "CostModel", running_in_level: bool = False) -> int:
     """The lowest available memory ahead if `kept` run to the end of their prefill and `aborted`
     leave what they hold in the allocator for them. `running_in_level`: the level was sampled
     after the step now running was launched, so it holds that step's KV and buffers."""
-    memory = _Allocator(level)
-    kv_block = model.token_bytes * (model.chunk_tokens if model.chunk_tokens > 0 else 1)
-    for r in aborted:
-        held = model.held(r)
-        if kv_block > 0 and held > 0:
-            whole, rest = divmod(held, kv_block)
-            for _ in range(whole):
-                memory.release(kv_block)
-            memory.release(rest)
-    low = level
-    for r in prefill_order(kept):
-        prefix = r.prefilled_tokens
-        launched = running_in_level and r.prefilling and r.chunk_tokens > 0
-        if not (launched and model.hooked(r)):  # with the hook they went back before this chunk's
-            for block in done_chunk_buffers(r, model):
-                memory.release(block)
-        if launched:  # its KV is in the level, and its buffers, free once it ends
-            prefix += min(r.chunk_tokens, r.prompt_tokens - prefix)
-            memory.release(int(model.transient_bytes * r.chunk_tokens * prefix))
-        if prefix >= r.prompt_tokens:
-            continue
-        chunk = model.chunk_of(r)
-        if model.hooked(r):
-            # Every chunk starts from an empty cache: its low is at its last chunk, with all its KV.
-            memory.empty_cache()
-            memory.available -= kv_segments(model.token_bytes, chunk, r.prompt_tokens - prefix)
-            last = int(model.transient_bytes * min(chunk, r.prompt_tokens - prefix) * r.prompt_tokens)
-            low = min(low, memory.available - (segment_size(last) if last else 0))
-            continue  # the hook returns those buffers before the batch after its last chunk
-        if -(-(r.prompt_tokens - prefix) // chunk) > EXACT_CHUNKS:
-            # A long prompt without the hook (the hook off, or a high threshold): each chunk's
-            # buffers are larger than any block kept, so they are all new; counted at once, with
-            # each segment's rounding, and nothing of them reused later (the projection errs low).
-            memory.available -= kv_segments(model.token_bytes, chunk, r.prompt_tokens - prefix)
-            memory.available -= unhooked_buffers(model, chunk, prefix, r.prompt_tokens)
-            low = min(low, memory.available)
-            continue
-        while prefix < r.prompt_tokens:
-            take = min(chunk, r.prompt_tokens - prefix)
-            prefix += take
-            memory.malloc(model.token_bytes * take)
-            buffers = int(model.transient_bytes * take * prefix)
-            memory.malloc(buffers)
-            low = min(low, memory.available)
-            memory.release(buffers)
-    return low
-
-
-def unhooked_buffers(model: "CostModel", chunk: int, start: int, end: int) -> int:
-    """The chunks' buffers from prefix `start` to `end`, each its own segment (rounded up)."""
-    full = (end - start) // chunk
-    # sum over k = 1..full of chunk x (start + k x chunk), then the shorter last chunk at `end`
-    total = model.transient_bytes * chunk * (full * start + chunk * full * (full + 1) // 2)
-    rest = end - start - full * chunk
-    total += model.transient_bytes * rest * end
-    return int(total) + (full + (1 if rest else 0)) * ROUND_LARGE
-
-
-def kv_segments(token_bytes: int, chunk: int, tokens: int) -> int:
-    """What `tokens` of KV, allocated a chunk at a time from an empty cache, take from the system:
-    a chunk of at least MIN_LARGE_ALLOC its own rounded segment; smaller ones share LARGE_BUFFER
-    segments, as many to one as fit."""
-    full, rest = divmod(tokens, chunk)
-    block = token_bytes * chunk
-    if block >= MIN_LARGE_ALLOC:
-        return full * segment_size(block) + (segment_size(token_bytes * rest) if rest else 0)
-    per_segment = max(1, LARGE_BUFFER // max(1, block))
-    return -(-(full + (1 if rest else 0)) // per_segment) * LARGE_BUFFER
-
-
-def done_chunk_buffers(r: "InflightRequest", model: "CostModel") -> list[int]:
-    """The buffers of the chunks the request being prefilled has done that the level sampled
-    holds as free blocks, whether or not its next chunk's were allocated yet. Without the hook,
-    every one's (nothing returns them). With it, only the last one's and only while its next
-    chunk is in the step launched: the hook returns them right before that chunk's own buffers
-    are allocated (between steps they may be gone already). The chunk now running is not among
-    them (projected_low credits it when the level was sampled after its launch)."""
-    if not r.prefilling or not model.transient_bytes or (model.hooked(r) and not r.chunk_tokens):
-        return []
-    chunk = model.chunk_of(r)
-    ends = list(range(r.cached_tokens + chunk, r.prefilled_tokens + 1, chunk))
-    if r.prefilled_tokens > r.cached_tokens and (not ends or ends[-1] != r.prefilled_tokens):
-        ends.append(r.prefilled_tokens)  # a last chunk shorter than the others
-    sizes = [int(model.transient_bytes * (end - start) * end) for start, end in zip([r.cached_tokens] + ends, ends)]
-    return sizes[-1:] if model.hooked(r) else sizes
+    kept, aborted = list(kept), list(aborted)
+    return Projection(level, kept + aborted, model, running_in_level).low(kept, aborted)

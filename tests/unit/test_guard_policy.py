@@ -739,5 +739,56 @@ def test_the_running_step_counts_as_in_the_level_only_for_rank_0s_node_sampled_a
     before = charge.choose(listing, 590 * MB, 150 * MB, model)
     after = charge.choose(listing, 590 * MB, 150 * MB, model, running_in_level=True)
     assert before.needed and not after.needed
-    # its KV (12.6 MB) and its buffers less those of the chunk before (2.4 MB)
-    assert after.projected_low_keeping_all - before.projected_low_keeping_all == 768 * 16_384 + 4 * 768 * 768
+    # its KV (12 MiB) and its buffers' segment (26 MiB), returned by the hook once the step ends
+    assert after.projected_low_keeping_all - before.projected_low_keeping_all == 12 * MiB + 26 * MiB
+
+
+def test_a_fall_that_ended_with_every_request_decoding_is_held_not_aborted_all():
+    # The lows' line (a prefill's last chunk took memory to 14 MB above the guard) points at the
+    # guard with nothing left within the lead, confirmed; the prefill is over: every request listed
+    # decodes, so none will take more, and an abort_all would free nothing (the allocator keeps
+    # what they hold). Memory is at 250 MB now.
+    g = SIM.guard_bytes
+    a = p.Assessment("spark1", g + 100 * MB, True, g + 14 * MB, "lows", -390 * MB, 0.04, 0.77,
+                     (g + 14 * MB) / (390 * MB), at=5.0)
+    confirmed = p.GuardState(marks=(("spark1", p.NodeMark(1, g + 100 * MB, True)),))
+    decoding_only = p.InflightList((decoding("chat", 2_000), decoding("long", 60_000)))
+    d, state = p.decide(SIM, confirmed, a, 5.0, decoding_only)
+    assert d.kind == p.HOLD and "every request in flight is decoding" in d.reason, d
+    assert state.phase == p.ARMED
+    # the same with a request still prefilling: it is the one aborted (the urgent path)
+    growing = p.InflightList((decoding("chat", 2_000), prefilling("long", 60_000, 59_232)))
+    d, _ = p.decide(SIM, confirmed, a, 5.0, growing)
+    assert d.kind == p.ABORT and d.victim.rid == "long", d
+    # and without the scheduler's view of them (an older route), the fallback as before
+    legacy = p.InflightList((p.InflightRequest("chat", 2_000, 2_000), p.InflightRequest("long", 60_000, 60_000)))
+    d, _ = p.decide(SIM, confirmed, a, 5.0, legacy)
+    assert d.kind == p.ABORT_ALL, d
+
+
+def test_memory_below_the_guard_with_every_request_decoding_is_still_aborted_all():
+    # Nothing listed allocates, but the node is below the guard and falling: someone takes memory,
+    # and the fallback (abort_all, then the stop) answers it.
+    s = SIM
+    g = s.guard_bytes
+    feed = Feed(s)
+    feed.requests = (decoding("chat", 2_000),)
+    feed.run(0.5, lambda t: g + 300 * MB)
+    start = feed.t
+    feed.run(1.5, lambda t: g + 300 * MB - int(400 * MB * (t - start)))
+    acted = [(at, d) for _, at, d in feed.actions if d.kind in p.ACTIONS]
+    assert acted and acted[0][1].kind == p.ABORT_ALL, [d.reason for _, _, d in feed.actions]
+    assert acted[0][0] <= g, (acted[0][0] - g) / MB
+
+
+def test_a_long_queue_is_cut_greedily_the_largest_first_and_kept_above_the_guard():
+    # Ten prompts waiting, of 5 to 50 chunks of 10 MiB KV (50 to 500 MiB), 600 MiB above a 150 MiB
+    # guard: beyond two victims the sets are not all tried (charge.EXHAUSTIVE_UP_TO); the greedy
+    # growth takes the largest first, and stops as soon as the rest fits.
+    inflight = p.InflightList(tuple(req(f"w{i}", 1024 * 5 * (i + 1), age=10.0 - i) for i in range(10)))
+    assert len(inflight.requests) > charge.EXHAUSTIVE_UP_TO
+    choice = charge.choose(inflight, 600 * MiB, 150 * MiB, COST)
+    assert choice.explained and choice.projected_low >= 150 * MiB
+    rids = [v.request.rid for v in choice.victims]
+    assert set(rids) == {"w9", "w8", "w7", "w6", "w5", "w4", "w3"}, rids  # w0..w2 (300 MiB) fit, w3 too would not
+    assert choice.projected_low == 600 * MiB - 300 * MiB
