@@ -38,6 +38,7 @@ MIN_LARGE_ALLOC = 10 * MiB  # below this a new segment is LARGE_BUFFER, else rou
 LARGE_BUFFER = 20 * MiB
 ROUND_LARGE = 2 * MiB
 ROUND = 512                 # every request is rounded up to this
+UNHOOKED_EXACT_CHUNKS = 32  # a prompt without the hook stepped chunk by chunk up to this many
 
 
 def segment_size(nbytes: int) -> int:
@@ -290,7 +291,7 @@ class Projection:
         low = self.level
         budget = model.chunk_tokens if model.chunk_tokens > 0 else None
         while queue:
-            low = _hooked_run(memory, queue[0], model, low)
+            low = _run_at_once(memory, queue[0], model, low)
             left, pieces = budget, []
             for entry in queue:
                 r, prefix = entry
@@ -308,28 +309,41 @@ class Projection:
         return low
 
 
-def _hooked_run(memory: _Allocator, entry: list, model: "CostModel", low: int) -> int:
-    """The whole chunks in the middle of a long prompt prefilled with the hook, at once: each
-    starts from an empty cache, so when no free block is left that its KV or its buffers fit,
-    each takes a new segment for both and gives the buffers' back; the lowest is at the last
-    of them. Advances entry's prefix past them (the last piece is left to the stepping, which
-    may share its step); returns the low so far."""
+def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) -> int:
+    """The whole chunks in the middle of a long prompt, at once; the last piece is left to the
+    stepping (it may share its step). With the hook every chunk starts from an empty cache, so
+    once no free block is left that its KV or its buffers fit, each takes a new segment for both
+    and gives the buffers' back: the lowest is at the last of them (exact). Without it, past
+    UNHOOKED_EXACT_CHUNKS chunks each chunk's buffers are counted as a new segment that stays (the
+    allocator keeps them; it reuses some, which this errs low by). Advances entry's prefix past
+    them; returns the low so far."""
     r, prefix = entry
     chunk = model.chunk_tokens
-    if chunk <= 0 or not model.hooked(r):
+    if chunk <= 0:
         return low
     n = (r.prompt_tokens - prefix - 1) // chunk
-    kv = round_size(model.token_bytes * chunk)
-    first = round_size(int(model.transient_bytes * chunk * (prefix + chunk)))
-    if n < 2 or kv < MIN_LARGE_ALLOC or segment_size(kv) - kv > SPLIT_REMAINDER or first < MIN_LARGE_ALLOC:
+    kv = round_size(model.token_bytes * chunk) if model.token_bytes else 0
+    end = prefix + n * chunk
+    if not model.hooked(r):
+        if n <= UNHOOKED_EXACT_CHUNKS:
+            return low
+        memory.available -= n * (segment_size(kv) if kv else 0)
+        memory.available -= sum(segment_size(round_size(int(model.transient_bytes * chunk * p)))
+                                for p in range(prefix + chunk, end + 1, chunk)) if model.transient_bytes else 0
+        entry[1] = end
+        return min(low, memory.available)
+    buffers = model.transient_bytes > 0
+    first = round_size(int(model.transient_bytes * chunk * (prefix + chunk))) if buffers else 0
+    if n < 2 or (kv and (kv < MIN_LARGE_ALLOC or segment_size(kv) - kv > SPLIT_REMAINDER)) \
+            or (buffers and first < MIN_LARGE_ALLOC) or not (kv or buffers):
         return low
     memory.empty_cache()
-    if memory.largest_free() >= min(kv, first):
+    if memory.largest_free() >= min(x for x in (kv, first) if x):
         return low  # a free block would serve some of them: step them one by one
-    end = prefix + n * chunk
-    memory.available -= n * segment_size(kv)
+    memory.available -= n * (segment_size(kv) if kv else 0)
     entry[1] = end
-    return min(low, memory.available - segment_size(round_size(int(model.transient_bytes * chunk * end))))
+    last = segment_size(round_size(int(model.transient_bytes * chunk * end))) if buffers else 0
+    return min(low, memory.available - last)
 
 
 def projected_low(level: int, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"],
