@@ -70,8 +70,7 @@ class ClusterRuntime:
         # Published state: written by the supervisor only, read by anyone under the lock.
         self._lock = threading.Lock()
         # Until the supervisor has looked for ranks to adopt, the cluster is neither stopped nor
-        # serving: saying "stopped" there is what a status read between the control socket's
-        # first answer and the first decision would have shown.
+        # serving, and the control socket already answers: status says "starting" there.
         self._snapshot = Snapshot(phase=STARTING, detail="looking for running ranks to adopt", since=clock())
         self._snapshot_heard: dict[str, liveness.Heard] = {}  # the heartbeats, as readers see them
         self._incidents: list[Incident] = []

@@ -369,13 +369,12 @@ def confirm(s: GuardSettings, state: GuardState, inflight: InflightList, now: fl
                                                 overdue_reported=state.overdue_reported or bool(overdue))
 
 
-def settled(s: GuardSettings, a: Assessment, inflight: InflightList, aborted: Iterable[str] = ()) -> bool:
-    """No request listed can take more memory (the scheduler says each decodes: its prefill is
-    done) and the node is still above the guard."""
+def decoding_only(inflight: InflightList, aborted: Iterable[str] = ()) -> bool:
+    """Every request listed (but those aborted) decodes, by the scheduler's word: none of them
+    will allocate more (their prefill is done)."""
     gone = set(aborted)
     live = [r for r in inflight.requests if r.rid not in gone]
-    return (s.cost.configured and inflight.scheduler_view and bool(live) and a.level > s.guard_bytes
-            and all(r.state == charge.DECODING for r in live))
+    return inflight.scheduler_view and bool(live) and all(r.state == charge.DECODING for r in live)
 
 
 def running_in_level(s: GuardSettings, a: Assessment, inflight: InflightList) -> bool:
@@ -444,11 +443,20 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         skipped = "".join(f"; not aborting {rid} alone: {text}" for rid, text in choice.skipped)
         if not choice.needed:
             urgent = a.exhaust_s is not None and a.exhaust_s <= s.lead_s
-            trusted = s.cost.configured and inflight.scheduler_view and not at.model_failed and not urgent
-            if trusted:
+            believed = not at.model_failed and not urgent
+            # When every request decodes, neither urgency nor a model that erred before is a reason
+            # to act: nothing of theirs allocates more, and an abort_all would free nothing (the
+            # allocator keeps what they hold). The trend is then the end of a prefill that is over,
+            # or memory someone else takes, which the fallback below the guard and the node's floor
+            # answer.
+            idle = decoding_only(inflight, at.aborted)
+            if s.cost.configured and inflight.scheduler_view and (believed or idle):
                 # The trend's line goes on past the end of a prefill; the scheduler knows where it ends.
-                return (decision(HOLD, f"{why}; not acting: the requests in flight are projected to take memory "
-                                       f"no lower than {_gb(choice.projected_low_keeping_all)}{skipped}",
+                held = (f"the requests in flight are projected to take memory no lower than "
+                        f"{_gb(choice.projected_low_keeping_all)}" if believed else
+                        f"every request in flight is decoding (nothing it allocates), "
+                        f"{_gb(a.level - s.guard_bytes)} above the guard")
+                return (decision(HOLD, f"{why}; not acting: {held}{skipped}",
                                  projected_low_kept=choice.projected_low_keeping_all, skipped=choice.skipped),
                         replace(at, hold_until=now + s.envelope_s, hold_low=choice.projected_low_keeping_all,
                                 hold_rids=tuple(r.rid for r in inflight.requests)))
@@ -456,16 +464,6 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                                            running_in_level=running_in_level(s, a, inflight))
         if choice.victims:
             return abort(why, choice, at)
-        if settled(s, a, inflight, at.aborted):
-            # Nothing listed will take more, and an abort_all would free nothing (the allocator
-            # keeps what they hold): the trend is the end of a prefill that is over, or memory
-            # someone else takes, which the fallback below the guard (abort_all, then the stop)
-            # and the node's floor answer.
-            return (decision(HOLD, f"{why}; not acting: every request in flight is decoding (nothing it "
-                                   f"allocates), {_gb(a.level - s.guard_bytes)} above the guard",
-                             projected_low_kept=choice.projected_low_keeping_all),
-                    replace(at, hold_until=now + s.envelope_s, hold_low=a.level,
-                            hold_rids=tuple(r.rid for r in inflight.requests)))
         kind = fallback
         cannot = "no request is prefilling" if not choice.skipped else "the request growing cannot be aborted " \
                  "by its rid"

@@ -175,63 +175,73 @@ def prefill_order(requests: Iterable["InflightRequest"]) -> list["InflightReques
     return [r for r in reqs if r.prefilling] + [r for r in reqs if not r.prefilling]
 
 
+def next_step(queue: list[list], budget: int | None) -> list[tuple]:
+    """The pieces (request, prefix, tokens) of the next prefill step as the scheduler plans it:
+    the entries ([request, prefix, end]) in order, a chunk's token budget shared between them
+    (None: no limit). Advances their prefixes and drops the entries that reach their end."""
+    left, pieces = budget, []
+    for entry in queue:
+        r, prefix, end = entry
+        take = end - prefix if left is None else min(left, end - prefix)
+        pieces.append((r, prefix, take))
+        entry[1] += take
+        if left is not None:
+            left -= take
+            if left == 0:
+                break
+    queue[:] = [e for e in queue if e[1] < e[2]]
+    return pieces
+
+
 def history_batches(requests: list["InflightRequest"], model: "CostModel") -> list[list[tuple]]:
     """The prefill steps that brought the listed requests where they are, as (request, prefix,
-    tokens) pieces: the ones done prefilling first (oldest first; their pieces planned with the
-    chunk budget shared, as the scheduler does when they were queued together), then the ones
-    being prefilled, whose pieces are known: a first one of what the budget had left (the
-    remainder of their tokens done), then whole chunks."""
+    tokens) pieces: the ones done prefilling first (oldest first; planned with the chunk budget
+    shared, as the scheduler does when they were queued together; without chunking each in a
+    step of its own), then the ones being prefilled, whose pieces are known: a first one of what
+    the budget had left (the remainder of their tokens done), then whole chunks."""
     chunk = model.chunk_tokens if model.chunk_tokens > 0 else None
     batches: list[list[tuple]] = []
-    current: list[tuple] = []
-    left = chunk
-
-    def flush() -> None:
-        nonlocal current, left
-        if current:
-            batches.append(current)
-        current, left = [], chunk
-
-    for r in sorted((r for r in requests if not r.waiting and not r.prefilling), key=lambda r: -r.age_s):
-        prefix = r.cached_tokens
-        while prefix < r.prefilled_tokens:
-            take = r.prefilled_tokens - prefix if left is None else min(left, r.prefilled_tokens - prefix)
-            current.append((r, prefix, take))
-            prefix += take
-            if left is not None:
-                left -= take
-                if left == 0:
-                    flush()
-        if left is None:
-            flush()
+    done = [[r, r.cached_tokens, r.prefilled_tokens]
+            for r in sorted((r for r in requests if not r.waiting and not r.prefilling), key=lambda r: -r.age_s)
+            if r.prefilled_tokens > r.cached_tokens]
+    for queue in ([done] if chunk else [[e] for e in done]):
+        while queue:
+            batches.append(next_step(queue, chunk))
+    left = chunk - sum(take for _, _, take in batches[-1]) if chunk and batches else None
     for r in (r for r in requests if r.prefilling):
-        done = r.prefilled_tokens - r.cached_tokens
-        if done <= 0:
-            continue
-        first = done % chunk if chunk else done
-        if not first or first != left:
-            flush()  # it did not start in the step the ones before it ended
         prefix = r.cached_tokens
+        if r.prefilled_tokens <= prefix:
+            continue
+        first = (r.prefilled_tokens - prefix) % chunk if chunk else r.prefilled_tokens - prefix
         if first:
-            current.append((r, prefix, first))
+            if first == left:
+                batches[-1].append((r, prefix, first))  # it began in the step the ones before it ended
+            else:
+                batches.append([(r, prefix, first)])
             prefix += first
-            flush()
         while prefix < r.prefilled_tokens:
             batches.append([(r, prefix, chunk)])
             prefix += chunk
-    flush()
+        left = None
     return batches
 
 
-def _allocate_batch(memory: _Allocator, pieces: list, model: "CostModel", kv: dict[str, list]) -> list:
+def _hooked(pieces: list, model: "CostModel") -> bool:
+    """Whether the prefill_empty_cache hook runs around this step (a prompt in it long enough)."""
+    return any(model.hooked(r) for r, _, _ in pieces)
+
+
+def _allocate_batch(memory: _Allocator, pieces: list, model: "CostModel", kv: dict[str, list] | None) -> list:
     """One prefill step's memory, as the engine takes it: the hook's empty_cache() first when a
-    prompt in the step is long enough, then each piece's KV (kept) and its indexer buffers over
-    its prefix; returns the buffers (freed when the step ends)."""
-    if any(model.hooked(r) for r, _, _ in pieces):
+    prompt in the step is long enough, then each piece's KV (kept, and recorded in `kv` when
+    given) and its indexer buffers over its prefix; returns the buffers (freed when the step ends)."""
+    if _hooked(pieces, model):
         memory.empty_cache()
     buffers = []
     for r, start, take in pieces:
-        kv.setdefault(r.rid, []).append(memory.malloc(model.token_bytes * take))
+        block = memory.malloc(model.token_bytes * take)
+        if kv is not None:
+            kv.setdefault(r.rid, []).append(block)
         buffers.append(memory.malloc(int(model.transient_bytes * take * (start + take))))
     return buffers
 
@@ -254,15 +264,14 @@ class Projection:
         self._memory = _Allocator(level)
         self._kv: dict[str, list] = {}
         for pieces in history_batches(requests, model):
-            _end_batch(self._memory, any(model.hooked(r) for r, _, _ in pieces),
-                       _allocate_batch(self._memory, pieces, model, self._kv))
+            _end_batch(self._memory, _hooked(pieces, model), _allocate_batch(self._memory, pieces, model, self._kv))
         self._running: list = []
         self._running_hooked = False
         if running_in_level:
             pieces = [(r, r.prefilled_tokens, min(r.chunk_tokens, r.prompt_tokens - r.prefilled_tokens))
                       for r in requests if r.prefilling and r.chunk_tokens > 0]
             self._running = _allocate_batch(self._memory, pieces, model, self._kv)
-            self._running_hooked = any(model.hooked(r) for r, _, _ in pieces)
+            self._running_hooked = _hooked(pieces, model)
         self._memory.available = level  # the level sampled holds all of it
 
     def low(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> int:
@@ -287,25 +296,15 @@ class Projection:
             if self.running_in_level and r.prefilling and r.chunk_tokens > 0:
                 prefix += min(r.chunk_tokens, r.prompt_tokens - prefix)
             if prefix < r.prompt_tokens:
-                queue.append([r, prefix])
+                queue.append([r, prefix, r.prompt_tokens])
         low = self.level
         budget = model.chunk_tokens if model.chunk_tokens > 0 else None
         while queue:
             low = _run_at_once(memory, queue[0], model, low)
-            left, pieces = budget, []
-            for entry in queue:
-                r, prefix = entry
-                take = r.prompt_tokens - prefix if left is None else min(left, r.prompt_tokens - prefix)
-                pieces.append((r, prefix, take))
-                entry[1] += take
-                if left is not None:
-                    left -= take
-                    if left == 0:
-                        break
-            buffers = _allocate_batch(memory, pieces, model, {})
+            pieces = next_step(queue, budget)
+            buffers = _allocate_batch(memory, pieces, model, None)
             low = min(low, memory.available)
-            _end_batch(memory, any(model.hooked(r) for r, _, _ in pieces), buffers)
-            queue = [e for e in queue if e[1] < e[0].prompt_tokens]
+            _end_batch(memory, _hooked(pieces, model), buffers)
         return low
 
 
@@ -317,11 +316,11 @@ def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) 
     UNHOOKED_EXACT_CHUNKS chunks each chunk's buffers are counted as a new segment that stays (the
     allocator keeps them; it reuses some, which this errs low by). Advances entry's prefix past
     them; returns the low so far."""
-    r, prefix = entry
+    r, prefix, until = entry
     chunk = model.chunk_tokens
     if chunk <= 0:
         return low
-    n = (r.prompt_tokens - prefix - 1) // chunk
+    n = (until - prefix - 1) // chunk
     kv = round_size(model.token_bytes * chunk) if model.token_bytes else 0
     end = prefix + n * chunk
     if not model.hooked(r):
