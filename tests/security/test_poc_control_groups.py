@@ -54,6 +54,8 @@ def test_the_sockets_belong_to_their_groups(head):
 
 
 def test_a_reader_reads_and_cannot_act(head):
+    # "starting" until the coordinator's search for running ranks ends, then "stopped" (--no-autostart)
+    assert wait(lambda: "CLUSTER: STARTING" not in ctl(head, "status", user="watcher").stdout.upper(), timeout=60)
     status = ctl(head, "status", user="watcher")
     assert status.returncode == 1 and "STOPPED" in status.stdout.upper(), (status.stdout, status.stderr)
     events = ctl(head, "events", user="watcher")
