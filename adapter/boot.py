@@ -12,6 +12,7 @@ import types
 from collections.abc import Callable, Mapping
 
 from adapter import (
+    admission_gate,
     api_key,
     autotune_keep,
     block_verify,
@@ -44,6 +45,7 @@ ADAPTERS: tuple[tuple[types.ModuleType, Builder], ...] = (
     (mxfp8_b12x, mxfp8_b12x.build),
     (autotune_keep, lambda env, log: autotune_keep.build(env, log=log)),
     (prefill_empty_cache, lambda env, log: prefill_empty_cache.build(env)),
+    (admission_gate, lambda env, log: admission_gate.build(env, log)),
     (loop_abort, lambda env, log: loop_abort.build(env)),
     (max_new_tokens, lambda env, log: max_new_tokens.build(env)),
     (reasoning_effort, lambda env, log: reasoning_effort.build(env)),

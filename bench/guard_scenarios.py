@@ -40,8 +40,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from adapter.admission_gate import GateSettings
 from agent.memory import NO_PRESSURE, ChangeFilter, Sample, SendPolicy
 from coordinator.guard import charge
 from coordinator.guard import policy as p
@@ -63,6 +64,9 @@ HOOK_TOKENS = 8192
 ENGINE = EngineConfig(chunk_tokens=CHUNK, max_running=64, prefill_tokens_per_s=20_000.0, decode_tokens_per_s=10.0,
                       bytes_per_token=TOKEN_BYTES, max_total_tokens=0, context_length=None,
                       transient_bytes=TRANSIENT_BYTES, empty_cache_tokens=HOOK_TOKENS)
+# The same engine with the admission gate (adapter/admission_gate.py, MEMORY_GUARD_ADMISSION=1): the
+# coordinator passes the guard's level and cost model to the rank.
+GATED = replace(ENGINE, admission=GateSettings(150 * MB, TOKEN_BYTES, TRANSIENT_BYTES))
 SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB,
                            cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS), rank0_node="node")
 LATENCY_S = 0.002   # an action's HTTP call on the node's loopback
@@ -140,7 +144,7 @@ class Fork:
 
 
 def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset(), seed: int = 0,
-             settings: p.GuardSettings = SETTINGS, fork: Fork | None = None) -> Run:
+             settings: p.GuardSettings = SETTINGS, fork: Fork | None = None, engine_config: EngineConfig = ENGINE) -> Run:
     """One scenario on the stand-in's engine; with `guarded` the policy in the loop, else nothing
     acts. Requests in `skip` are aborted on arrival (the oracle's choice): they hold nothing.
     With `fork`, the run from the guard's fork.decision-th action on (Run.lowest from there, and
@@ -148,11 +152,10 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
     rng = random.Random(seed)
     clock = [0.0]
     backing = CountedMemory()
-    engine = Engine(ENGINE, on_fatal=lambda why: None, clock=lambda: clock[0],
-                    allocator=CachingAllocator(backing))
-
     def available() -> int:
         return scenario.base - backing.mapped
+    engine = Engine(engine_config, on_fatal=lambda why: None, clock=lambda: clock[0],
+                    allocator=CachingAllocator(backing), node_room=available)
     run = Run(lowest=available())
     arrivals = [s for s in scenario.requests]
     requests = {}
@@ -292,22 +295,24 @@ class Verdict:
     needless: set[str] = field(default_factory=set)  # aborted by the guard, kept by the same-moment oracle
 
 
-def oracle(scenario: Scenario, seed: int) -> tuple[int, list[frozenset[str]], Run]:
+def oracle(scenario: Scenario, seed: int, engine_config: EngineConfig = ENGINE) -> tuple[int, list[frozenset[str]], Run]:
     """The fewest requests aborted on arrival that keep the lowest point at or above the guard,
     and every set of that size that does."""
     rids = [s.rid for s in scenario.requests]
-    unguarded = simulate(scenario, guarded=False, seed=seed)
+    unguarded = simulate(scenario, guarded=False, seed=seed, engine_config=engine_config)
     if unguarded.lowest >= SETTINGS.guard_bytes:
         return 0, [frozenset()], unguarded
     for k in range(1, len(rids) + 1):
         sets = [frozenset(c) for c in itertools.combinations(rids, k)
-                if simulate(scenario, guarded=False, skip=frozenset(c), seed=seed).lowest >= SETTINGS.guard_bytes]
+                if simulate(scenario, guarded=False, skip=frozenset(c), seed=seed, engine_config=engine_config).lowest
+                >= SETTINGS.guard_bytes]
         if sets:
             return k, sets, unguarded
     raise AssertionError("aborting everything keeps the node above the guard")
 
 
-def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings: p.GuardSettings = SETTINGS) -> set[str]:
+def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings: p.GuardSettings = SETTINGS,
+                          engine_config: EngineConfig = ENGINE) -> set[str]:
     """The guard's victims an oracle deciding at the same moments would have kept: one that knows
     the true peak of every request in flight (the engine's own run from there, allocator and all)
     and nothing the guard cannot know either (no later arrival, every client reading on). At each
@@ -317,7 +322,8 @@ def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings:
     needless: set[str] = set()
     actions = [d for _, d in guarded.decisions if d.kind in p.ACTIONS]
     for i, d in enumerate(actions):
-        keep_all = simulate(scenario, guarded=True, seed=seed, settings=settings, fork=Fork(i, frozenset()))
+        keep_all = simulate(scenario, guarded=True, seed=seed, settings=settings, fork=Fork(i, frozenset()),
+                            engine_config=engine_config)
         live = sorted(keep_all.live)
         victims = {v.request.rid for v in d.victims} if d.kind == p.ABORT else set(live)
         victims &= set(live)
@@ -326,7 +332,8 @@ def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings:
             continue
         for k in range(1, len(live) + 1):
             sets = [frozenset(c) for c in itertools.combinations(live, k)
-                    if simulate(scenario, guarded=True, seed=seed, settings=settings, fork=Fork(i, frozenset(c))).lowest
+                    if simulate(scenario, guarded=True, seed=seed, settings=settings, fork=Fork(i, frozenset(c)),
+                                engine_config=engine_config).lowest
                     >= SETTINGS.guard_bytes]
             if sets:
                 needless |= victims - min(sets, key=lambda c: len(victims - c))
@@ -334,12 +341,12 @@ def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings:
     return needless
 
 
-def judge(scenario: Scenario, seed: int) -> Verdict:
-    k, sets, unguarded = oracle(scenario, seed)
-    guarded = simulate(scenario, guarded=True, seed=seed)
+def judge(scenario: Scenario, seed: int, engine_config: EngineConfig = ENGINE) -> Verdict:
+    k, sets, unguarded = oracle(scenario, seed, engine_config)
+    guarded = simulate(scenario, guarded=True, seed=seed, engine_config=engine_config)
     best = min(sets, key=lambda s: len(guarded.aborted - s))
     return Verdict(scenario, guarded, unguarded, k, sets, guarded.aborted - best,
-                   needless_at_decisions(scenario, seed, guarded))
+                   needless_at_decisions(scenario, seed, guarded, engine_config=engine_config))
 
 
 def run_scenarios(count: int, seed: int) -> list[Verdict]:
@@ -407,13 +414,16 @@ def report(count: int, seed: int, out=print) -> dict:
     scenarios = [generate(rng, i) for i in range(count)]
     as_generated = [judge(s, seed * 100_003 + s.index) for s in scenarios]
     held = [judge(long_decodes(s), seed * 100_003 + s.index) for s in scenarios]
-    a, b = summary(as_generated), summary(held)
+    gated = [judge(s, seed * 100_003 + s.index, GATED) for s in scenarios]
+    gated_held = [judge(long_decodes(s), seed * 100_003 + s.index, GATED) for s in scenarios]
+    a, b, c, d = summary(as_generated), summary(held), summary(gated), summary(gated_held)
     g = SETTINGS.guard_bytes
     out(f"scenarios: {count} randomized workloads (seed {seed}), {a['requests']} requests, on the stand-in's engine "
         f"model (sim/engine.py + sim/allocator.py) on a simulated clock, with the real policy and cost model "
         f"(guard {g / MB:.0f} MB, lead {SETTINGS.lead_s:g} s, envelope {SETTINGS.envelope_s:g} s, "
         f"{SETTINGS.interval_ms} ms samples through the agent's send filter)")
-    out(f"{'':58s}{'as generated':>14s}{'answers held':>14s}")
+    out(f"{'':58s}{'as generated':>14s}{'answers held':>14s}   with the admission gate (rank side):")
+    out(f"{'':58s}{'':14s}{'':14s}{'as generated':>14s}{'answers held':>14s}")
     rows = [("scenarios in which some request had to go (oracle)", "needed"),
             ("aborted requests the oracle would have kept (goal 0)", "kept_by_oracle"),
             ("  in scenarios", "scenarios_kept_by_oracle"),
@@ -429,12 +439,13 @@ def report(count: int, seed: int, out=print) -> dict:
             ("abort_all", "abort_all"),
             ("stops", "stops")]
     for name, key in rows:
-        out(f"{name:58s}{a[key]:14d}{b[key]:14d}")
-    out(f"{'lowest margin above the guard, with the guard (MB)':58s}{a['lowest_margin'] / MB:14.0f}"
-        f"{b['lowest_margin'] / MB:14.0f}")
+        out(f"{name:58s}{a[key]:14d}{b[key]:14d}{c[key]:14d}{d[key]:14d}")
+    out(f"{'lowest margin above the guard, with the guard (MB)':58s}"
+        + "".join(f"{x['lowest_margin'] / MB:14.0f}" for x in (a, b, c, d)))
     # why: how far below the guard the cost model projected the low, keeping every request, at each
     # decision that cost a request the oracle kept
-    for name, verdicts in (("as generated", as_generated), ("answers held", held)):
+    for name, verdicts in (("as generated", as_generated), ("answers held", held),
+                           ("gate, as generated", gated), ("gate, answers held", gated_held)):
         below, bases = [], {}
         for v in verdicts:
             for _, d, _ in extra_aborts(v):
@@ -445,7 +456,8 @@ def report(count: int, seed: int, out=print) -> dict:
         for v in verdicts:
             if v.kept_by_oracle:
                 best = min(v.oracle_sets, key=lambda c: len(v.guard.aborted - c))
-                lefts.append((simulate(v.scenario, guarded=False, skip=best, seed=0).lowest - g) / MB)
+                config = GATED if verdicts in (gated, gated_held) else ENGINE
+                lefts.append((simulate(v.scenario, guarded=False, skip=best, seed=0, engine_config=config).lowest - g) / MB)
         if lefts:
             lefts.sort()
             out(f"{name}: where the guard aborted a request the oracle kept, the oracle's choice left "
@@ -458,7 +470,8 @@ def report(count: int, seed: int, out=print) -> dict:
                 + (f"; the projected low keeping every request was {below[len(below) // 2]:.0f} MB below the "
                    f"guard (median; {below[0]:.0f} to {below[-1]:.0f} MB)" if below else ""))
     decision_cost(out)
-    return {"as_generated": a, "held": b, "verdicts": as_generated, "held_verdicts": held}
+    return {"as_generated": a, "held": b, "gated": c, "gated_held": d, "verdicts": as_generated, "held_verdicts": held,
+            "gated_verdicts": gated}
 
 
 def decision_cost(out=print, repeats: int = 20) -> None:

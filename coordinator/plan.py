@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping
 
 from .config import ClusterConfig, Node
+from .guard.settings import GB, cost_model
 from .schema import KEYS
 
 # Where the dsv41-adapter package installs the rank's PYTHONPATH entry (sitecustomize.py + adapter/).
@@ -239,6 +240,7 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
         env["NCCL_IB_GID_INDEX"] = GID_PLACEHOLDER
     env["SGLANG_HOST_IP"] = node.address
     env["DSV41_SOURCE"] = str(cfg["COMMON_MODEL"])  # arms the adapter's sitecustomize.py
+    env.update(admission_env(cfg))
     env["PYTHONPATH"] = CONTAINER_ADAPTER_DIR if container else ADAPTER_DIR
     if cfg["NCCL_HOST_DIR"]:
         env["LD_LIBRARY_PATH"] = CONTAINER_NCCL_DIR if container else str(cfg["NCCL_HOST_DIR"])
@@ -251,6 +253,17 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
     if cfg["API_KEY_FILE"] and node.is_head:
         env["DSV41_API_KEY_FILE"] = CONTAINER_API_KEY_PATH if container else API_KEY_NODE_PATH
     return dict(sorted(env.items()))
+
+
+def admission_env(cfg: ClusterConfig) -> dict[str, str]:
+    """The admission gate's settings (adapter/admission_gate.py, the stand-in's too): the guard's
+    level and cost model, so that the rank holds back what the guard would have to abort; 0 = off."""
+    if not cfg["MEMORY_GUARD_ADMISSION"] or cfg["MEMORY_GUARD"] == "off":
+        return {"DSV41_ADMISSION_GUARD_BYTES": "0"}
+    cost = cost_model(cfg, cfg.passthrough)
+    return {"DSV41_ADMISSION_GUARD_BYTES": str(int(float(cfg["MEMORY_GUARD_GB"]) * GB)),
+            "DSV41_ADMISSION_TOKEN_BYTES": str(cost.token_bytes),
+            "DSV41_ADMISSION_TRANSIENT_BYTES": repr(cost.transient_bytes)}
 
 
 def uses_roce(cfg: ClusterConfig) -> bool:

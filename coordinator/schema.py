@@ -241,6 +241,11 @@ KEYS: tuple[Key, ...] = (
     _k("MEMORY_GUARD_HYSTERESIS_GB", v.real(0.0, 1024.0), "0.25",
        "re-arm only once every node is this far above the guard again; escalate only after memory fell this much "
        "more since the last action"),
+    _k("MEMORY_GUARD_ADMISSION", v.flag, "0",
+       "1: every rank's scheduler holds a new request's first prefill step back while that step would take its node "
+       "below MEMORY_GUARD_GB by the guard's cost model and other requests are in flight (what arrives between two "
+       "of the guard's looks is not in any listing); the ranks agree with one all-reduce per scheduling pass that "
+       "admits a request. Needs MEMORY_GUARD act or observe; 0: off"),
     _k("MEMORY_GUARD_STOP_AFTER_S", v.real(0.05, 600.0), "1",
        "after abort_all, memory still falling this long (or running out within the lead): stop the ranks cleanly"),
     _k("MEMORY_GUARD_TOKEN_BYTES", v.optional(v.integer(0, 1 << 30)), "",

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from adapter.admission_gate import GateSettings, NodeRoom, admits, step_bytes
+
 from .allocator import AnonymousMemory, Block, CachingAllocator
 
 
@@ -81,6 +83,7 @@ class EngineConfig:
     context_length: int | None
     transient_bytes: float = 0.0  # per chunk token and prefix token, for the chunk's duration
     empty_cache_tokens: int = 0  # the prefill_empty_cache hook's threshold (0: off)
+    admission: GateSettings | None = None  # the admission gate's settings (None: off)
 
 
 def plan_chunk(pending: list[tuple[str, int]], budget: int) -> list[tuple[str, int]]:
@@ -107,8 +110,10 @@ class Engine:
     def __init__(self, config: EngineConfig, on_fatal: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  begin_step: Callable[[], None] = lambda: None,
-                 allocator: CachingAllocator | None = None) -> None:
+                 allocator: CachingAllocator | None = None,
+                 node_room: Callable[[], int] | None = None) -> None:
         self.config = config
+        self._node_room = node_room or NodeRoom()  # the admission gate's measure of the node
         self._on_fatal = on_fatal
         self._clock = clock
         self._sleep = sleep
@@ -298,11 +303,32 @@ class Engine:
         pending = {r.rid: r for r in chunked + waiting}
         batch = plan_chunk([(rid, r.prompt_tokens - r.prefilled) for rid, r in pending.items()],
                            self.config.chunk_tokens)
-        planned = [(pending[rid], take) for rid, take in batch]
+        planned = self._admitted([(pending[rid], take) for rid, take in batch], bool(chunked))
         for request, take in planned:
             request.phase = Phase.PREFILL
             request.chunk_tokens = take
         return planned or None
+
+    def _admitted(self, planned: list[tuple[Request, int]], chunked: bool) -> list[tuple[Request, int]]:
+        """The planned batch as the admission gate lets it go (adapter/admission_gate.py): the first
+        waiting request whose first piece would take the node below the guard while something else
+        is in flight, and those after it, stay waiting. Headroom as the rank measures it: the
+        node's room plus what the allocator holds free (one rank: no all-reduce)."""
+        gate = self.config.admission
+        if gate is None:
+            return planned
+        busy = chunked or any(r.phase is Phase.DECODE for r in self._requests.values())
+        headroom, spent = None, 0
+        for i, (request, take) in enumerate(planned):
+            if request.phase is Phase.WAITING and (busy or i > 0):
+                if headroom is None:
+                    stats = self.allocator.stats()
+                    headroom = self._node_room() + stats.reserved - stats.allocated
+                need = step_bytes(take, request.prefilled, gate.token_bytes, gate.transient_bytes)
+                if not admits(headroom, spent, need, gate.guard_bytes, True):
+                    return planned[:i]
+            spent += step_bytes(take, request.prefilled, gate.token_bytes, gate.transient_bytes)
+        return planned
 
     def _decoding(self) -> list[Request]:
         """Under the lock: the requests the next decode step makes a token for."""

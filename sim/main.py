@@ -77,7 +77,7 @@ def engine_config(args: SimArgs, settings: Settings) -> EngineConfig:
                         max_total_tokens=int(args.max_total_tokens or 0),
                         context_length=args.context_length,
                         transient_bytes=settings.transient_bytes,
-                        empty_cache_tokens=settings.empty_cache_tokens)
+                        empty_cache_tokens=settings.empty_cache_tokens, admission=settings.admission)
 
 
 LOAD_STEPS = 50

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from adapter import prefill_empty_cache
+from adapter import admission_gate, prefill_empty_cache
+from adapter.admission_gate import GateSettings
 from adapter.settings import SettingError, env_int
 
 
@@ -24,6 +25,8 @@ class Settings:
     load_bytes: int = 0
     # The prefill_empty_cache hook's threshold, as the adapter reads it inside SGLang.
     empty_cache_tokens: int = prefill_empty_cache.DEFAULT
+    # The admission gate, as the adapter reads it inside SGLang (DSV41_ADMISSION_*; None: off).
+    admission: GateSettings | None = None
     drain_timeout_s: float = 60.0
     rendezvous_timeout_s: float = 600.0
     # None: a silent peer is waited for, as NCCL does (the engine's watchdog ends a step that hangs);
@@ -68,6 +71,7 @@ def from_env(env: Mapping[str, str], dist_timeout_s: int | None = None) -> Setti
     try:
         values["empty_cache_tokens"] = env_int(env, "DSV41_PREFILL_EMPTY_CACHE_TOKENS", prefill_empty_cache.DEFAULT,
                                                0, prefill_empty_cache.MAXIMUM)
+        values["admission"] = admission_gate.settings_from_env(env)
     except SettingError as exc:
         raise ValueError(str(exc)) from None
     settings = Settings(**values)  # type: ignore[arg-type]

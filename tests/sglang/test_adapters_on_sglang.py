@@ -17,6 +17,7 @@ from tests.sglang.harness import CHECKS, Sglang, adapter_lines
 pytestmark = pytest.mark.sglang
 
 EVERY_ADAPTER = [
+    "admission_gate",
     "tp3_pad",
     "mxfp8_b12x",
     "autotune_keep",
@@ -92,6 +93,18 @@ def test_prefill_empty_cache_and_autotune_on_the_scheduler(sglang: Sglang) -> No
     assert (plain["long_prefill_chunk"], plain["mixed_batch"]) == (0, 0)
     threshold, _ = sglang.check("chk_scheduler", env={"DSV41_PREFILL_EMPTY_CACHE_TOKENS": "50000"})
     assert threshold["long_prefill_chunk"] == 0
+
+
+def test_admission_gate_refuses_with_sglangs_own_result_on_the_real_prefill_adder(sglang: Sglang) -> None:
+    # a guard no node can keep: every first step is held while something else is in flight
+    gate = {"DSV41_ADMISSION_GUARD_BYTES": str(1 << 50), "DSV41_ADMISSION_TOKEN_BYTES": "16384",
+            "DSV41_ADMISSION_TRANSIENT_BYTES": "4"}
+    armed, err = sglang.check("chk_admission_gate", env=gate)
+    assert armed["marked_prefill"] == ["admission_gate"] and armed["marked_add_one_req"] == ["admission_gate"]
+    assert (armed["busy"], armed["idle"], armed["refusals"]) == ("OTHER", "SGLang's body", 1)
+    assert "admission_gate: request hit waits" in err
+    plain, _ = sglang.check("chk_admission_gate")  # not asked for: SGLang's body both times
+    assert plain["marked_add_one_req"] == [] and (plain["busy"], plain["idle"]) == ("SGLang's body", "SGLang's body")
 
 
 def test_forward_progress_counts_every_run_batch_of_the_real_scheduler(sglang: Sglang, tmp_path: Path) -> None:

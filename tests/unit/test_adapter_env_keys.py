@@ -18,7 +18,9 @@ pytestmark = pytest.mark.unit
 # Settings that reach the parts of build() that defaults do not: the Engram offload reads its keys
 # once OFFLOAD_MODE=nvme, the API key adapter only looks at its variable's presence. The decode
 # adapters read all their keys whatever the values.
-CONFIGURATIONS = ({}, {"OFFLOAD_MODE": "nvme", "DSV41_ENGRAM_PREFETCH": "1"}, {"DSV41_API_KEY_FILE": "/k"})
+# The admission gate reads its cost once its guard level is set.
+CONFIGURATIONS = ({}, {"OFFLOAD_MODE": "nvme", "DSV41_ENGRAM_PREFETCH": "1"}, {"DSV41_API_KEY_FILE": "/k"},
+                  {"DSV41_ADMISSION_GUARD_BYTES": "150000000"})
 DECODE_KEYS = ("DSV41_WO_A_W8", "DSV41_WO_A_W8_MID", "DSV41_WO_A_W8_DROP", "DSV41_WO_A_W8_DRAFT",
                "DSV41_DRAFT_HEAD_FP8", "DSV41_VERIFY_CAP", "DSV41_BLOCK_VERIFY", "DSV41_DRAFT_TAU",
                "DSV41_FOLDED_FENCE")

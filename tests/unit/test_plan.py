@@ -76,6 +76,23 @@ def test_rank_environment_carries_the_measured_settings():
     assert plans[0].rank_spec.agent_fills == {"NCCL_IB_GID_INDEX": "roce_gid_index"}
 
 
+def test_the_admission_gate_gets_the_guards_level_and_cost_model_only_when_asked_for():
+    _, plans = cluster()
+    env = plans[0].rank_spec.env
+    assert env["DSV41_ADMISSION_GUARD_BYTES"] == "0" and "DSV41_ADMISSION_TOKEN_BYTES" not in env
+    _, plans = cluster(edited(MEMORY_GUARD_ADMISSION="1", MEMORY_GUARD_GB="2"))
+    for p in plans:  # every rank: they decide together
+        env = p.rank_spec.env
+        assert (env["DSV41_ADMISSION_GUARD_BYTES"], env["DSV41_ADMISSION_TOKEN_BYTES"],
+                env["DSV41_ADMISSION_TRANSIENT_BYTES"]) == ("2000000000", "12000", "20.0")
+    _, plans = cluster(edited(MEMORY_GUARD_ADMISSION="1", MEMORY_GUARD_TOKEN_BYTES="9000",
+                              MEMORY_GUARD_TRANSIENT_BYTES="8.5"))
+    env = plans[1].rank_spec.env
+    assert (env["DSV41_ADMISSION_TOKEN_BYTES"], env["DSV41_ADMISSION_TRANSIENT_BYTES"]) == ("9000", "8.5")
+    _, plans = cluster(edited(MEMORY_GUARD_ADMISSION="1", MEMORY_GUARD="off"))
+    assert plans[0].rank_spec.env["DSV41_ADMISSION_GUARD_BYTES"] == "0"  # no guard level to keep
+
+
 def test_container_argv_pins_the_image_and_keeps_values_out_of_argv():
     _, plans = cluster(edited(IMAGE=""))
     spec = plans[2].rank_spec

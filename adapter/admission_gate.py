@@ -1,0 +1,248 @@
+"""admission_gate: a new request's first prefill step waits while it would take the node below the guard.
+
+The coordinator's guard sees a request only in a listing, and a prompt that arrives while a step
+runs goes into the next step before any listing shows it. Its first step allocates at once: its
+tokens' cost and the indexer's buffers over its whole prefix, which for a prefix-cache hit is the
+cached prefix (up to a few hundred MB; bench/memory_guard's scenarios went up to 147 MB below the
+guard that way). Only the scheduler can stop that, at admission: an AROUND hook on
+`PrefillAdder.add_one_req` answers AddReqResult.OTHER, which ends this pass's admissions as any
+other refusal does (the request and those behind it stay queued, in their order), when
+
+    headroom - what this step already takes - the candidate's first piece < the guard
+
+and something else is in flight (a step planned, a chunked request, decoding requests): memory
+comes back when they end. With nothing in flight waiting would change nothing, so it is admitted
+and the guard and the node's floor act as before. A request already being chunk-prefilled is never
+held (SGLang's own rule: it keeps its slot across chunks).
+
+Headroom is what the process can still take: the tighter of MemAvailable and the memory cgroup's
+room (on GB10 host memory is GPU memory; on a discrete GPU the device's free memory), plus what
+PyTorch's caching allocator holds free (reserved - allocated), taken as the minimum over the TP
+group with one all-reduce on its CPU group, so that every rank makes the same decision: the ranks
+must schedule the same batch. One measurement per scheduling pass, only when a request is up for
+admission. What a piece costs is the guard's own cost model (MEMORY_GUARD_TOKEN_BYTES and
+MEMORY_GUARD_TRANSIENT_BYTES, or their defaults), passed by the coordinator with the guard level as
+DSV41_ADMISSION_* when MEMORY_GUARD_ADMISSION=1; the stand-in (sim/engine.py) applies the same rule.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from adapter.log import AdapterLog
+from adapter.patching import AROUND, AdapterSpec, Patch
+from adapter.settings import SettingError, env_int
+
+NAME = "admission_gate"
+ENV_KEYS = ("DSV41_ADMISSION_GUARD_BYTES", "DSV41_ADMISSION_TOKEN_BYTES", "DSV41_ADMISSION_TRANSIENT_BYTES")
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+POLICY_MODULE = "sglang.srt.managers.schedule_policy"
+MAXIMUM_BYTES = 1 << 50
+UNLIMITED = 1 << 62  # a cgroup without a limit, and a measurement that failed
+
+
+def step_bytes(take: int, prefix: int, token_bytes: int, transient_bytes: float) -> int:
+    """What a prefill piece of `take` tokens after `prefix` tokens allocates: its tokens' cost and
+    the indexer's buffers [take, prefix + take] (coordinator/guard/charge.py charges the same)."""
+    if take <= 0:
+        return 0
+    return take * token_bytes + int(transient_bytes * take * (prefix + take))
+
+
+def admits(headroom: int, planned: int, need: int, guard: int, busy: bool) -> bool:
+    """Whether a request's first piece (`need`) goes into the step: always when nothing else is in
+    flight, else only when the step (`planned` already, then it) leaves at least `guard`."""
+    return not busy or headroom - planned - need >= guard
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    guard_bytes: int
+    token_bytes: int
+    transient_bytes: float
+
+
+def settings_from_env(env: Mapping[str, str]) -> GateSettings | None:
+    """None when DSV41_ADMISSION_GUARD_BYTES is empty or 0 (the gate is off)."""
+    guard = env_int(env, "DSV41_ADMISSION_GUARD_BYTES", 0, 0, MAXIMUM_BYTES)
+    if guard == 0:
+        return None
+    token = env_int(env, "DSV41_ADMISSION_TOKEN_BYTES", 0, 0, 1 << 30)
+    raw = env.get("DSV41_ADMISSION_TRANSIENT_BYTES", "").strip() or "0"
+    try:
+        transient = float(raw)
+    except ValueError:
+        raise SettingError(f"DSV41_ADMISSION_TRANSIENT_BYTES={raw!r}: expected a number in [0, 1000000]") from None
+    if not 0.0 <= transient <= 1e6:
+        raise SettingError(f"DSV41_ADMISSION_TRANSIENT_BYTES={raw!r}: outside the allowed range [0, 1000000]")
+    return GateSettings(guard, token, transient)
+
+
+def _field(text: bytes, name: bytes) -> int | None:
+    """A /proc/meminfo field in bytes (its kB figure x 1024), None when absent."""
+    for line in text.splitlines():
+        if line.startswith(name):
+            parts = line.split()
+            return int(parts[1]) * 1024 if len(parts) >= 2 and parts[1].isdigit() else None
+    return None
+
+
+class NodeRoom:
+    """What the node still lets this process take: the tighter of MemAvailable and the memory
+    cgroup's room at the root of this process's view (as the agent's sampler reads them)."""
+
+    def __init__(self, proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> None:
+        self._meminfo = f"{proc_root}/meminfo"
+        self._limit, self._usage = f"{cgroup_root}/memory.max", f"{cgroup_root}/memory.current"
+
+    def __call__(self) -> int:
+        room = UNLIMITED
+        try:
+            with open(self._meminfo, "rb") as f:
+                available = _field(f.read(), b"MemAvailable:")
+            if available is not None:
+                room = available
+        except OSError:
+            pass
+        try:
+            with open(self._limit, "rb") as f:
+                limit = f.read().strip()
+            if limit != b"max":
+                with open(self._usage, "rb") as f:
+                    room = min(room, max(0, int(limit) - int(f.read().strip())))
+        except (OSError, ValueError):
+            pass
+        return room
+
+
+def torch_headroom(node_room: Callable[[], int] = NodeRoom()) -> int:
+    """The node's room (integrated GPU) or the device's free memory (discrete), plus what the
+    caching allocator holds free."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return node_room()
+    device = torch.cuda.current_device()
+    if getattr(torch.cuda.get_device_properties(device), "is_integrated", False):
+        room = node_room()
+    else:
+        room = int(torch.cuda.mem_get_info(device)[0])
+    return room + max(0, int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device)))
+
+
+def torch_group_min(scheduler: Any, value: int) -> int:
+    """The smallest `value` over the scheduler's TP group (its gloo CPU group): every rank calls
+    this at the same point of the same pass, since they schedule the same queue."""
+    if int(getattr(scheduler, "tp_size", 1) or 1) <= 1:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=scheduler.tp_cpu_group)
+    return int(tensor.item())
+
+
+def _piece(req: Any, rem_chunk_tokens: int | None) -> tuple[int, int]:
+    """(tokens, prefix) of the piece `req` would prefill in this step."""
+    prefix = int(getattr(req, "prefix_len", 0) or 0)
+    take = int(getattr(req, "extend_input_len", 0) or 0)
+    if rem_chunk_tokens is not None:
+        take = min(take, max(0, int(rem_chunk_tokens)))
+    return take, prefix
+
+
+def _busy(scheduler: Any, adder: Any) -> bool:
+    running = getattr(adder, "running_batch", None)
+    is_empty = getattr(running, "is_empty", None)
+    return bool(getattr(adder, "can_run_list", None)) or getattr(scheduler, "chunked_req", None) is not None \
+        or (running is not None and callable(is_empty) and not is_empty())
+
+
+class AdmissionGate:
+    """The hooks' state. Both run on the scheduler's thread; the pass's scheduler and headroom are
+    kept per thread all the same, so that nothing leaks from one pass into another."""
+
+    def __init__(self, settings: GateSettings, log: AdapterLog,
+                 headroom: Callable[[], int] = torch_headroom,
+                 group_min: Callable[[Any, int], int] = torch_group_min,
+                 refused: Callable[[], Any] | None = None) -> None:
+        self.settings = settings
+        self._log = log
+        self._headroom = headroom
+        self._group_min = group_min
+        self._refused = refused or _add_req_result_other
+        self._pass = threading.local()
+        self._held_rid: str | None = None  # the request the last refusal held (one line per hold)
+        self.refusals = 0
+        self.measurements = 0
+
+    def around_prefill(self, original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        self._pass.scheduler, self._pass.headroom = scheduler, None
+        try:
+            return original(scheduler, *args, **kwargs)
+        finally:
+            self._pass.scheduler = self._pass.headroom = None
+
+    def around_add_one_req(self, original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        scheduler = getattr(self._pass, "scheduler", None)
+        if scheduler is None or not _busy(scheduler, adder):
+            return original(adder, req, *args, **kwargs)
+        s = self.settings
+        if self._pass.headroom is None:
+            try:
+                local = int(self._headroom())
+            except Exception:  # never skip the collective below: the other ranks wait in it
+                local = UNLIMITED
+            self._pass.headroom = self._group_min(scheduler, local)
+            self.measurements += 1
+        rem = getattr(adder, "rem_chunk_tokens", None)
+        planned = sum(step_bytes(*_piece(r, None), s.token_bytes, s.transient_bytes)
+                      for r in getattr(adder, "can_run_list", None) or ())
+        take, prefix = _piece(req, rem)
+        need = step_bytes(take, prefix, s.token_bytes, s.transient_bytes)
+        rid = str(getattr(req, "rid", ""))
+        if admits(self._pass.headroom, planned, need, s.guard_bytes, True):
+            if self._held_rid == rid:
+                self._log.line(f"{NAME}: request {rid} admitted after waiting (headroom {self._pass.headroom // 1_000_000} MB, "
+                               f"this step {(planned + need) // 1_000_000} MB)")
+                self._held_rid = None
+            return original(adder, req, *args, **kwargs)
+        self.refusals += 1
+        if self._held_rid != rid:
+            self._held_rid = rid
+            self._log.line(f"{NAME}: request {rid} waits: its first step ({take} tokens over a {prefix}-token prefix, "
+                           f"{need // 1_000_000} MB) with this step's {planned // 1_000_000} MB would leave "
+                           f"{(self._pass.headroom - planned - need) // 1_000_000} MB of {self._pass.headroom // 1_000_000} MB, "
+                           f"below the guard's {s.guard_bytes // 1_000_000} MB; it goes in when memory comes back "
+                           f"or nothing else is in flight")
+        return self._refused()
+
+
+def _add_req_result_other() -> Any:
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    return AddReqResult.OTHER
+
+
+def build(env: Mapping[str, str], log: AdapterLog | None = None, **kwargs: Any) -> AdapterSpec | None:
+    settings = settings_from_env(env)
+    if settings is None:
+        return None
+    gate = AdmissionGate(settings, log or AdapterLog(), **kwargs)
+    return AdapterSpec(
+        name=NAME,
+        state=gate,
+        detail=(f"a new request's first prefill step waits while it would leave less than "
+                f"{settings.guard_bytes} bytes ({settings.token_bytes} per token, {settings.transient_bytes:g} per "
+                f"chunk x prefix token)"),
+        patches=(
+            Patch(SCHEDULER_MODULE, "Scheduler._get_new_batch_prefill_raw", AROUND, gate.around_prefill,
+                  params=("self",)),
+            Patch(POLICY_MODULE, "PrefillAdder.add_one_req", AROUND, gate.around_add_one_req,
+                  params=("self", "req", "has_chunked_req")),
+        ),
+    )

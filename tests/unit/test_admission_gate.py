@@ -1,0 +1,235 @@
+"""The admission gate (adapter/admission_gate.py) without SGLang: its rule, its settings, its measure
+of the node, its hooks on stand-ins for the scheduler and the PrefillAdder, and the stand-in
+engine's copy of the rule (sim/engine.py)."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+
+from adapter import admission_gate as ag
+from adapter.boot import build_specs, env_keys
+from adapter.log import AdapterLog
+from adapter.settings import SettingError
+from sim.allocator import CachingAllocator, CountedMemory
+from sim.engine import Engine, EngineConfig, Phase
+
+pytestmark = pytest.mark.unit
+
+MB = 1_000_000
+SETTINGS = ag.GateSettings(guard_bytes=150 * MB, token_bytes=16_384, transient_bytes=4.0)
+REFUSED = "OTHER"  # stands in for AddReqResult.OTHER
+
+
+def test_a_piece_costs_its_tokens_and_the_indexer_buffers_over_its_prefix() -> None:
+    assert ag.step_bytes(768, 0, 16_384, 4.0) == 768 * 16_384 + 4 * 768 * 768
+    # a prefix-cache hit's first piece: few tokens of its own, buffers over the whole cached prefix
+    assert ag.step_bytes(768, 60_000, 16_384, 4.0) == 768 * 16_384 + 4 * 768 * 60_768
+    assert ag.step_bytes(0, 60_000, 16_384, 4.0) == 0
+
+
+def test_the_rule_holds_back_only_while_something_else_is_in_flight() -> None:
+    assert ag.admits(400 * MB, 100 * MB, 150 * MB, 150 * MB, busy=True)  # leaves exactly the guard
+    assert not ag.admits(400 * MB, 100 * MB, 150 * MB + 1, 150 * MB, busy=True)
+    # nothing in flight: waiting would change nothing, so it goes in (the guard and the floor act)
+    assert ag.admits(0, 0, 10**12, 150 * MB, busy=False)
+
+
+def test_settings_are_off_unless_the_guard_level_is_given_and_bad_values_say_what_is_allowed() -> None:
+    assert ag.settings_from_env({}) is None
+    assert ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "0"}) is None
+    got = ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "1500000000", "DSV41_ADMISSION_TOKEN_BYTES": "12000",
+                                "DSV41_ADMISSION_TRANSIENT_BYTES": "20.0"})
+    assert got == ag.GateSettings(1_500_000_000, 12_000, 20.0)
+    with pytest.raises(SettingError, match=r"DSV41_ADMISSION_GUARD_BYTES='lots'.*integer"):
+        ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "lots"})
+    with pytest.raises(SettingError, match=r"DSV41_ADMISSION_TRANSIENT_BYTES='-1'.*\[0, 1000000\]"):
+        ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "1", "DSV41_ADMISSION_TRANSIENT_BYTES": "-1"})
+
+
+def test_boot_builds_it_from_the_coordinators_variables_and_a_bad_value_keeps_only_it_out() -> None:
+    assert env_keys()["DSV41_ADMISSION_GUARD_BYTES"] == ("admission_gate",)
+    out = io.StringIO()
+    specs = build_specs({"DSV41_ADMISSION_GUARD_BYTES": "150000000", "DSV41_ADMISSION_TOKEN_BYTES": "16384",
+                         "DSV41_ADMISSION_TRANSIENT_BYTES": "4.0"}, AdapterLog(out))
+    gate = next(s for s in specs if s.name == "admission_gate")
+    assert {p.target for p in gate.patches} == {
+        "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"}
+    specs = build_specs({"DSV41_ADMISSION_GUARD_BYTES": "x", "DSV41_PREFILL_EMPTY_CACHE_TOKENS": "8192"}, AdapterLog(out))
+    names = [s.name for s in specs]
+    assert "admission_gate" not in names and "prefill_empty_cache" in names
+    assert "admission_gate" in out.getvalue() and "DSV41_ADMISSION_GUARD_BYTES='x'" in out.getvalue()
+
+
+def test_the_node_room_is_the_tighter_of_memavailable_and_the_cgroups_room(tmp_path) -> None:
+    proc, cg = tmp_path / "proc", tmp_path / "cg"
+    proc.mkdir()
+    cg.mkdir()
+    (proc / "meminfo").write_text("MemTotal:       125000000 kB\nMemFree:  1000 kB\nMemAvailable:    2000000 kB\n")
+    room = ag.NodeRoom(str(proc), str(cg))
+    assert room() == 2_000_000 * 1024  # no cgroup files: MemAvailable
+    (cg / "memory.max").write_text("max\n")
+    (cg / "memory.current").write_text("5\n")
+    assert room() == 2_000_000 * 1024
+    (cg / "memory.max").write_text("1000000000\n")
+    (cg / "memory.current").write_text("400000000\n")
+    assert room() == 600_000_000
+    (cg / "memory.current").write_text("1200000000\n")
+    assert room() == 0
+    assert ag.NodeRoom(str(tmp_path / "none"), str(tmp_path / "none"))() == ag.UNLIMITED
+
+
+class Running:
+    def __init__(self, n: int) -> None:
+        self.reqs = [object()] * n
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+def req(rid: str, extend: int, prefix: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(rid=rid, extend_input_len=extend, prefix_len=prefix)
+
+
+class Harness:
+    """The two hooks as SGLang calls them: a scheduling pass (around _get_new_batch_prefill_raw)
+    in which the PrefillAdder is offered the waiting requests one by one."""
+
+    def __init__(self, headroom, settings: ag.GateSettings = SETTINGS, tp_size: int = 1) -> None:
+        self.out = io.StringIO()
+        self.collectives: list[int] = []
+        self.gate = ag.AdmissionGate(settings, AdapterLog(self.out), headroom=headroom,
+                                     group_min=self.group_min, refused=lambda: REFUSED)
+        self.scheduler = SimpleNamespace(tp_size=tp_size, chunked_req=None)
+
+    def group_min(self, scheduler, value: int) -> int:
+        self.collectives.append(value)
+        return value
+
+    def run_pass(self, adder, candidates) -> list:
+        results = []
+
+        def body(scheduler):
+            for r in candidates:
+                res = self.gate.around_add_one_req(self.add_one_req, adder, r, has_chunked_req=False)
+                results.append(res)
+                if res != "CONTINUE":
+                    break
+            return results
+        return self.gate.around_prefill(body, self.scheduler)
+
+    @staticmethod
+    def add_one_req(adder, r, **_kwargs) -> str:
+        adder.can_run_list.append(r)
+        return "CONTINUE"
+
+
+def adder(*planned, running: int = 0, rem: int | None = 768) -> SimpleNamespace:
+    return SimpleNamespace(can_run_list=list(planned), running_batch=Running(running), rem_chunk_tokens=rem)
+
+
+def test_a_prefix_cache_hit_waits_while_a_chunk_is_running_and_those_behind_it_wait_too() -> None:
+    h = Harness(headroom=lambda: 400 * MB)  # 400 - 76 - 199 < 150
+    chunked = req("long", 768, 20_000)  # its chunk: 12.6 MB of KV, 63.8 MB of buffers
+    hit = req("hit", 1_000, 60_000)  # a piece of 768 tokens over 60k: 12.6 + 186.7 MB
+    short = req("short", 300)
+    a = adder(chunked)
+    assert h.run_pass(a, [hit, short]) == [REFUSED]
+    assert a.can_run_list == [chunked] and h.gate.refusals == 1
+    line = h.out.getvalue()
+    assert "request hit waits" in line and "768 tokens over a 60000-token prefix, 199 MB" in line
+    assert "below the guard's 150 MB" in line
+    # the next pass refuses it again, without a second line; then memory came back: it goes in
+    assert h.run_pass(adder(chunked), [hit]) == [REFUSED]
+    assert h.out.getvalue().count("waits") == 1
+    h.gate._headroom = lambda: 800 * MB
+    a = adder(chunked)
+    assert h.run_pass(a, [hit, short]) == ["CONTINUE", "CONTINUE"]
+    assert a.can_run_list == [chunked, hit, short]
+    assert "request hit admitted after waiting" in h.out.getvalue()
+
+
+def test_nothing_in_flight_admits_without_measuring() -> None:
+    calls = []
+    h = Harness(headroom=lambda: calls.append(1) or 0)
+    a = adder()
+    assert h.run_pass(a, [req("huge", 768, 900_000)]) == ["CONTINUE"]
+    assert calls == [] and h.collectives == []
+
+
+def test_decoding_requests_count_as_in_flight_and_one_measurement_serves_the_pass() -> None:
+    calls = []
+    h = Harness(headroom=lambda: calls.append(1) or 200 * MB)
+    a = adder(running=2)
+    # the first fits (13 MB + 2 MB), the second would leave 200 - 15 - 40 < 150: held
+    assert h.run_pass(a, [req("a", 768), req("b", 2_000, 10_000)]) == ["CONTINUE", REFUSED]
+    assert calls == [1] and h.collectives == [200 * MB]
+    assert h.run_pass(adder(running=2), [req("a2", 768)]) == ["CONTINUE"]
+    assert calls == [1, 1]  # a new pass measures again
+
+
+def test_a_failed_measurement_still_takes_part_in_the_collective_and_admits() -> None:
+    def broken() -> int:
+        raise OSError("no /proc")
+    h = Harness(headroom=broken, tp_size=3)
+    assert h.run_pass(adder(running=1), [req("a", 768, 500_000)]) == ["CONTINUE"]
+    assert h.collectives == [ag.UNLIMITED]
+
+
+def test_the_group_minimum_decides_so_every_rank_schedules_the_same_batch() -> None:
+    h = Harness(headroom=lambda: 10**12, tp_size=3)
+    h.gate._group_min = lambda scheduler, value: min(value, 160 * MB)  # another rank is tight
+    assert h.run_pass(adder(running=1), [req("a", 768)]) == [REFUSED]
+
+
+def test_outside_a_scheduling_pass_the_original_runs() -> None:
+    h = Harness(headroom=lambda: 0)
+    a = adder(running=5)
+    assert h.gate.around_add_one_req(Harness.add_one_req, a, req("x", 768)) == "CONTINUE"
+
+
+# --- the stand-in engine's copy of the rule ------------------------------------------------------------
+
+def engine(base: int, gate: ag.GateSettings | None) -> tuple[Engine, CountedMemory]:
+    backing = CountedMemory()
+    config = EngineConfig(chunk_tokens=768, max_running=8, prefill_tokens_per_s=20_000.0, decode_tokens_per_s=10.0,
+                          bytes_per_token=16_384, max_total_tokens=0, context_length=None, transient_bytes=4.0,
+                          empty_cache_tokens=8192, admission=gate)
+    return Engine(config, on_fatal=lambda why: None, allocator=CachingAllocator(backing),
+                  node_room=lambda: base - backing.mapped), backing
+
+
+def prefill_all(eng: Engine, until) -> list[list[str]]:
+    """Steps the engine's prefills until `until()`; the rids of each step."""
+    steps = []
+    while not until():
+        batch = eng.next_prefill()
+        if batch is None:
+            break
+        steps.append([r.rid for r, _ in batch])
+        eng.end_chunk(batch, eng.allocate_chunk(batch))
+    return steps
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_stand_in_holds_a_hit_back_while_a_long_prompt_prefills_and_admits_it_when_memory_is_back(gated) -> None:
+    eng, backing = engine(600 * MB, SETTINGS if gated else None)
+    other = eng.submit("other", 300)
+    long = eng.submit("long", 20_000)
+    first = eng.next_prefill()
+    eng.end_chunk(first, eng.allocate_chunk(first))
+    hit = eng.submit("hit", 61_000, 60_000)  # its first piece: ~190 MB of buffers over the cached prefix
+    steps = prefill_all(eng, lambda: long.phase is Phase.DECODE)
+    if not gated:
+        # it shares the long prompt's last step (32 tokens of it), 327 MB of KV already taken
+        assert steps[-1] == ["long", "hit"]
+        return
+    assert all("hit" not in step for step in steps) and steps[-1] == ["long"]
+    assert other.phase is Phase.DECODE and hit.phase is Phase.WAITING
+    assert eng.next_prefill() is None  # the others are in flight and memory is not back: it waits
+    eng.finish(long, "stop")  # its KV goes back to the allocator's cache, which the headroom counts
+    assert other.phase is Phase.DECODE  # still in flight: admitted because memory is back, not idle
+    assert [r.rid for r, _ in eng.next_prefill()] == ["hit"]
