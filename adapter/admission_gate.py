@@ -27,6 +27,7 @@ DSV41_ADMISSION_* when MEMORY_GUARD_ADMISSION=1; the stand-in (sim/engine.py) ap
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -92,11 +93,16 @@ def _field(text: bytes, name: bytes) -> int | None:
 
 class NodeRoom:
     """What the node still lets this process take: the tighter of MemAvailable and the memory
-    cgroup's room at the root of this process's view (as the agent's sampler reads them)."""
+    cgroup's room at the root of this process's view: v2's memory.max, else v1's memory controller
+    (as the agent's sampler, agent/memory.py, reads them)."""
 
     def __init__(self, proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> None:
         self._meminfo = f"{proc_root}/meminfo"
-        self._limit, self._usage = f"{cgroup_root}/memory.max", f"{cgroup_root}/memory.current"
+        if os.path.exists(f"{cgroup_root}/memory.max") or os.path.exists(f"{cgroup_root}/cgroup.controllers"):
+            self._limit, self._usage = f"{cgroup_root}/memory.max", f"{cgroup_root}/memory.current"
+        else:
+            self._limit = f"{cgroup_root}/memory/memory.limit_in_bytes"
+            self._usage = f"{cgroup_root}/memory/memory.usage_in_bytes"
 
     def __call__(self) -> int:
         room = UNLIMITED
@@ -110,7 +116,7 @@ class NodeRoom:
         try:
             with open(self._limit, "rb") as f:
                 limit = f.read().strip()
-            if limit != b"max":
+            if limit != b"max" and int(limit) < UNLIMITED:  # v1 says "no limit" as a huge number
                 with open(self._usage, "rb") as f:
                     room = min(room, max(0, int(limit) - int(f.read().strip())))
         except (OSError, ValueError):

@@ -69,6 +69,7 @@ ENGINE = EngineConfig(chunk_tokens=CHUNK, max_running=64, prefill_tokens_per_s=2
 GATED = replace(ENGINE, admission=GateSettings(150 * MB, TOKEN_BYTES, TRANSIENT_BYTES))
 SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB,
                            cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS), rank0_node="node")
+GATED_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, admission_guard_bytes=SETTINGS.guard_bytes))
 LATENCY_S = 0.002   # an action's HTTP call on the node's loopback
 CONFIRM_POLL_S = 0.05
 NOISE = 1 * MB      # sample noise, each way
@@ -254,7 +255,16 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
                 if available() < run.lowest:
                     run.lowest, run.lowest_at_first_chunk = available(), first
             elif forked[0] and not actions:
-                break  # nothing left to prefill, nothing to act: memory no longer changes
+                held = [r for r in requests.values() if r.phase is Phase.WAITING and not r.abort_requested]
+                decoding = [r for r in requests.values() if r.phase is Phase.DECODE]
+                if not (held and decoding):
+                    break  # nothing left to prefill, nothing to act: memory no longer changes
+                # The admission gate holds these until memory comes back: a fork keeps them only if
+                # they fit then, so the others' clients end here and what they held goes back.
+                for r in decoding:
+                    engine.finish(r, "stop")
+                    decode_until.pop(r.rid, None)
+                continue
         if forked[0]:
             next_sample = next_poll = math.inf
             continue
@@ -342,11 +352,13 @@ def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings:
 
 
 def judge(scenario: Scenario, seed: int, engine_config: EngineConfig = ENGINE) -> Verdict:
+    """With the gated engine the guard's cost model knows the gate (as MEMORY_GUARD_ADMISSION=1 tells both)."""
+    settings = GATED_SETTINGS if engine_config.admission else SETTINGS
     k, sets, unguarded = oracle(scenario, seed, engine_config)
-    guarded = simulate(scenario, guarded=True, seed=seed, engine_config=engine_config)
+    guarded = simulate(scenario, guarded=True, seed=seed, settings=settings, engine_config=engine_config)
     best = min(sets, key=lambda s: len(guarded.aborted - s))
     return Verdict(scenario, guarded, unguarded, k, sets, guarded.aborted - best,
-                   needless_at_decisions(scenario, seed, guarded, engine_config=engine_config))
+                   needless_at_decisions(scenario, seed, guarded, settings, engine_config=engine_config))
 
 
 def run_scenarios(count: int, seed: int) -> list[Verdict]:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping
 
 from .config import ClusterConfig, Node
-from .guard.settings import GB, cost_model
+from .guard.settings import cost_model
 from .schema import KEYS
 
 # Where the dsv41-adapter package installs the rank's PYTHONPATH entry (sitecustomize.py + adapter/).
@@ -257,11 +257,12 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
 
 def admission_env(cfg: ClusterConfig) -> dict[str, str]:
     """The admission gate's settings (adapter/admission_gate.py, the stand-in's too): the guard's
-    level and cost model, so that the rank holds back what the guard would have to abort; 0 = off."""
-    if not cfg["MEMORY_GUARD_ADMISSION"] or cfg["MEMORY_GUARD"] == "off":
-        return {"DSV41_ADMISSION_GUARD_BYTES": "0"}
+    level and cost model, so that the rank holds back what the guard would have to abort, and the
+    guard's projection knows it does (guard.settings.cost_model); a level of 0 is off."""
     cost = cost_model(cfg, cfg.passthrough)
-    return {"DSV41_ADMISSION_GUARD_BYTES": str(int(float(cfg["MEMORY_GUARD_GB"]) * GB)),
+    if not cost.admission_guard_bytes:
+        return {"DSV41_ADMISSION_GUARD_BYTES": "0"}
+    return {"DSV41_ADMISSION_GUARD_BYTES": str(cost.admission_guard_bytes),
             "DSV41_ADMISSION_TOKEN_BYTES": str(cost.token_bytes),
             "DSV41_ADMISSION_TRANSIENT_BYTES": repr(cost.transient_bytes)}
 

@@ -80,6 +80,9 @@ class CostModel:
     transient_bytes: float = 0.0  # per (chunk token x prefix token) of a prefill chunk
     chunk_tokens: int = 8192      # CHUNKED_PREFILL_SIZE (-1: a prompt is prefilled at once)
     empty_cache_tokens: int = 0   # the prefill_empty_cache hook's threshold (0: off)
+    # The ranks' admission gate (MEMORY_GUARD_ADMISSION=1: adapter/admission_gate.py): a new
+    # request's first step waits while it would leave less than this; 0: no gate.
+    admission_guard_bytes: int = 0
 
     @property
     def configured(self) -> bool:
@@ -159,6 +162,18 @@ def growing(requests: Iterable[InflightRequest]) -> list[InflightRequest]:
     if reqs and all(r.state is not None for r in reqs):
         return [r for r in reqs if r.prefilling and (r.chunk_tokens > 0 or r.remaining_tokens > 0)]
     return [r for r in reqs if r.prefilling]
+
+
+def held_by_gate(inflight: InflightList, level: int, model: CostModel, exclude: Iterable[str] = (),
+                 running_in_level: bool = False) -> set[str]:
+    """The waiting requests the ranks' admission gate holds back at the next step (none without a
+    gate, or with nothing waiting)."""
+    if model.admission_guard_bytes <= 0 or not any(r.waiting for r in inflight.requests):
+        return set()
+    skip = set(exclude)
+    live = [r for r in inflight.requests if r.rid not in skip]
+    gone = [r for r in inflight.requests if r.rid in skip]
+    return Projection(level, inflight.requests, model, running_in_level).held_at_next_step(live, gone)
 
 
 def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostModel,

@@ -369,12 +369,14 @@ def confirm(s: GuardSettings, state: GuardState, inflight: InflightList, now: fl
                                                 overdue_reported=state.overdue_reported or bool(overdue))
 
 
-def decoding_only(inflight: InflightList, aborted: Iterable[str] = ()) -> bool:
-    """Every request listed (but those aborted) decodes, by the scheduler's word: none of them
-    will allocate more (their prefill is done)."""
-    gone = set(aborted)
+def decoding_only(inflight: InflightList, aborted: Iterable[str] = (), held: Iterable[str] = ()) -> bool:
+    """Every request listed (but those aborted) decodes, by the scheduler's word, or waits where
+    the ranks' admission gate holds it back (`held`): none of them will allocate more (their
+    prefill is done, or cannot start until memory comes back)."""
+    gone, held = set(aborted), set(held)
     live = [r for r in inflight.requests if r.rid not in gone]
-    return inflight.scheduler_view and bool(live) and all(r.state == charge.DECODING for r in live)
+    return inflight.scheduler_view and bool(live) and any(r.state == charge.DECODING for r in live) \
+        and all(r.state == charge.DECODING or (r.waiting and r.rid in held) for r in live)
 
 
 def running_in_level(s: GuardSettings, a: Assessment, inflight: InflightList) -> bool:
@@ -449,7 +451,8 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             # allocator keeps what they hold). The trend is then the end of a prefill that is over,
             # or memory someone else takes, which the fallback below the guard and the node's floor
             # answer.
-            idle = decoding_only(inflight, at.aborted)
+            idle = decoding_only(inflight, at.aborted, charge.held_by_gate(inflight, a.level, s.cost, at.aborted,
+                                                                         running_in_level(s, a, inflight)))
             if s.cost.configured and inflight.scheduler_view and (believed or idle):
                 # The trend's line goes on past the end of a prefill; the scheduler knows where it ends.
                 held = (f"the requests in flight are projected to take memory no lower than "

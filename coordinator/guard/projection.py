@@ -12,7 +12,14 @@ sim/engine.py and sim/allocator.py, does the same):
   segment; a later allocation is served from the smallest free block that fits (split when more
   than 1 MiB would be left over), else from a new segment;
 - before a step holding a prompt of at least the prefill_empty_cache threshold, and before the
-  step after it, every wholly free segment goes back to the system (empty_cache).
+  step after it, every wholly free segment goes back to the system (empty_cache);
+- with the ranks' admission gate (adapter/admission_gate.py), a waiting request whose first piece
+  would leave less than the gate's level (counting the allocator's free blocks as the rank does)
+  while others are in flight waits, and those behind it with it; it is admitted at a later step
+  once enough has been freed (buffers, aborted requests), else it waits past the projection's
+  end (for requests to end), holding nothing meanwhile. A request that could not fit even with
+  everything the others hold given back is not counted as waiting: it will run once the others
+  end, and the guard should abort it before then.
 Where the allocator's free blocks are now follows from what the listed requests did: their
 prefill so far is replayed from an empty cache (replay), and the step now running counts as taken
 when the sample came after rank 0's scheduler launched it (adapter/scheduler_requests.py).
@@ -71,6 +78,9 @@ class _Allocator:
         self.available = available
         self._free: list[tuple[int, int, _Segment, list]] = []  # (size, seq, segment, block), sorted
         self._seq = 0
+
+    def free_bytes(self) -> int:
+        return sum(f[0] for f in self._free)
 
     def largest_free(self) -> int:
         return self._free[-1][0] if self._free else 0
@@ -274,11 +284,8 @@ class Projection:
             self._running_hooked = _hooked(pieces, model)
         self._memory.available = level  # the level sampled holds all of it
 
-    def low(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> int:
-        """The lowest available memory ahead if `kept` run to the end of their prefill and
-        `aborted` end at the next step boundary, leaving what they hold cached for the others."""
-        model = self.model
-        kept = list(kept)
+    def _start(self, kept: list["InflightRequest"], aborted: Iterable["InflightRequest"]) -> tuple[_Allocator, list[list]]:
+        """The allocator at the next step boundary and the queue of prefills to come from there."""
         gone = [h for r in aborted for h in self._kv.get(r.rid, ()) if h is not None]
         whole = [h[0].size for h in gone if len(h[0].blocks) == 1]  # a segment of its own: freed, wholly free
         gone = [h for h in gone if len(h[0].blocks) > 1]
@@ -297,15 +304,79 @@ class Projection:
                 prefix += min(r.chunk_tokens, r.prompt_tokens - prefix)
             if prefix < r.prompt_tokens:
                 queue.append([r, prefix, r.prompt_tokens])
+        return memory, queue
+
+    def held_at_next_step(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> set[str]:
+        """The requests the ranks' admission gate holds back at the next step (none without one)."""
+        kept = list(kept)
+        memory, queue = self._start(kept, aborted)
+        gated = _gated(kept, memory, self.model)
+        if not gated:
+            return set()
+        budget = self.model.chunk_tokens if self.model.chunk_tokens > 0 else None
+        held = _first_held(memory, queue, budget, self.model, gated, any(not r.waiting for r in kept))
+        return {e[0].rid for e in queue[held:]}
+
+    def low(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> int:
+        """The lowest available memory ahead if `kept` run to the end of their prefill and
+        `aborted` end at the next step boundary, leaving what they hold cached for the others."""
+        model = self.model
+        kept = list(kept)
+        memory, queue = self._start(kept, aborted)
         low = self.level
         budget = model.chunk_tokens if model.chunk_tokens > 0 else None
+        gated = _gated(kept, memory, model)
+        in_flight = any(not r.waiting for r in kept)
         while queue:
-            low = _run_at_once(memory, queue[0], model, low)
-            pieces = next_step(queue, budget)
+            if queue[0][0].rid not in gated:  # a request the gate let in: its middle chunks at once
+                low = _run_at_once(memory, queue[0], model, low)
+            held = len(queue) if not gated else _first_held(memory, queue, budget, model, gated, in_flight)
+            if held == 0:
+                break  # the head of the queue waits for requests to end, which the projection does not see
+            admitted, waiting = queue[:held], queue[held:]
+            pieces = next_step(admitted, budget)
+            queue[:] = admitted + waiting
+            for r, _, _ in pieces:
+                gated.discard(r.rid)
+            in_flight = True
             buffers = _allocate_batch(memory, pieces, model, None)
             low = min(low, memory.available)
             _end_batch(memory, _hooked(pieces, model), buffers)
         return low
+
+
+def _gated(kept: list["InflightRequest"], memory: _Allocator, model: "CostModel") -> set[str]:
+    """The waiting requests the admission gate applies to (none without a gate): those that could
+    fit were every other request's KV given back (the others end before it, at worst)."""
+    if model.admission_guard_bytes <= 0:
+        return set()
+    room = memory.available + memory.free_bytes() + sum(model.held(r) for r in kept) - model.admission_guard_bytes
+    return {r.rid for r in kept if r.waiting and model.kv_to_come(r) + model.transient_peak(r) <= room}
+
+
+def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model: "CostModel",
+                gated: set[str], in_flight: bool) -> int:
+    """The index in the queue of the first entry the admission gate holds this step (len(queue):
+    none), by the step the scheduler would plan: the gate's rule (admission_gate.admits) over the
+    pieces in order, the headroom being available memory plus the allocator's free blocks."""
+    headroom = memory.available + memory.free_bytes()
+    left, spent = budget, 0
+    for i, (r, prefix, end) in enumerate(queue):
+        take = end - prefix if left is None else min(left, end - prefix)
+        need = step_bytes(model, take, prefix)
+        if r.rid in gated and (in_flight or i > 0) and headroom - spent - need < model.admission_guard_bytes:
+            return i
+        spent += need
+        if left is not None:
+            left -= take
+            if left == 0:
+                break
+    return len(queue)
+
+
+def step_bytes(model: "CostModel", take: int, prefix: int) -> int:
+    """What a piece costs by the model (adapter/admission_gate.step_bytes, the rank's own count)."""
+    return take * model.token_bytes + int(model.transient_bytes * take * (prefix + take)) if take > 0 else 0
 
 
 def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) -> int:

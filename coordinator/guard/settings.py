@@ -27,9 +27,11 @@ def cost_model(cfg: Mapping[str, object], passthrough: Mapping[str, str] | None 
     if transient is None:
         transient = float(passthrough.get("DSV41_SIM_TRANSIENT_BYTES") or SIM_TRANSIENT_BYTES) if sim \
             else SGLANG_TRANSIENT_BYTES
+    gate = bool(cfg["MEMORY_GUARD_ADMISSION"]) and cfg["MEMORY_GUARD"] != "off"
     return CostModel(token_bytes=int(token), transient_bytes=float(transient),
                      chunk_tokens=int(cfg["CHUNKED_PREFILL_SIZE"]),
-                     empty_cache_tokens=int(cfg["DSV41_PREFILL_EMPTY_CACHE_TOKENS"]))
+                     empty_cache_tokens=int(cfg["DSV41_PREFILL_EMPTY_CACHE_TOKENS"]),
+                     admission_guard_bytes=int(float(cfg["MEMORY_GUARD_GB"]) * GB) if gate else 0)
 
 
 def from_config(cfg: Mapping[str, object]) -> GuardSettings:

@@ -283,6 +283,51 @@ def test_several_prompts_that_each_fit_alone_lose_the_fewest_and_one_completes(n
         c.terminate()
 
 
+def rank_environment(node) -> dict[str, str]:
+    pid = node.show("dsv41-rank.service", "MainPID")["MainPID"]
+    raw = node.run(["cat", f"/proc/{pid}/environ"]).stdout
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def test_with_the_admission_gate_every_rank_gets_the_guards_level_and_the_same_prompts_stay_above_it(nodes, tmp_path):
+    # MEMORY_GUARD_ADMISSION=1: the coordinator hands every rank the guard's level and cost model
+    # (the stand-in's engine holds a first step back by them, as the adapter does in SGLang), and
+    # the guard's projection counts what the ranks hold back. The demo's prompts again: no OOM,
+    # the lowest point above the guard, no abort_all, at least one completes.
+    head = nodes["spark1"]
+    c = Coordinator(tmp_path, cluster_env(nodes, **GUARD_ENV, MEMORY_GUARD_ADMISSION="1")).start()
+    try:
+        assert c.wait_phase("serving", "failed").phase == "serving"
+        for name, node in nodes.items():
+            env = rank_environment(node)
+            assert (env.get("DSV41_ADMISSION_GUARD_BYTES"), env.get("DSV41_ADMISSION_TOKEN_BYTES"),
+                    env.get("DSV41_ADMISSION_TRANSIENT_BYTES")) == (str(GUARD_BYTES), str(BYTES_PER_TOKEN), "4.0"), name
+        memory = HeadMemory(head)
+        memory.limit_to(HEADROOM)
+        failures = memory.read("memory.failcnt")
+        memory.reset_peak()
+        results: dict = {}
+        threads = [threading.Thread(target=chat, args=(head.address, rid, "abcd" * tokens, results))
+                   for rid, tokens in SEVERAL.items()]
+        for t in threads:
+            t.start()
+            time.sleep(0.01)
+        for t in threads:
+            t.join(90)
+        reasons = {rid: r.get("choices", [{}])[0].get("finish_reason") for rid, r in results.items()}
+        assert set(reasons.values()) <= {"stop", "abort"}, results
+        assert [rid for rid, why in reasons.items() if why == "stop"], reasons
+        aborts = events(c.log, "memory_abort")
+        assert {e["DSV41_VICTIM_RID"] for e in aborts} == {rid for rid, why in reasons.items() if why == "abort"}
+        assert memory.lowest_available() >= GUARD_BYTES, memory.lowest_available()
+        assert events(c.log, "memory_abort_all") == [] and events(c.log, "memory_stop") == []
+        assert memory.oom_kills() == 0 and memory.read("memory.failcnt") == failures
+        print(f"several prompts with the gate: {reasons}; lowest available {memory.lowest_available() / MB:.0f} MB; "
+              f"{len(aborts)} aborted")
+    finally:
+        c.terminate()
+
+
 LOAD_BYTES = 1 << 30  # more than the head's headroom: the load would exhaust it
 
 

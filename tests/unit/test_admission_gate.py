@@ -69,9 +69,9 @@ def test_the_node_room_is_the_tighter_of_memavailable_and_the_cgroups_room(tmp_p
     proc.mkdir()
     cg.mkdir()
     (proc / "meminfo").write_text("MemTotal:       125000000 kB\nMemFree:  1000 kB\nMemAvailable:    2000000 kB\n")
-    room = ag.NodeRoom(str(proc), str(cg))
-    assert room() == 2_000_000 * 1024  # no cgroup files: MemAvailable
+    assert ag.NodeRoom(str(proc), str(cg))() == 2_000_000 * 1024  # no cgroup files: MemAvailable
     (cg / "memory.max").write_text("max\n")
+    room = ag.NodeRoom(str(proc), str(cg))
     (cg / "memory.current").write_text("5\n")
     assert room() == 2_000_000 * 1024
     (cg / "memory.max").write_text("1000000000\n")
@@ -80,6 +80,13 @@ def test_the_node_room_is_the_tighter_of_memavailable_and_the_cgroups_room(tmp_p
     (cg / "memory.current").write_text("1200000000\n")
     assert room() == 0
     assert ag.NodeRoom(str(tmp_path / "none"), str(tmp_path / "none"))() == ag.UNLIMITED
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("100\n")
+    assert ag.NodeRoom(str(proc), str(v1))() == 2_000_000 * 1024
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("700000000\n")
+    assert ag.NodeRoom(str(proc), str(v1))() == 700_000_000 - 100
 
 
 class Running:

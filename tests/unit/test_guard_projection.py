@@ -15,6 +15,7 @@ from coordinator.guard import charge, projection
 from coordinator.guard.charge import CostModel, InflightRequest
 from coordinator.guard.engine import parse_inflight
 from sim.allocator import CachingAllocator, CountedMemory
+from adapter.admission_gate import GateSettings
 from sim.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.unit
@@ -30,15 +31,22 @@ MODEL = CostModel(token_bytes=16_384, transient_bytes=4.0, chunk_tokens=768, emp
 BASE = 10**10
 
 
-def error_mb(rng: random.Random, mid_step: bool, ended: bool = False, hook: bool = True) -> float:
+def error_mb(rng: random.Random, mid_step: bool, ended: bool = False, hook: bool = True,
+             gate: int = 0, base: int = BASE, held: list | None = None) -> float:
     """A random queue on the stand-in engine, some chunks in; the projection from its listing
     minus the lowest point the engine then really reaches (MB; above 0: the projection was kind).
     `ended`: the requests done prefilling by then end (their clients stop reading), so what they
-    leave in the allocator is in no listing. `hook` False: the prefill_empty_cache hook off."""
+    leave in the allocator is in no listing. `hook` False: the prefill_empty_cache hook off.
+    `gate`: the admission gate's level on the engine and in the model, on a node of `base`; the
+    requests still waiting at the end are appended to `held`."""
     config, model = (ENGINE, MODEL) if hook else (dataclasses.replace(ENGINE, empty_cache_tokens=0),
                                                   dataclasses.replace(MODEL, empty_cache_tokens=0))
+    if gate:
+        config = dataclasses.replace(config, admission=GateSettings(gate, config.bytes_per_token, config.transient_bytes))
+        model = dataclasses.replace(model, admission_guard_bytes=gate)
     backing = CountedMemory()
-    engine = Engine(config, on_fatal=lambda why: None, clock=lambda: 1.0, allocator=CachingAllocator(backing))
+    engine = Engine(config, on_fatal=lambda why: None, clock=lambda: 1.0, allocator=CachingAllocator(backing),
+                    node_room=lambda: base - backing.mapped)
     for i in range(rng.randint(1, 4)):
         kind = rng.choice(("short", "long", "cached"))
         if kind == "short":
@@ -59,7 +67,7 @@ def error_mb(rng: random.Random, mid_step: bool, ended: bool = False, hook: bool
                 engine.finish(engine._requests[item["rid"]], "stop")
     batch = engine.next_prefill() if mid_step else None
     transients = engine.allocate_chunk(batch) if batch is not None else None
-    level = BASE - backing.mapped
+    level = base - backing.mapped
     listing = parse_inflight({"requests": engine.inflight(), "step_launched_monotonic_s": engine.step_launched_at()})
     projected = charge.projected_low(level, listing.requests, [], model,
                                      running_in_level=listing.step_launched_at is not None)
@@ -68,8 +76,10 @@ def error_mb(rng: random.Random, mid_step: bool, ended: bool = False, hook: bool
         engine.end_chunk(batch, transients)
     while (batch := engine.next_prefill()) is not None:
         transients = engine.allocate_chunk(batch)
-        low = min(low, BASE - backing.mapped)
+        low = min(low, base - backing.mapped)
         engine.end_chunk(batch, transients)
+    if held is not None:
+        held += [item["rid"] for item in engine.inflight() if item["state"] == "waiting"]
     return (projected - low) / MB
 
 
@@ -81,6 +91,34 @@ def test_the_projection_follows_the_engine_to_the_byte(mid_step):
     rng = random.Random(7)
     errors = [error_mb(rng, mid_step) for _ in range(300)]
     assert max(abs(e) for e in errors) == 0, sorted(errors)[:3] + sorted(errors)[-3:]
+
+
+@pytest.mark.parametrize("mid_step", [False, True], ids=["between_steps", "a_step_running"])
+def test_with_the_admission_gate_the_projection_holds_back_what_the_ranks_hold_back(mid_step):
+    # Nodes of 0.4-1.5 GB and a gate at 150 MB: the ranks hold a request's first piece back while
+    # it would go below it, which the projection steps the same way (a held request allocates
+    # nothing). Where it differs, it is on purpose and low: a request that could not fit even
+    # with every other request's KV given back is counted as starting, for the guard to abort.
+    rng = random.Random(5)
+    held: list[str] = []
+    errors = [error_mb(rng, mid_step, gate=150 * MB, base=rng.randint(400, 1500) * MB, held=held) for _ in range(300)]
+    assert max(errors) <= 0, sorted(errors)[-3:]
+    assert sum(e == 0 for e in errors) >= 280, sorted(errors)[:20]  # 287 and 285 (exact in all 300 without the rule)
+    assert len(held) >= 20  # the gate did hold requests back in these queues (91)
+
+
+def test_with_the_gate_a_request_that_fits_once_others_end_is_held_and_one_that_never_fits_is_counted():
+    gated = dataclasses.replace(MODEL, admission_guard_bytes=150 * MB)
+    running = InflightRequest("long", 40_000, 39_168, state="prefilling")  # its last chunk to come
+    fits = waiting("hit", 61_000, 60_000)  # ~200 MB for its first piece: not now, once "long" is done
+    never = waiting("runaway", 200_000)  # 3.3 GB of KV: more than the node and all the others hold
+    level = 300 * MB
+    alone = charge.projected_low(level, [running], [], gated)
+    assert alone > 150 * MB
+    assert charge.projected_low(level, [running, fits], [], gated) == alone  # held: it takes nothing ahead
+    # without the gate it shares the last step of "long", and the guard would have to abort one of them
+    assert charge.projected_low(level, [running, fits], [], MODEL) < 150 * MB
+    assert charge.projected_low(level, [running, never], [], gated) < 0  # counted as starting: the guard aborts it
 
 
 @pytest.mark.parametrize("mid_step", [False, True], ids=["between_steps", "a_step_running"])
