@@ -240,3 +240,17 @@ def test_the_stand_in_holds_a_hit_back_while_a_long_prompt_prefills_and_admits_i
     eng.finish(long, "stop")  # its KV goes back to the allocator's cache, which the headroom counts
     assert other.phase is Phase.DECODE  # still in flight: admitted because memory is back, not idle
     assert [r.rid for r, _ in eng.next_prefill()] == ["hit"]
+
+
+def test_the_stand_in_reads_the_gate_from_the_same_variables_as_the_adapter() -> None:
+    from sim import main as sim_main
+    from sim.args import parse as parse_args
+    from sim.settings import from_env
+
+    env = {"DSV41_ADMISSION_GUARD_BYTES": "150000000", "DSV41_ADMISSION_TOKEN_BYTES": "16384",
+           "DSV41_ADMISSION_TRANSIENT_BYTES": "4.0"}
+    settings = from_env(env)
+    assert settings.admission == SETTINGS and from_env({}).admission is None
+    assert sim_main.engine_config(parse_args(["--model-path", "/m"]), settings).admission == SETTINGS
+    with pytest.raises(ValueError, match="DSV41_ADMISSION_GUARD_BYTES=-5"):
+        from_env({"DSV41_ADMISSION_GUARD_BYTES": "-5"})
