@@ -124,7 +124,7 @@ class NodeRoom:
         return room
 
 
-def torch_headroom(node_room: Callable[[], int] = NodeRoom()) -> int:
+def torch_headroom(node_room: Callable[[], int]) -> int:
     """The node's room (integrated GPU) or the device's free memory (discrete), plus what the
     caching allocator holds free."""
     import torch
@@ -173,11 +173,14 @@ class AdmissionGate:
     kept per thread all the same, so that nothing leaks from one pass into another."""
 
     def __init__(self, settings: GateSettings, log: AdapterLog,
-                 headroom: Callable[[], int] = torch_headroom,
+                 headroom: Callable[[], int] | None = None,
                  group_min: Callable[[Any, int], int] = torch_group_min,
                  refused: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self._log = log
+        if headroom is None:
+            room = NodeRoom()
+            headroom = lambda: torch_headroom(room)  # noqa: E731 - one NodeRoom per gate
         self._headroom = headroom
         self._group_min = group_min
         self._refused = refused or _add_req_result_other

@@ -316,8 +316,13 @@ def _check_extra_args(words: tuple[str, ...], raw: str, s: Mapping[str, object],
 
 
 def _passthrough_conflicts(s: Mapping[str, object], passthrough: Mapping[str, str]) -> list[tuple[str, str]]:
-    """Passed-through SGLang variables the adapters cannot run with (every rank would refuse)."""
+    """Passed-through variables the ranks cannot run with (every rank would refuse), or that the
+    coordinator derives itself."""
     out = []
+    for key in sorted(k for k in passthrough if k.startswith("DSV41_ADMISSION_")):
+        out.append((key, "the coordinator sets the admission gate's variables from MEMORY_GUARD_ADMISSION, "
+                         "MEMORY_GUARD_GB and the guard's cost model (MEMORY_GUARD_TOKEN_BYTES, "
+                         "MEMORY_GUARD_TRANSIENT_BYTES); remove this line and set those"))
     mode = passthrough.get("SGLANG_RAGGED_VERIFY_MODE", "static").strip()
     if s.get("DSV41_VERIFY_CAP") and mode not in ("", "static"):
         out.append(("SGLANG_RAGGED_VERIFY_MODE", f"SGLang then schedules verify lengths itself, and the verify cap "

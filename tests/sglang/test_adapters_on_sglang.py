@@ -107,6 +107,11 @@ def test_admission_gate_refuses_with_sglangs_own_result_on_the_real_prefill_adde
     assert plain["marked_add_one_req"] == [] and (plain["busy"], plain["idle"]) == ("SGLang's body", "SGLang's body")
 
 
+def test_admission_gate_ranks_agree_on_the_smallest_headroom_over_a_real_gloo_group(sglang: Sglang) -> None:
+    result, _ = sglang.check("chk_admission_collective")
+    assert result["minimum"] == [150_000_001] * 3 and result["single"] == 42
+
+
 def test_forward_progress_counts_every_run_batch_of_the_real_scheduler(sglang: Sglang, tmp_path: Path) -> None:
     (tmp_path / "armed").mkdir()
     (tmp_path / "plain").mkdir()

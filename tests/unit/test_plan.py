@@ -91,6 +91,9 @@ def test_the_admission_gate_gets_the_guards_level_and_cost_model_only_when_asked
     assert (env["DSV41_ADMISSION_TOKEN_BYTES"], env["DSV41_ADMISSION_TRANSIENT_BYTES"]) == ("9000", "8.5")
     _, plans = cluster(edited(MEMORY_GUARD_ADMISSION="1", MEMORY_GUARD="off"))
     assert plans[0].rank_spec.env["DSV41_ADMISSION_GUARD_BYTES"] == "0"  # no guard level to keep
+    # the coordinator derives them: set by hand they are refused, with what to set instead
+    with pytest.raises(config.ConfigInvalid, match=r"DSV41_ADMISSION_GUARD_BYTES=1: the coordinator sets"):
+        cluster(edited(DSV41_ADMISSION_GUARD_BYTES="1"))
 
 
 def test_container_argv_pins_the_image_and_keeps_values_out_of_argv():
