@@ -254,3 +254,12 @@ def test_the_stand_in_reads_the_gate_from_the_same_variables_as_the_adapter() ->
     assert sim_main.engine_config(parse_args(["--model-path", "/m"]), settings).admission == SETTINGS
     with pytest.raises(ValueError, match="DSV41_ADMISSION_GUARD_BYTES=-5"):
         from_env({"DSV41_ADMISSION_GUARD_BYTES": "-5"})
+
+
+def test_the_allocators_free_cache_from_the_nested_statistics_or_the_public_ones() -> None:
+    nested = {"reserved_bytes": {"all": {"current": 900}}, "allocated_bytes": {"all": {"current": 600}}}
+    fast = SimpleNamespace(_C=SimpleNamespace(_cuda_memoryStats=lambda device: nested))
+    assert ag._allocator_free(fast, 0) == 300
+    flat = {"reserved_bytes.all.current": 50, "allocated_bytes.all.current": 80}  # never negative
+    public = SimpleNamespace(_C=SimpleNamespace(), cuda=SimpleNamespace(memory_stats=lambda device: flat))
+    assert ag._allocator_free(public, 0) == 0
