@@ -36,6 +36,8 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Iterable
 
+from adapter.admission_gate import admits, step_bytes
+
 if TYPE_CHECKING:  # charge.py imports this module
     from .charge import CostModel, InflightRequest
 
@@ -358,13 +360,14 @@ def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model
                 gated: set[str], in_flight: bool) -> int:
     """The index in the queue of the first entry the admission gate holds this step (len(queue):
     none), by the step the scheduler would plan: the gate's rule (admission_gate.admits) over the
-    pieces in order, the headroom being available memory plus the allocator's free blocks."""
+    pieces in order (the rank's own rule and count: adapter/admission_gate.py), the headroom being
+    available memory plus the allocator's free blocks."""
     headroom = memory.available + memory.free_bytes()
     left, spent = budget, 0
     for i, (r, prefix, end) in enumerate(queue):
         take = end - prefix if left is None else min(left, end - prefix)
-        need = step_bytes(model, take, prefix)
-        if r.rid in gated and (in_flight or i > 0) and headroom - spent - need < model.admission_guard_bytes:
+        need = step_bytes(take, prefix, model.token_bytes, model.transient_bytes)
+        if r.rid in gated and not admits(headroom, spent, need, model.admission_guard_bytes, in_flight or i > 0):
             return i
         spent += need
         if left is not None:
@@ -372,11 +375,6 @@ def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model
             if left == 0:
                 break
     return len(queue)
-
-
-def step_bytes(model: "CostModel", take: int, prefix: int) -> int:
-    """What a piece costs by the model (adapter/admission_gate.step_bytes, the rank's own count)."""
-    return take * model.token_bytes + int(model.transient_bytes * take * (prefix + take)) if take > 0 else 0
 
 
 def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) -> int:
