@@ -238,6 +238,19 @@ def test_control_without_the_guard_acting_the_same_runaway_kills_the_rank(nodes,
 SEVERAL = {"p10k": 10_000, "p14k": 14_000, "p18k": 18_000}  # tokens; the head holds any one of them
 
 
+def several_at_once(head) -> tuple[dict, dict]:
+    """SEVERAL's prompts sent together: every reply, and each one's finish reason."""
+    results: dict = {}
+    threads = [threading.Thread(target=chat, args=(head.address, rid, "abcd" * tokens, results))
+               for rid, tokens in SEVERAL.items()]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(90)
+    return results, {rid: r.get("choices", [{}])[0].get("finish_reason") for rid, r in results.items()}
+
+
 def test_several_prompts_that_each_fit_alone_lose_the_fewest_and_one_completes(nodes, tmp_path):
     # The demo's case: prompts arriving together, each of which fits alone (its KV and its last
     # chunk's buffers), together they do not. The old guard aborted a queued prompt (it freed
@@ -255,15 +268,7 @@ def test_several_prompts_that_each_fit_alone_lose_the_fewest_and_one_completes(n
         failures = memory.read("memory.failcnt")
         units_before = rank_units(nodes)
         memory.reset_peak()
-        results: dict = {}
-        threads = [threading.Thread(target=chat, args=(head.address, rid, "abcd" * tokens, results))
-                   for rid, tokens in SEVERAL.items()]
-        for t in threads:
-            t.start()
-            time.sleep(0.01)
-        for t in threads:
-            t.join(90)
-        reasons = {rid: r.get("choices", [{}])[0].get("finish_reason") for rid, r in results.items()}
+        results, reasons = several_at_once(head)
         assert set(reasons.values()) <= {"stop", "abort"}, results
         completed = [rid for rid, why in reasons.items() if why == "stop"]
         assert completed, reasons
@@ -306,15 +311,7 @@ def test_with_the_admission_gate_every_rank_gets_the_guards_level_and_the_same_p
         memory.limit_to(HEADROOM)
         failures = memory.read("memory.failcnt")
         memory.reset_peak()
-        results: dict = {}
-        threads = [threading.Thread(target=chat, args=(head.address, rid, "abcd" * tokens, results))
-                   for rid, tokens in SEVERAL.items()]
-        for t in threads:
-            t.start()
-            time.sleep(0.01)
-        for t in threads:
-            t.join(90)
-        reasons = {rid: r.get("choices", [{}])[0].get("finish_reason") for rid, r in results.items()}
+        results, reasons = several_at_once(head)
         assert set(reasons.values()) <= {"stop", "abort"}, results
         assert [rid for rid, why in reasons.items() if why == "stop"], reasons
         aborts = events(c.log, "memory_abort")
