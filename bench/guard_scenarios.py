@@ -428,7 +428,7 @@ def report(count: int, seed: int, out=print) -> dict:
     held = [judge(long_decodes(s), seed * 100_003 + s.index) for s in scenarios]
     gated = [judge(s, seed * 100_003 + s.index, GATED) for s in scenarios]
     gated_held = [judge(long_decodes(s), seed * 100_003 + s.index, GATED) for s in scenarios]
-    a, b, c, d = summary(as_generated), summary(held), summary(gated), summary(gated_held)
+    a, b, ga, gb = summary(as_generated), summary(held), summary(gated), summary(gated_held)
     g = SETTINGS.guard_bytes
     out(f"scenarios: {count} randomized workloads (seed {seed}), {a['requests']} requests, on the stand-in's engine "
         f"model (sim/engine.py + sim/allocator.py) on a simulated clock, with the real policy and cost model "
@@ -451,9 +451,9 @@ def report(count: int, seed: int, out=print) -> dict:
             ("abort_all", "abort_all"),
             ("stops", "stops")]
     for name, key in rows:
-        out(f"{name:58s}{a[key]:14d}{b[key]:14d}{c[key]:14d}{d[key]:14d}")
+        out(f"{name:58s}{a[key]:14d}{b[key]:14d}{ga[key]:14d}{gb[key]:14d}")
     out(f"{'lowest margin above the guard, with the guard (MB)':58s}"
-        + "".join(f"{x['lowest_margin'] / MB:14.0f}" for x in (a, b, c, d)))
+        + "".join(f"{x['lowest_margin'] / MB:14.0f}" for x in (a, b, ga, gb)))
     # why: how far below the guard the cost model projected the low, keeping every request, at each
     # decision that cost a request the oracle kept
     for name, verdicts in (("as generated", as_generated), ("answers held", held),
@@ -482,7 +482,7 @@ def report(count: int, seed: int, out=print) -> dict:
                 + (f"; the projected low keeping every request was {below[len(below) // 2]:.0f} MB below the "
                    f"guard (median; {below[0]:.0f} to {below[-1]:.0f} MB)" if below else ""))
     decision_cost(out)
-    return {"as_generated": a, "held": b, "gated": c, "gated_held": d, "verdicts": as_generated, "held_verdicts": held,
+    return {"as_generated": a, "held": b, "gated": ga, "gated_held": gb, "verdicts": as_generated, "held_verdicts": held,
             "gated_verdicts": gated}
 
 

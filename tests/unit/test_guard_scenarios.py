@@ -61,3 +61,14 @@ def test_the_same_moment_oracle_names_the_aborts_a_wrong_cost_model_made():
     guarded = gs.simulate(s, guarded=True, seed=3, settings=wrong)
     assert guarded.aborted, "the wrong model should have aborted something"
     assert gs.needless_at_decisions(s, 3, guarded, wrong) == guarded.aborted
+
+
+def test_the_report_has_both_engines_and_their_targets_line(capsys) -> None:
+    # a small report end to end, as bench/memory_guard --scenarios-only prints it (its targets
+    # line reads the gated figures from what report() returns)
+    lines: list[str] = []
+    figures = gs.report(3, 1, out=lines.append)
+    assert figures["gated"]["scenarios"] == figures["gated_held"]["scenarios"] == 3
+    assert any("with the admission gate" in line for line in lines)
+    row = next(line for line in lines if line.startswith("scenarios below the guard, with the guard"))
+    assert len(row.split()[-4:]) == 4 and all(x.isdigit() for x in row.split()[-4:])
