@@ -320,14 +320,14 @@ class Engine:
         busy = chunked or any(r.phase is Phase.DECODE for r in self._requests.values())
         headroom, spent = None, 0
         for i, (request, take) in enumerate(planned):
+            need = step_bytes(take, request.prefilled, gate.token_bytes, gate.transient_bytes)
             if request.phase is Phase.WAITING and (busy or i > 0):
                 if headroom is None:
                     stats = self.allocator.stats()
                     headroom = self._node_room() + stats.reserved - stats.allocated
-                need = step_bytes(take, request.prefilled, gate.token_bytes, gate.transient_bytes)
                 if not admits(headroom, spent, need, gate.guard_bytes, True):
                     return planned[:i]
-            spent += step_bytes(take, request.prefilled, gate.token_bytes, gate.transient_bytes)
+            spent += need
         return planned
 
     def _decoding(self) -> list[Request]:

@@ -451,8 +451,10 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             # allocator keeps what they hold). The trend is then the end of a prefill that is over,
             # or memory someone else takes, which the fallback below the guard and the node's floor
             # answer.
-            idle = decoding_only(inflight, at.aborted, charge.held_by_gate(inflight, a.level, s.cost, at.aborted,
-                                                                         running_in_level(s, a, inflight)))
+            # (the gate's holds cost a replay of the allocator: asked only when the projection is not believed)
+            idle = not believed and decoding_only(
+                inflight, at.aborted,
+                charge.held_by_gate(inflight, a.level, s.cost, at.aborted, running_in_level(s, a, inflight)))
             if s.cost.configured and inflight.scheduler_view and (believed or idle):
                 # The trend's line goes on past the end of a prefill; the scheduler knows where it ends.
                 held = (f"the requests in flight are projected to take memory no lower than "
