@@ -30,12 +30,16 @@ from typing import Callable
 PEER_PREFIX = "dsv41-peer/"
 _BUFFER = 256 << 10  # per direction; reading stops while the other side has this much unsent
 _CHUNK = 64 << 10
+_RETRY_S = 0.005  # while a caller waits for room in the server's backlog
 
 
 @dataclass(frozen=True)
 class Limits:
     max_connections: int = 256
     max_per_source: int = 32
+    # A full backlog on the server's socket (its accept thread behind a burst of callers) answers a
+    # unix connect with EAGAIN at once: a caller waits this long for room, not turned away at once.
+    connect_wait_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class _Pair:
         self.closed = False
         self.opened = opened
         self.spoke = False  # the caller sent something (its TLS hello, its HTTP/2 preface)
+        self.connect_by: float | None = None  # while the server's backlog is full: give up at this time
 
     def other(self, half: _Half) -> _Half:
         return self.upstream if half is self.client else self.client
@@ -136,6 +141,7 @@ class Relay:
         self._selector = selectors.DefaultSelector()
         self._listeners: dict[socket.socket, str] = {}
         self._pairs: set[_Pair] = set()
+        self._connecting: list[_Pair] = []  # accepted, waiting for room in the server's backlog
         self._per_source: dict[str, int] = {}
         self._serial = 0
         self._last_report: dict[str, float] = {}
@@ -204,7 +210,7 @@ class Relay:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                for key, events in self._selector.select(timeout=1.0):
+                for key, events in self._selector.select(timeout=_RETRY_S if self._connecting else 1.0):
                     kind, obj = key.data
                     try:
                         if kind == "listen":
@@ -216,6 +222,8 @@ class Relay:
                         if kind == "pair":
                             self._close(obj[0])
                         self._report(Peer("relay", ""), f"relay error: {type(exc).__name__}: {exc}")
+                if self._connecting:
+                    self._retry_connects()
                 if self._stopping:
                     break
         finally:
@@ -291,21 +299,56 @@ class Relay:
                 except OSError as exc:
                     if exc.errno != errno.EADDRINUSE:
                         raise
-            upstream.settimeout(2.0)
-            upstream.connect(self._upstream)
+            upstream.setblocking(False)
+            connected = self._try_connect(upstream)
         except OSError as exc:
             upstream.close()
-            client.close()
+            _refuse(client)
             self._report(peer, f"cannot reach the server at {self._upstream}: {exc.strerror or exc}")
             return
         if client.family != socket.AF_UNIX:
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         client.setblocking(False)
-        upstream.setblocking(False)
         pair = _Pair(client, upstream, peer, self._monotonic())
         self._pairs.add(pair)
         self._per_source[peer.source_key] = self._per_source.get(peer.source_key, 0) + 1
+        if connected:
+            self._relay(pair)
+        else:  # the caller's bytes wait in its socket, unread, until the server has room
+            pair.connect_by = pair.opened + self._limits.connect_wait_s
+            self._connecting.append(pair)
+
+    def _try_connect(self, upstream: socket.socket) -> bool:
+        """Connects `upstream` to the server: True, or False while the server's backlog is full."""
+        try:
+            upstream.connect(self._upstream)
+            return True
+        except (BlockingIOError, InterruptedError):
+            return False
+
+    def _retry_connects(self) -> None:
+        now = self._monotonic()
+        waiting = []
+        for pair in self._connecting:
+            if pair.closed:  # given way to a newer caller meanwhile
+                continue
+            try:
+                if self._try_connect(pair.upstream.sock):
+                    pair.connect_by = None
+                    self._relay(pair)
+                    continue
+                why = f"its backlog stayed full for {self._limits.connect_wait_s:g} s" if now >= pair.connect_by else ""
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+            if why:
+                self._close(pair, refuse=True)
+                self._report(pair.peer, f"cannot reach the server at {self._upstream}: {why}")
+            else:
+                waiting.append(pair)
+        self._connecting = waiting
+
+    def _relay(self, pair: _Pair) -> None:
         for half in (pair.client, pair.upstream):
             self._selector.register(half.sock, selectors.EVENT_READ, ("pair", (pair, half)))
 
@@ -370,7 +413,8 @@ class Relay:
         elif not events and key is not None:
             self._selector.unregister(half.sock)
 
-    def _close(self, pair: _Pair) -> None:
+    def _close(self, pair: _Pair, refuse: bool = False) -> None:
+        """Ends both sides; `refuse`: the caller's unread bytes are read first (a FIN, not a reset)."""
         if pair.closed:
             return
         pair.closed = True
@@ -379,7 +423,10 @@ class Relay:
                 self._selector.unregister(half.sock)
             except (KeyError, ValueError):
                 pass
-            half.sock.close()
+            if refuse and half is pair.client:
+                _refuse(half.sock)
+            else:
+                half.sock.close()
         self._pairs.discard(pair)
         key = pair.peer.source_key
         left = self._per_source.get(key, 1) - 1

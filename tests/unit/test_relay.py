@@ -146,3 +146,84 @@ def test_a_caller_whose_bytes_wait_unread_is_not_taken_for_silent(served, tmp_pa
         for sock in idle:
             sock.close()
         channel.close()
+
+
+class SlowServer:
+    """A unix server with a backlog of one that accepts nothing until told: the kernel answers
+    connects beyond its backlog with EAGAIN, as a gRPC server's socket does while its accept thread
+    is behind a burst."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(1)
+
+    def echo_all(self, count: int) -> None:
+        for _ in range(count):
+            conn, _ = self.sock.accept()
+            conn.settimeout(5)
+            conn.sendall(b"echo " + conn.recv(64))
+            conn.close()
+
+
+def test_callers_beyond_a_full_server_backlog_wait_for_room_and_are_not_reset(tmp_path):
+    import threading
+
+    upstream = SlowServer(str(tmp_path / "slow.sock"))
+    refused: list[str] = []
+    relay = Relay(str(tmp_path / "slow.sock"), Limits(16, 16), refused=lambda peer, why: refused.append(why))
+    port = relay.listen_tcp("127.0.0.1", 0, "agent")
+    relay.start()
+    callers = []
+    try:
+        for i in range(5):  # the first one or two fill the backlog, the rest get EAGAIN
+            caller = socket.create_connection(("127.0.0.1", port))
+            caller.sendall(b"hello %d" % i)  # like a TLS hello: sent before any answer
+            callers.append(caller)
+        wait_for(lambda: relay.connections == 5)
+        time.sleep(0.3)  # the server's accept thread is behind
+        server = threading.Thread(target=upstream.echo_all, args=(5,), daemon=True)
+        server.start()
+        for i, caller in enumerate(callers):
+            caller.settimeout(5)
+            assert caller.recv(64) == b"echo hello %d" % i
+        server.join(5)
+        assert refused == []
+    finally:
+        for caller in callers:
+            caller.close()
+        relay.stop()
+        upstream.sock.close()
+
+
+def test_a_caller_whose_server_stays_full_is_closed_with_a_fin_and_reported(tmp_path):
+    upstream = SlowServer(str(tmp_path / "slow.sock"))
+    refused: list[str] = []
+    relay = Relay(str(tmp_path / "slow.sock"), Limits(16, 16, connect_wait_s=0.3),
+                  refused=lambda peer, why: refused.append(why))
+    port = relay.listen_tcp("127.0.0.1", 0, "agent")
+    relay.start()
+    callers = []
+    try:
+        for i in range(4):
+            caller = socket.create_connection(("127.0.0.1", port))
+            caller.sendall(b"hello")
+            callers.append(caller)
+        wait_for(lambda: any("backlog stayed full for 0.3 s" in why for why in refused))
+        wait_for(lambda: relay.connections < 4)
+        closed = 0
+        for caller in callers[1:]:  # the backlog holds at most the first two
+            caller.settimeout(0.05)
+            try:
+                data = caller.recv(64)  # a reset would raise ConnectionResetError here
+            except socket.timeout:
+                continue  # still relayed (in the backlog)
+            assert data == b""
+            closed += 1
+        assert closed >= 2
+        assert relay.connections == 4 - closed
+    finally:
+        for caller in callers:
+            caller.close()
+        relay.stop()
+        upstream.sock.close()
