@@ -181,6 +181,32 @@ def _busy(scheduler: Any, adder: Any) -> bool:
         or (running is not None and callable(is_empty) and not is_empty())
 
 
+class HoldReport:
+    """The gate's lines: one when a request starts to wait, one when it goes in after waiting (not
+    one per pass while it waits). The rank's gate and the stand-in's write the same lines."""
+
+    def __init__(self, line: Callable[[str], None]) -> None:
+        self._line = line
+        self._held_rid: str | None = None
+
+    def held(self, rid: str, take: int, prefix: int, need: int, planned: int, headroom: int, guard: int) -> None:
+        if self._held_rid == rid:
+            return
+        self._held_rid = rid
+        self._line(f"{NAME}: request {rid} waits: its first step ({take} tokens over a {prefix}-token prefix, "
+                   f"{need // 1_000_000} MB) with this step's {planned // 1_000_000} MB would leave "
+                   f"{(headroom - planned - need) // 1_000_000} MB of {headroom // 1_000_000} MB, "
+                   f"below the guard's {guard // 1_000_000} MB; it goes in when memory comes back "
+                   f"or nothing else is in flight")
+
+    def admitted(self, rid: str, headroom: int | None, step: int) -> None:
+        if self._held_rid != rid:
+            return
+        self._held_rid = None
+        room = "nothing else in flight" if headroom is None else f"headroom {headroom // 1_000_000} MB"
+        self._line(f"{NAME}: request {rid} admitted after waiting ({room}, this step {step // 1_000_000} MB)")
+
+
 class AdmissionGate:
     """The hooks' state. Both run on the scheduler's thread; the pass's scheduler and headroom are
     kept per thread all the same, so that nothing leaks from one pass into another."""
@@ -190,7 +216,6 @@ class AdmissionGate:
                  group_min: Callable[[Any, int], int] = torch_group_min,
                  refused: Callable[[], Any] | None = None) -> None:
         self.settings = settings
-        self._log = log
         if headroom is None:
             room = NodeRoom()
             headroom = lambda: torch_headroom(room)  # noqa: E731 - one NodeRoom per gate
@@ -198,7 +223,7 @@ class AdmissionGate:
         self._group_min = group_min
         self._refused = refused or _add_req_result_other
         self._pass = threading.local()
-        self._held_rid: str | None = None  # the request the last refusal held (one line per hold)
+        self._report = HoldReport(log.line)
         self.refusals = 0
         self.measurements = 0
 
@@ -211,7 +236,12 @@ class AdmissionGate:
 
     def around_add_one_req(self, original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
         scheduler = getattr(self._pass, "scheduler", None)
-        if scheduler is None or not _busy(scheduler, adder):
+        if scheduler is None:
+            return original(adder, req, *args, **kwargs)
+        if not _busy(scheduler, adder):
+            take, prefix = _piece(req, getattr(adder, "rem_chunk_tokens", None))
+            self._report.admitted(str(getattr(req, "rid", "")), None,
+                                  step_bytes(take, prefix, self.settings.token_bytes, self.settings.transient_bytes))
             return original(adder, req, *args, **kwargs)
         s = self.settings
         if self._pass.headroom is None:
@@ -228,19 +258,10 @@ class AdmissionGate:
         need = step_bytes(take, prefix, s.token_bytes, s.transient_bytes)
         rid = str(getattr(req, "rid", ""))
         if admits(self._pass.headroom, planned, need, s.guard_bytes, True):
-            if self._held_rid == rid:
-                self._log.line(f"{NAME}: request {rid} admitted after waiting (headroom {self._pass.headroom // 1_000_000} MB, "
-                               f"this step {(planned + need) // 1_000_000} MB)")
-                self._held_rid = None
+            self._report.admitted(rid, self._pass.headroom, planned + need)
             return original(adder, req, *args, **kwargs)
         self.refusals += 1
-        if self._held_rid != rid:
-            self._held_rid = rid
-            self._log.line(f"{NAME}: request {rid} waits: its first step ({take} tokens over a {prefix}-token prefix, "
-                           f"{need // 1_000_000} MB) with this step's {planned // 1_000_000} MB would leave "
-                           f"{(self._pass.headroom - planned - need) // 1_000_000} MB of {self._pass.headroom // 1_000_000} MB, "
-                           f"below the guard's {s.guard_bytes // 1_000_000} MB; it goes in when memory comes back "
-                           f"or nothing else is in flight")
+        self._report.held(rid, take, prefix, need, planned, self._pass.headroom, s.guard_bytes)
         return self._refused()
 
 

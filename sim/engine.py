@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from adapter.admission_gate import GateSettings, NodeRoom, admits, step_bytes
+from adapter.admission_gate import GateSettings, HoldReport, NodeRoom, admits, step_bytes
 
 from .allocator import AnonymousMemory, Block, CachingAllocator
 
@@ -111,8 +111,10 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  begin_step: Callable[[], None] = lambda: None,
                  allocator: CachingAllocator | None = None,
-                 node_room: Callable[[], int] | None = None) -> None:
+                 node_room: Callable[[], int] | None = None,
+                 log: Callable[[str], None] = lambda line: None) -> None:
         self.config = config
+        self._holds = HoldReport(log)  # the gate's lines, as the rank's gate writes them
         self._node_room = node_room or NodeRoom()  # the admission gate's measure of the node
         self._on_fatal = on_fatal
         self._clock = clock
@@ -321,12 +323,15 @@ class Engine:
         headroom, spent = None, 0
         for i, (request, take) in enumerate(planned):
             need = step_bytes(take, request.prefilled, gate.token_bytes, gate.transient_bytes)
-            if request.phase is Phase.WAITING and (busy or i > 0):
-                if headroom is None:
-                    stats = self.allocator.stats()
-                    headroom = self._node_room() + stats.reserved - stats.allocated
-                if not admits(headroom, spent, need, gate.guard_bytes, True):
-                    return planned[:i]
+            if request.phase is Phase.WAITING:
+                if busy or i > 0:
+                    if headroom is None:
+                        stats = self.allocator.stats()
+                        headroom = self._node_room() + stats.reserved - stats.allocated
+                    if not admits(headroom, spent, need, gate.guard_bytes, True):
+                        self._holds.held(request.rid, take, request.prefilled, need, spent, headroom, gate.guard_bytes)
+                        return planned[:i]
+                self._holds.admitted(request.rid, headroom, spent + need)
             spent += need
         return planned
 

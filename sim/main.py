@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Callable, Sequence, TextIO
 
+from adapter.log import PREFIX as ADAPTER_PREFIX  # the stand-in's gate lines read as the rank's adapter writes them
 from adapter.progress import ProgressWriter
 
 from . import settings as settings_mod
@@ -157,7 +158,7 @@ def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
                 _watchdog_kill(log, str(exc), watchdog_s)
 
     engine = Engine(engine_config(args, settings), on_fatal=lambda why: _die(log, f"error: {why}"),
-                    begin_step=begin_step)
+                    begin_step=begin_step, log=lambda line: log(ADAPTER_PREFIX + line))
     engine.start()
     state = ApiState(args, engine, log)
     try:

@@ -159,6 +159,16 @@ def test_a_prefix_cache_hit_waits_while_a_chunk_is_running_and_those_behind_it_w
     assert "request hit admitted after waiting" in h.out.getvalue()
 
 
+def test_a_held_request_that_goes_in_once_nothing_else_is_in_flight_says_so() -> None:
+    h = Harness(headroom=lambda: 160 * MB)
+    assert h.run_pass(adder(running=1), [req("b", 2_000, 10_000)]) == [REFUSED]
+    assert h.run_pass(adder(), [req("b", 2_000, 10_000)]) == ["CONTINUE"]  # the others ended
+    lines = h.out.getvalue().splitlines()
+    assert len(lines) == 2 and "request b waits: its first step (768 tokens over a 10000-token prefix, 45 MB)" in lines[0]
+    assert lines[1].endswith("admission_gate: request b admitted after waiting (nothing else in flight, "
+                             "this step 45 MB)")
+
+
 def test_nothing_in_flight_admits_without_measuring() -> None:
     calls = []
     h = Harness(headroom=lambda: calls.append(1) or 0)
@@ -200,13 +210,13 @@ def test_outside_a_scheduling_pass_the_original_runs() -> None:
 
 # --- the stand-in engine's copy of the rule ------------------------------------------------------------
 
-def engine(base: int, gate: ag.GateSettings | None) -> tuple[Engine, CountedMemory]:
+def engine(base: int, gate: ag.GateSettings | None, log=lambda line: None) -> tuple[Engine, CountedMemory]:
     backing = CountedMemory()
     config = EngineConfig(chunk_tokens=768, max_running=8, prefill_tokens_per_s=20_000.0, decode_tokens_per_s=10.0,
                           bytes_per_token=16_384, max_total_tokens=0, context_length=None, transient_bytes=4.0,
                           empty_cache_tokens=8192, admission=gate)
     return Engine(config, on_fatal=lambda why: None, allocator=CachingAllocator(backing),
-                  node_room=lambda: base - backing.mapped), backing
+                  node_room=lambda: base - backing.mapped, log=log), backing
 
 
 def prefill_all(eng: Engine, until) -> list[list[str]]:
@@ -223,7 +233,8 @@ def prefill_all(eng: Engine, until) -> list[list[str]]:
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_the_stand_in_holds_a_hit_back_while_a_long_prompt_prefills_and_admits_it_when_memory_is_back(gated) -> None:
-    eng, backing = engine(600 * MB, SETTINGS if gated else None)
+    lines: list[str] = []
+    eng, backing = engine(600 * MB, SETTINGS if gated else None, log=lines.append)
     other = eng.submit("other", 300)
     long = eng.submit("long", 20_000)
     first = eng.next_prefill()
@@ -233,13 +244,19 @@ def test_the_stand_in_holds_a_hit_back_while_a_long_prompt_prefills_and_admits_i
     if not gated:
         # it shares the long prompt's last step (32 tokens of it), 327 MB of KV already taken
         assert steps[-1] == ["long", "hit"]
+        assert lines == []
         return
     assert all("hit" not in step for step in steps) and steps[-1] == ["long"]
     assert other.phase is Phase.DECODE and hit.phase is Phase.WAITING
     assert eng.next_prefill() is None  # the others are in flight and memory is not back: it waits
+    # the adapter's line, once for the whole wait
+    assert len(lines) == 1 and lines[0].startswith("admission_gate: request hit waits: its first step (436 tokens "
+                                                   "over a 60000-token prefix, 112 MB)")  # beside long's last 332
+    assert "below the guard's 150 MB" in lines[0]
     eng.finish(long, "stop")  # its KV goes back to the allocator's cache, which the headroom counts
     assert other.phase is Phase.DECODE  # still in flight: admitted because memory is back, not idle
     assert [r.rid for r, _ in eng.next_prefill()] == ["hit"]
+    assert len(lines) == 2 and lines[1].startswith("admission_gate: request hit admitted after waiting (headroom ")
 
 
 def test_the_stand_in_reads_the_gate_from_the_same_variables_as_the_adapter() -> None:
