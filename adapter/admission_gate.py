@@ -189,6 +189,10 @@ class HoldReport:
         self._line = line
         self._held_rid: str | None = None
 
+    def waits(self, rid: str) -> bool:
+        """Whether `rid` is the request whose wait was reported (its admission is to be reported)."""
+        return self._held_rid == rid
+
     def held(self, rid: str, take: int, prefix: int, need: int, planned: int, headroom: int, guard: int) -> None:
         if self._held_rid == rid:
             return
@@ -239,9 +243,11 @@ class AdmissionGate:
         if scheduler is None:
             return original(adder, req, *args, **kwargs)
         if not _busy(scheduler, adder):
-            take, prefix = _piece(req, getattr(adder, "rem_chunk_tokens", None))
-            self._report.admitted(str(getattr(req, "rid", "")), None,
-                                  step_bytes(take, prefix, self.settings.token_bytes, self.settings.transient_bytes))
+            rid = str(getattr(req, "rid", ""))
+            if self._report.waits(rid):  # the step is sized for the line only: idle passes stay cheap
+                take, prefix = _piece(req, getattr(adder, "rem_chunk_tokens", None))
+                self._report.admitted(rid, None, step_bytes(take, prefix, self.settings.token_bytes,
+                                                            self.settings.transient_bytes))
             return original(adder, req, *args, **kwargs)
         s = self.settings
         if self._pass.headroom is None:

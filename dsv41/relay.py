@@ -122,7 +122,6 @@ class _Pair:
         self.closed = False
         self.opened = opened
         self.spoke = False  # the caller sent something (its TLS hello, its HTTP/2 preface)
-        self.connect_by: float | None = None  # while the server's backlog is full: give up at this time
 
     def other(self, half: _Half) -> _Half:
         return self.upstream if half is self.client else self.client
@@ -316,7 +315,6 @@ class Relay:
         if connected:
             self._relay(pair)
         else:  # the caller's bytes wait in its socket, unread, until the server has room
-            pair.connect_by = pair.opened + self._limits.connect_wait_s
             self._connecting.append(pair)
 
     def _try_connect(self, upstream: socket.socket) -> bool:
@@ -335,10 +333,10 @@ class Relay:
                 continue
             try:
                 if self._try_connect(pair.upstream.sock):
-                    pair.connect_by = None
                     self._relay(pair)
                     continue
-                why = f"its backlog stayed full for {self._limits.connect_wait_s:g} s" if now >= pair.connect_by else ""
+                waited = now - pair.opened >= self._limits.connect_wait_s
+                why = f"its backlog stayed full for {self._limits.connect_wait_s:g} s" if waited else ""
             except OSError as exc:
                 why = exc.strerror or str(exc)
             if why:
