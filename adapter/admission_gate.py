@@ -166,9 +166,16 @@ def torch_group_min(scheduler: Any, value: int) -> int:
 
 
 def _piece(req: Any, rem_chunk_tokens: int | None) -> tuple[int, int]:
-    """(tokens, prefix) of the piece `req` would prefill in this step."""
+    """(tokens, prefix) of the piece `req` would prefill in this step. SGLang 0.5.23's Req has no
+    extend_input_len: a request the adder took has `extend_end` set (its piece ends there, a chunk
+    cut included: Req.extend_len); a candidate does not yet, and its piece is the rest of its fill
+    ids (init_next_round_input refreshed them and matched the prefix before add_one_req)."""
     prefix = int(getattr(req, "prefix_len", 0) or 0)
-    take = int(getattr(req, "extend_input_len", 0) or 0)
+    end = getattr(req, "extend_end", None)
+    if end is None:
+        fill = getattr(req, "full_untruncated_fill_ids", None)
+        end = len(fill) if fill is not None else prefix
+    take = max(0, int(end) - prefix)
     if rem_chunk_tokens is not None:
         take = min(take, max(0, int(rem_chunk_tokens)))
     return take, prefix

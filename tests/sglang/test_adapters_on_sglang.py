@@ -102,7 +102,8 @@ def test_admission_gate_refuses_with_sglangs_own_result_on_the_real_prefill_adde
     armed, err = sglang.check("chk_admission_gate", env=gate)
     assert armed["marked_prefill"] == ["admission_gate"] and armed["marked_add_one_req"] == ["admission_gate"]
     assert (armed["busy"], armed["idle"], armed["refusals"]) == ("OTHER", "SGLang's body", 1)
-    assert "admission_gate: request hit waits" in err
+    # the step sized from SGLang's own Req fields: the chunk's 768 of the 1000 tokens past the cached prefix
+    assert "admission_gate: request hit waits: its first step (768 tokens over a 60000-token prefix" in err
     plain, _ = sglang.check("chk_admission_gate")  # not asked for: SGLang's body both times
     assert plain["marked_add_one_req"] == [] and (plain["busy"], plain["idle"]) == ("SGLang's body", "SGLang's body")
 

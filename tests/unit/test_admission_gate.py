@@ -98,7 +98,18 @@ class Running:
 
 
 def req(rid: str, extend: int, prefix: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(rid=rid, extend_input_len=extend, prefix_len=prefix)
+    """A waiting request as SGLang 0.5.23's Req is before add_one_req: its fill ids (prompt) and
+    the prefix matched in the cache; extend_end is set only once the adder takes it."""
+    return SimpleNamespace(rid=rid, prefix_len=prefix, full_untruncated_fill_ids=range(prefix + extend),
+                           extend_end=None)
+
+
+def taken(r: SimpleNamespace, rem: int | None = None) -> SimpleNamespace:
+    """What PrefillAdder.add_one_req leaves on a request it took: its piece ends at extend_end (cut
+    to the chunk left)."""
+    piece = len(r.full_untruncated_fill_ids) - r.prefix_len
+    r.extend_end = r.prefix_len + (piece if rem is None else min(piece, rem))
+    return r
 
 
 class Harness:
@@ -130,12 +141,13 @@ class Harness:
 
     @staticmethod
     def add_one_req(adder, r, **_kwargs) -> str:
-        adder.can_run_list.append(r)
+        adder.can_run_list.append(taken(r, adder.rem_chunk_tokens))
         return "CONTINUE"
 
 
 def adder(*planned, running: int = 0, rem: int | None = 768) -> SimpleNamespace:
-    return SimpleNamespace(can_run_list=list(planned), running_batch=Running(running), rem_chunk_tokens=rem)
+    return SimpleNamespace(can_run_list=[r if r.extend_end is not None else taken(r) for r in planned],
+                           running_batch=Running(running), rem_chunk_tokens=rem)
 
 
 def test_a_prefix_cache_hit_waits_while_a_chunk_is_running_and_those_behind_it_wait_too() -> None:

@@ -4,12 +4,15 @@ flight, gets SGLang's own AddReqResult.OTHER and SGLang's body never runs; with 
 runs (here its ignore_eos branch, on a stand-in adder)."""
 
 import sys
+from array import array
 from types import SimpleNamespace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import emit, installer, marks  # noqa: E402
 
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 
 inst = installer()
@@ -33,8 +36,12 @@ def adder(running):
 
 
 def req():
-    return SimpleNamespace(rid="hit", extend_input_len=1000, prefix_len=60_000,
-                           sampling_params=SimpleNamespace(ignore_eos=True))
+    # SGLang's own Req as init_next_round_input leaves it before add_one_req: its fill ids
+    # refreshed, 60000 of its 61000 tokens matched in the prefix cache
+    r = Req("hit", "", array("q", range(61_000)), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    r.refresh_fill_ids()
+    r.prefix_len = 60_000
+    return r
 
 
 def offer(running):
