@@ -110,8 +110,13 @@ class GuardSettings:
         return (self.confirm_samples - 1) * self.interval_ms / 1000
 
     def line_of(self, level: int) -> int:
-        """Which of the early check's lines (a hysteresis band apart, 4 MiB at least) a level is on."""
-        return (level - self.guard_bytes) // max(4 << 20, self.hysteresis_bytes)
+        """Which of the early check's lines a level is on: a hysteresis band apart (4 MiB at least),
+        a quarter band apart below guard + band. Lines a band apart put the first one below a
+        level within a band of the guard at the guard itself: memory left there after an abort (the
+        allocator keeps it) would be looked at again only once the next prompt had taken it below."""
+        band = max(4 << 20, self.hysteresis_bytes)
+        above = level - self.guard_bytes
+        return 4 * (above // band) if above >= band else above // max(1, band // 4)
 
     @property
     def settle_s(self) -> float:
@@ -513,7 +518,12 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
     if st.phase == ARMED:
         armed_level = armed_levels.get(a.node)
         if armed_level is not None and a.level > armed_level - s.hysteresis_bytes:
-            return decision(NONE), st
+            # Re-armed with memory still low (the allocator keeps what the aborted requests held):
+            # the trend acts again only after a band's further fall (noise at the guard can look like
+            # a fall for a window), but what the requests' cost foresees is looked at as before:
+            # waiting a band for it too would take each next action a band lower (the trend's danger
+            # is not acted on here, so it does not stand in the early look's way either).
+            return early(st)
         if not confirmed:
             # Once the crossing is within the lead only an abort of what grows stops it in time:
             # that is the danger path's, after its confirmation.
@@ -534,11 +544,14 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         if inflight is None:
             return decision(NEED_INFLIGHT), state
         queued, st = release_queued(s, st, inflight, now, a.node)
-        return (queued or decision(NONE)), st
+        if queued is not None:
+            return queued, st
+        # nothing to release now: the re-arm and escalation below still apply
     floor = s.guard_bytes + s.hysteresis_bytes
     if not st.pending and all(m.level >= floor and not m.danger for m in marks.values()):
         return (decision(REARM, f"every node back above {_gb(floor)} available"),
-                replace(st, phase=ARMED, armed_levels=(), hold_low=None, model_failed=False, checked_lines=()))
+                replace(st, phase=ARMED, armed_levels=(), hold_low=None, model_failed=False, checked_lines=(),
+                        queued=()))
     levels_now = tuple((n, m.level) for n, m in sorted(marks.items()))
     quiet = now - st.last_danger_at
     if st.phase == ABORTED and not st.pending and quiet >= s.settle_s and now - st.acted_at >= s.settle_s:
@@ -546,12 +559,12 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         # keeps what the aborted requests held), so the next action needs a further fall.
         return (decision(REARM, f"the aborts took effect and no node was in danger for {s.settle_s:g} s; the next "
                                 f"action needs a fall of {_gb(s.hysteresis_bytes)}"),
-                replace(st, phase=ARMED, armed_levels=levels_now, checked_lines=()))
+                replace(st, phase=ARMED, armed_levels=levels_now, checked_lines=(), queued=()))
     if quiet >= s.rearm_quiet_s and now - st.acted_at >= s.rearm_quiet_s:
         return (decision(REARM, f"no node in danger for {s.rearm_quiet_s:g} s; the next action needs a further "
                                 f"fall of {_gb(s.hysteresis_bytes)}"),
                 replace(st, phase=ARMED, armed_levels=levels_now, pending=(), overdue_reported=False,
-                        checked_lines=()))
+                        checked_lines=(), queued=()))
     acted_level = dict(st.acted_levels).get(a.node)
     fell = acted_level is not None and a.level <= acted_level - s.hysteresis_bytes
     if confirmed and fell:
@@ -624,7 +637,22 @@ def release_queued(s: GuardSettings, st: GuardState, inflight: InflightList, now
     conflicts = charge.prefix_conflicts(inflight.requests)
     ready = [rid for rid in st.queued if rid in listed and rid not in conflicts]
     if not ready:
-        return None, replace(st, queued=tuple(rid for rid in st.queued if rid in listed))
+        blocked = tuple(rid for rid in st.queued if rid in listed)
+        # A request whose rid starts with a queued one arrived after the abort that was to unblock
+        # it: it goes first, by its own rid (one that is itself no other's prefix, longest first),
+        # or the queued victim could never be aborted.
+        blockers = sorted({o for rid in blocked for o in conflicts.get(rid, ()) if o not in conflicts},
+                          key=lambda rid: (-len(rid), rid))
+        if not blockers:
+            return None, replace(st, queued=blocked)
+        victims = tuple(charge.Victim(listed[o], "unblocks", s.cost.held(listed[o]) + s.cost.to_come(listed[o]))
+                        for o in blockers)
+        reason = (f"aborting {', '.join(blockers)} first: it arrived after the abort that was to let "
+                  f"{', '.join(blocked)} be aborted by its own rid, which would also end it")
+        d = Decision(ABORT, node, reason, dict(st.acted_levels).get(node, 0), guard_bytes=s.guard_bytes,
+                     basis="model", victims=victims)
+        return d, replace(st, queued=blocked, aborted=(*st.aborted, *blockers)[-32:], pending=tuple(blockers),
+                          pending_since=now, overdue_reported=False)
     victims = tuple(charge.Victim(listed[rid], "growing" if listed[rid].prefilling else "cannot_fit",
                                   s.cost.held(listed[rid]) + s.cost.to_come(listed[rid])) for rid in ready)
     level = dict(st.acted_levels).get(node, 0)

@@ -197,6 +197,37 @@ def test_rids_r_1_beside_r_10_r_1_is_never_aborted_by_its_rid():
     assert next(r for r in engine.requests if r.rid == "r-1").prefilled == 25_000
 
 
+def test_a_rid_that_starts_with_a_queued_victims_arriving_after_the_unblocking_abort_goes_first_too():
+    # r-1 waits in the queue for r-10's abort to be confirmed; r-11 arrives meanwhile: r-1 is then
+    # still not abortable by its rid, so r-11 goes first, by its own, and r-1 after it (before,
+    # the queue waited for good and r-1 took the node below the guard)
+    t10 = 0.081  # when the closed loop's first abort (r-10) reaches the engine
+    engine = sim_engine(700 * MB).add("r-1", 0, 60_000).add("r-10", 0.05, 2_000).add("r-11", t10 + 0.005, 2_000)
+    out = run_guard(engine, SIM, 8)
+    assert [rid for _, rid in engine.aborts] == ["r-10", "r-11", "r-1"]
+    assert engine.aborts[0][0] == pytest.approx(t10, abs=0.01)
+    assert actions(out) == [(p.ABORT, "r-10"), (p.ABORT, "r-11"), (p.ABORT, "r-1")]
+    assert out.first(p.ABORT)[1].victims[0].why == "unblocks"
+    second = [d for _, d in out.decisions if d.kind == p.ABORT][1]
+    assert second.victims[0].why == "unblocks" and "r-1" in second.reason
+    assert out.lowest > SIM.guard_bytes
+
+
+def test_after_a_re_arm_with_memory_left_low_the_next_runaway_is_aborted_by_its_cost_above_the_guard():
+    # After each abort the allocator keeps what the victim held, so the guard re-arms with memory
+    # still low (within a band of the guard). The next long prompt is seen by its cost at the first
+    # quarter-band line below, above the guard; before, the early look's next line was the guard
+    # itself and the trend's band put each next abort a band lower (192, 142, 92 MB).
+    engine = sim_engine(205 * MB, hook_tokens=0)
+    for i in range(3):
+        engine.add(f"runaway-{i}", 0.5 + 4.0 * i, 60_000)
+    out = run_guard(engine, SIM, 14)
+    aborts = [d for _, d in out.decisions if d.kind == p.ABORT]
+    assert [d.victim.rid for d in aborts] == ["runaway-0", "runaway-1", "runaway-2"]
+    assert all(d.basis == "model" and d.level > SIM.guard_bytes for d in aborts), [(d.basis, d.level) for d in aborts]
+    assert out.lowest > SIM.guard_bytes
+
+
 def test_an_abort_that_does_not_take_effect_is_not_repeated_the_guard_aborts_all():
     # rank 0 drops the abort (a stale rid, a tokenizer that already sent one): the next listings
     # still show the victim, so a repeat would be dropped as well
