@@ -115,6 +115,7 @@ class RankManager:
         self._exits = 0  # exits recorded so far
         self._finalizing: set[str] = set()  # invocation IDs whose exit is being read from systemd
         self._causes: dict[str, tuple[str, str]] = {}  # invocation ID -> (cause, detail) this agent set
+        self._published: set[str] = set()  # invocation IDs whose cause shows as stopping_cause
         systemd.on_properties_changed(self._on_properties)
         systemd.on_reconnect(self.refresh)
 
@@ -135,8 +136,8 @@ class RankManager:
             if not self._props or self._props.get("LoadState") == "not-found":
                 return replace(ABSENT, last_exit=self._last_exit)
             status = _status_from(self._props, self._last_exit)
-            cause = self._causes.get(status.invocation_id) if status.running or \
-                status.active_state == "deactivating" else None
+            cause = self._causes.get(status.invocation_id) if status.invocation_id in self._published and (
+                status.running or status.active_state == "deactivating") else None
             return replace(status, stopping_cause=cause[0], stopping_detail=cause[1]) if cause else status
 
     def control_group(self) -> str:
@@ -156,19 +157,31 @@ class RankManager:
                 return "", NO_FLOOR
             return bytes(props.get("InvocationID", b"")).hex(), floor_from_fields(props.get("LogExtraFields", []))
 
-    def note_cause(self, invocation_id: str, cause: str, detail: str) -> None:
-        """The reason this agent is ending the run `invocation_id`: the watchers hear it at once (the
-        run is lost to its TP group from now on), and its exit record will carry it."""
+    def note_cause(self, invocation_id: str, cause: str, detail: str, publish: bool = True) -> None:
+        """The reason this agent is ending the run `invocation_id`: its exit record will carry it.
+        With `publish` (once the signal was sent) it is also the run's stopping_cause and the
+        watchers hear it at once (the run is lost to its TP group from now on); without, it is only
+        held for an exit that may come before the sender publishes it (withdraw_cause if the
+        signal could not be sent)."""
         with self._state_lock:
-            first = invocation_id not in self._causes
+            first = publish and invocation_id not in self._published
             self._causes[invocation_id] = (cause, detail)
+            if publish:
+                self._published.add(invocation_id)
             for key in list(self._causes)[:-8]:  # a few runs back is plenty
                 self._causes.pop(key, None)
+                self._published.discard(key)
             status = self.status()
             watchers = list(self._watchers)
         if first:
             for callback in watchers:
                 callback(status)
+
+    def withdraw_cause(self, invocation_id: str) -> None:
+        """Forgets a cause held but not published (its signal was not sent); a published one stays."""
+        with self._state_lock:
+            if invocation_id not in self._published:
+                self._causes.pop(invocation_id, None)
 
     def refresh(self) -> RankStatus:
         """Reads the unit's properties from systemd (start-up, reconnect, or before answering)."""
@@ -245,9 +258,7 @@ class RankManager:
             if same_run and self._props_version == version:
                 self._props = props
                 self._props_version += 1
-            record = _exit_from(props if same_run else exiting, self._clock)
-            cause, detail = self._causes.get(record.invocation_id, ("", ""))
-            record = self._last_exit = replace(record, cause=cause, cause_detail=detail)
+            record = self._last_exit = self._with_cause(_exit_from(props if same_run else exiting, self._clock))
             self._exits += 1
             self._finalizing.discard(invocation)
             status = self.status()
@@ -276,9 +287,16 @@ class RankManager:
                 self._state_lock.wait(0.1)
             return self._last_exit
 
+    def _with_cause(self, record: ExitRecord) -> ExitRecord:
+        """The exit with the cause this agent set for its run (held under _state_lock): whichever
+        path records an exit (the signal's read, a stop or start that finds the unit failed), the
+        cause travels with it."""
+        cause, detail = self._causes.get(record.invocation_id, ("", ""))
+        return replace(record, cause=cause, cause_detail=detail)
+
     def _record_exit_and_reset(self) -> None:
         with self._state_lock:
-            self._last_exit = _exit_from(self._props, self._clock)
+            self._last_exit = self._with_cause(_exit_from(self._props, self._clock))
         self._systemd.reset_failed(RANK_UNIT)
         self.refresh()
 

@@ -42,12 +42,19 @@ class Rank:
     def __init__(self, invocation="run-1", spec=SPEC):
         self.current = (invocation, spec)
         self.causes = {}
+        self.published = set()
 
     def floor(self):
         return self.current
 
-    def note_cause(self, invocation, cause, detail):
+    def note_cause(self, invocation, cause, detail, publish=True):
         self.causes[invocation] = (cause, detail)
+        if publish:
+            self.published.add(invocation)
+
+    def withdraw_cause(self, invocation):
+        if invocation not in self.published:
+            self.causes.pop(invocation, None)
 
 
 class Sampler:
@@ -59,6 +66,8 @@ class Sampler:
         level = self.levels.pop(0) if len(self.levels) > 1 else self.levels[0]
         if not self.levels[1:]:
             self.read.set()
+        if isinstance(level, Exception):
+            raise level
         return SimpleNamespace(available=level)
 
 
@@ -66,19 +75,17 @@ class Events:
     def __init__(self):
         self.entries = []
 
-    def error(self, kind, message, **fields):
-        self.entries.append((kind, message, fields))
-
-    warning = error
+    def event(self, kind, message, priority="info", **fields):
+        self.entries.append((kind, message, {**fields, "priority": priority}))
 
 
-def run_floor(rank, levels, kill=None):
+def run_floor(rank, levels, kill=None, events=None, until=lambda node: len(node.actions) >= 2):
     sent = []
-    events = Events()
-    node = f.NodeFloor(rank, Sampler(levels), kill or sent.append, events, "spark1", idle_poll_s=0.01)
+    events = events or Events()
+    node = f.NodeFloor(rank, Sampler(levels), kill or sent.append, events, "spark1", idle_poll_s=0.01, retry_s=0.01)
     node.start()
     deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and len(node.actions) < 2:
+    while time.monotonic() < deadline and not until(node):
         time.sleep(0.01)
     node.stop()
     return node, sent, events
@@ -119,7 +126,82 @@ def test_a_signal_that_fails_is_journalled_and_tried_again():
     rank = Rank()
     node, _, events = run_floor(rank, [700 * MB], kill=kill)
     assert calls[:2] == [signal.SIGTERM, signal.SIGTERM]
-    assert events.entries[0][0] == "memory_floor_failed" and "systemd busy" in events.entries[0][1]
+    kind, message, fields = events.entries[0]
+    assert kind == "memory_floor_failed" and "systemd busy" in message and fields["priority"] == "err"
+    assert fields["available_bytes"] == 700 * MB and fields["floor_bytes"] == 800 * MB
+
+
+def test_the_cause_shows_only_once_the_signal_was_sent():
+    rank = Rank()
+    seen = []
+
+    def kill(signum):
+        seen.append((signum, set(rank.published), dict(rank.causes)))
+        if len(seen) == 1:
+            raise RuntimeError("systemd busy")
+    run_floor(rank, [700 * MB], kill=kill)
+    # held for a quick exit during the send, but not published; withdrawn when the send failed
+    assert seen[0][1] == set() and "run-1" in seen[0][2]
+    assert seen[1][1] == set() and "run-1" in seen[1][2]
+    assert "run-1" in rank.published and rank.causes["run-1"][0] == MEMORY_FLOOR
+
+
+def test_a_send_that_fails_and_is_never_sent_leaves_no_cause():
+    rank = Rank()
+    calls = []
+
+    def kill(signum):
+        calls.append(signum)
+        raise RuntimeError("systemd busy")
+    node, _, events = run_floor(rank, [700 * MB], kill=kill, until=lambda node: len(calls) >= 5)
+    assert len(calls) >= 5 and rank.causes == {} and rank.published == set() and node.actions == []
+    # the same failure, tried again every sample, is journalled once
+    assert [k for k, _, _ in events.entries] == ["memory_floor_failed"]
+
+
+def test_a_pass_that_fails_is_journalled_once_and_the_floor_keeps_guarding():
+    rank = Rank()
+    levels = [900 * MB, ValueError("invalid literal for int()"), ValueError("invalid literal for int()"),
+              OSError("EIO"), 700 * MB, 600 * MB]
+    node, sent, events = run_floor(rank, levels)
+    assert sent == [signal.SIGTERM, signal.SIGKILL]
+    failed = [(m, fl) for k, m, fl in events.entries if k == "memory_floor_failed"]
+    assert len(failed) == 2 and all(fl["priority"] == "err" for _, fl in failed)
+    assert "ValueError: invalid literal" in failed[0][0] and failed[1][1]["error"] == "OSError: EIO"
+    assert failed[0][1]["available_bytes"] == 900 * MB and failed[0][1]["floor_bytes"] == 800 * MB
+
+
+def test_unreadable_memory_is_journalled_once_per_episode_and_again_when_it_reads():
+    rank = Rank()
+    bad = f.MeminfoInvalid("no MemAvailable line")
+    node, sent, events = run_floor(rank, [900 * MB, bad, bad, bad, 850 * MB, 700 * MB, 600 * MB])
+    assert sent == [signal.SIGTERM, signal.SIGKILL]
+    kinds = [k for k, _, _ in events.entries]
+    assert kinds == ["memory_floor_unreadable", "memory_floor_readable", "memory_floor", "memory_floor"]
+    unreadable, readable = events.entries[0][2], events.entries[1][2]
+    assert unreadable["last_available_bytes"] == 900 * MB and unreadable["floor_bytes"] == 800 * MB
+    assert readable["available_bytes"] == 850 * MB and readable["unreadable_s"] >= 0
+
+
+def test_a_journal_that_blocks_does_not_hold_back_the_sigkill():
+    release = threading.Event()
+
+    class StuckJournal(Events):
+        def event(self, kind, message, priority="info", **fields):
+            assert release.wait(5)
+            super().event(kind, message, priority, **fields)
+    rank = Rank()
+    events = StuckJournal()
+    node = f.NodeFloor(rank, Sampler([700 * MB, 600 * MB]), [].append, events, "spark1", idle_poll_s=0.01)
+    node.start()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and len(node.actions) < 2:
+        time.sleep(0.01)
+    actions = list(node.actions)
+    release.set()
+    node.stop()
+    assert actions == [(f.TERM, "run-1"), (f.KILL, "run-1")]
+    assert [k for k, _, _ in events.entries] == ["memory_floor", "memory_floor"]  # written once it unblocked
 
 
 def test_the_floor_is_checked_sent_with_the_unit_and_read_back_by_a_restarted_agent():

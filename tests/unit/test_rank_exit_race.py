@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from agent.rank import RankManager
+from agent.rank import MEMORY_FLOOR, RankManager
 from agent.rankspec import RANK_UNIT
 from agent.systemd import NO_SUCH_UNIT, UNIT_IFACE, SystemdError, unit_path
 from dsv41.journal import EventLog
@@ -36,6 +37,7 @@ class ScriptedSystemd:
         self.resets = 0
         self.stops = 0
         self.ends_before_stop = False
+        self.on_stop = None  # (): the unit's fate while a stop is in flight, scripted by the test
         self._signal = None
         self._hold: threading.Event | None = None
         self.read_begun = threading.Event()
@@ -69,6 +71,9 @@ class ScriptedSystemd:
             self.props = None  # it exited cleanly and systemd unloaded it just before the call
         if self.props is None:
             raise SystemdError(f"Unit {name} not loaded.", NO_SUCH_UNIT)
+        if self.on_stop is not None:
+            self.on_stop()
+            return SimpleNamespace(result="done", job="/job/1")
         raise AssertionError("this script only covers a unit that is gone when the stop arrives")
 
     def emit(self, changed: dict) -> None:
@@ -140,3 +145,68 @@ def test_a_rank_that_ends_between_the_read_and_the_stop_is_reported_not_running(
     assert systemd.stops == 1
     assert (outcome, leftover) == ("WAS_NOT_RUNNING", 0)
     assert rank.status().active_state == "absent"
+
+
+def test_a_floor_stop_that_a_stop_request_records_keeps_the_floor_as_its_cause():
+    # The coordinator sees stopping_cause, waits SETTLE_S and sends StopRank while the floor's
+    # SIGKILL lands: the unit fails, the exit's read records it, then the stop finds the unit
+    # failed and records the exit again before resetting it. Both records carry the cause.
+    systemd = ScriptedSystemd(dict(ACTIVE))
+    rank = manager(systemd)
+    detail = "available 0.700 GB below MEMORY_FLOOR_GB 0.800 GB: SIGTERM"
+    rank.note_cause(INVOCATION.hex(), MEMORY_FLOOR, detail)
+    assert rank.status().stopping_cause == MEMORY_FLOOR
+
+    def killed_during_the_stop():
+        systemd.props = {**FAILED, "Result": "signal", "ExecMainCode": 2, "ExecMainStatus": 9}
+        systemd.emit({"ActiveState": "failed", "SubState": "failed"})
+        wait_exits(rank, 1)  # the exit's own read is done first
+    systemd.on_stop = killed_during_the_stop
+    outcome, record, _ = rank.stop(5.0)
+    assert systemd.resets == 1 and rank.status().active_state == "absent"
+    assert (record.invocation_id, record.status) == (INVOCATION.hex(), 9)
+    assert (record.cause, record.cause_detail) == (MEMORY_FLOOR, detail)
+    last = rank.settled_status().last_exit
+    assert (last.cause, last.cause_detail) == (MEMORY_FLOOR, detail)
+
+
+def test_a_floor_stopped_unit_found_failed_by_the_next_stop_keeps_the_floor_as_its_cause():
+    systemd = ScriptedSystemd(dict(ACTIVE))
+    rank = manager(systemd)
+    rank.note_cause(INVOCATION.hex(), MEMORY_FLOOR, "below")
+    release = systemd.hold_next_read()
+    systemd.props = dict(FAILED)
+    systemd.emit({"ActiveState": "failed", "SubState": "failed"})
+    assert systemd.read_begun.wait(5)
+    outcome, record, _ = rank.stop(5.0)  # finds it failed: records the exit and resets it
+    assert outcome == "WAS_NOT_RUNNING" and record.cause == MEMORY_FLOOR
+    release.set()
+    wait_exits(rank, 1)
+    assert rank.settled_status().last_exit.cause == MEMORY_FLOOR
+
+
+def test_a_cause_held_for_a_signal_not_yet_sent_is_not_the_stopping_cause_and_can_be_withdrawn():
+    systemd = ScriptedSystemd(dict(ACTIVE))
+    rank = manager(systemd)
+    heard = []
+    rank.watch(heard.append)
+    rank.note_cause(INVOCATION.hex(), MEMORY_FLOOR, "below", publish=False)  # before the floor's send
+    assert rank.status().stopping_cause == "" and heard == []
+    rank.withdraw_cause(INVOCATION.hex())  # the send failed
+    systemd.props = dict(FAILED)
+    systemd.emit({"ActiveState": "failed", "SubState": "failed"})  # the rank ends by itself
+    wait_exits(rank, 1)
+    assert rank.settled_status().last_exit.cause == ""
+
+
+def test_a_cause_published_once_its_signal_was_sent_is_heard_at_once_and_stays():
+    systemd = ScriptedSystemd(dict(ACTIVE))
+    rank = manager(systemd)
+    heard = []
+    rank.watch(heard.append)
+    rank.note_cause(INVOCATION.hex(), MEMORY_FLOOR, "below", publish=False)
+    rank.note_cause(INVOCATION.hex(), MEMORY_FLOOR, "below")  # sent
+    assert rank.status().stopping_cause == MEMORY_FLOOR and [s.stopping_cause for s in heard] == [MEMORY_FLOOR]
+    rank.note_cause(INVOCATION.hex(), MEMORY_FLOOR, "below; SIGKILL", publish=False)  # the SIGKILL's send
+    rank.withdraw_cause(INVOCATION.hex())  # failed: the SIGTERM sent still stands
+    assert rank.status().stopping_cause == MEMORY_FLOOR and len(heard) == 1
