@@ -478,7 +478,8 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         cannot = "no request is prefilling" if not choice.skipped else "the request growing cannot be aborted " \
                  "by its rid"
         return (decision(kind, f"{why}; {cannot}{skipped}", skipped=choice.skipped,
-                         projected_low_kept=choice.projected_low_keeping_all), acted(_PHASE_OF[kind]))
+                         projected_low_kept=choice.projected_low_keeping_all),
+                acted(_PHASE_OF[kind], acted_rids=tuple(r.rid for r in inflight.requests)))
 
     def early(at: GuardState) -> tuple[Decision, GuardState]:
         """Memory falls, no crossing within the lead yet: when the requests' cost says the fall
@@ -590,14 +591,23 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                 # meanwhile: one is chunk-prefilled at a time.
                 return (decision(fallback, f"{kept_falling}; the abort of {', '.join(still)} has not taken effect "
                                            f"after {since_sent:.2f} s (a repeated abort is dropped)"),
-                        acted(_PHASE_OF[fallback], pending=()))
+                        acted(_PHASE_OF[fallback], pending=(), acted_rids=tuple(r.rid for r in inflight.requests)))
             # Another request is growing now (the next one in line, once the victim was gone).
             return act(kept_falling, st)
         if st.phase == ABORTED_ALL and (since >= s.stop_after_s or urgent):
+            # abort_all ended what was in flight then; a request that arrived since and grows is a
+            # new fall with a name: aborted by its rid, not the cluster stopped for it.
+            if inflight is None and s.cost.configured and not st.no_scheduler_view:
+                return decision(NEED_INFLIGHT), state
+            new = _arrived_growing(st, inflight) if inflight is not None else []
+            if new:
+                return act(f"memory kept falling {since:.2f} s after abort_all ({_gb(acted_level)} -> "
+                           f"{_gb(a.level)}); {_why(a, s)}; {', '.join(new[:3])} arrived after it and grows", st)
             return (decision(STOP, f"memory kept falling {since:.2f} s after abort_all "
                                    f"({_gb(acted_level)} -> {_gb(a.level)}); {_why(a, s)}"),
                     acted(STOPPED))
-    if st.phase == ABORTED and not st.pending and not st.queued and s.cost.configured and not st.no_scheduler_view:
+    if st.phase in (ABORTED, ABORTED_ALL) and not st.pending and not st.queued and s.cost.configured \
+            and not st.no_scheduler_view:
         # The aborts took effect, and the guard is not re-armed yet (memory has not come back, or
         # the lows still hold the fall's minimum). The escalation above waits for a further fall
         # of the band below the level at the action: a prompt that arrived since would take that
@@ -616,9 +626,8 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                 return decision(NEED_INFLIGHT), state
             lines[a.node] = line
             st = replace(st, checked_lines=tuple(sorted(lines.items())))
-            before = set(st.acted_rids) | set(st.aborted)
-            new = [r.rid for r in charge.growing(inflight.requests) if r.rid not in before]
-            if new and not inflight.unavailable:
+            new = _arrived_growing(st, inflight)
+            if new:
                 return act(f"{_why(a, s) if a.danger else f'{a.node}: available {_gb(a.level)} falling'}; "
                            f"{', '.join(new[:3])} arrived after the last abort and grows", st)
     return decision(NONE), st
@@ -662,6 +671,14 @@ def release_queued(s: GuardSettings, st: GuardState, inflight: InflightList, now
     return d, replace(st, queued=tuple(rid for rid in st.queued if rid not in ready),
                       aborted=(*st.aborted, *ready)[-32:], pending=tuple(ready), pending_since=now,
                       overdue_reported=False)
+
+
+def _arrived_growing(st: GuardState, inflight: InflightList) -> list[str]:
+    """The requests growing now that were not in flight at the last action (nor aborted by it)."""
+    if inflight.unavailable:
+        return []
+    before = set(st.acted_rids) | set(st.aborted)
+    return [r.rid for r in charge.growing(inflight.requests) if r.rid not in before]
 
 
 def _arrived_since_hold(st: GuardState, inflight: InflightList) -> list[str]:

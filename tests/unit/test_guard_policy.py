@@ -823,3 +823,32 @@ def test_a_long_queue_is_cut_greedily_the_largest_first_and_kept_above_the_guard
     rids = [v.request.rid for v in choice.victims]
     assert set(rids) == {"w9", "w8", "w7", "w6", "w5", "w4", "w3"}, rids  # w0..w2 (300 MiB) fit, w3 too would not
     assert choice.projected_low == 600 * MiB - 300 * MiB
+
+
+class DeafTo(Engine):
+    """An engine on which the abort of one rid does not take effect (abort_all does)."""
+
+    def __init__(self, deaf_rid: str, **kw) -> None:
+        super().__init__(**kw)
+        self.deaf_rid = deaf_rid
+
+    def abort(self, rid, at):
+        if rid == self.deaf_rid:
+            self.aborts.append((at, rid))  # sent, and dropped
+        else:
+            super().abort(rid, at)
+
+
+def test_a_request_that_arrives_after_an_abort_all_and_grows_is_aborted_by_its_rid_not_stopped_for():
+    # The runaway's abort does not work: abort_all ends it. Memory stays low (the allocator keeps
+    # it), and 3.4 s later the next long prompt arrives: it is named and aborted; before, abort_all's
+    # phase never looked at the list and stopped the cluster for it, below the guard.
+    engine = DeafTo("runaway", base=350 * MB, chunk=768, rate=lambda _: 20_000.0, kv_per_token=16_384,
+                    hook_tokens=0).add("runaway", 0, 60_000).add("next", 4.0, 60_000)
+    out = run_guard(engine, SIM, 9)
+    assert actions(out) == [(p.ABORT, "runaway"), (p.ABORT_ALL, None), (p.ABORT, "next")]
+    assert engine.stopped_at is None
+    last = [d for _, d in out.decisions if d.kind == p.ABORT][-1]
+    assert "next arrived after the last abort and grows" in last.reason
+    # looked at on the quarter-band lines: within one of them of the guard, where the stop came 39 MB below it
+    assert out.lowest > SIM.guard_bytes - SIM.hysteresis_bytes // 4
