@@ -313,6 +313,9 @@ class GuardState:
     # again (the next long prompt) is acted on.
     armed_levels: tuple[tuple[str, int], ...] = ()
     pending: tuple[str, ...] = ()                    # aborted rids the in-flight list still showed
+    # Aborted rids a listing showed gone (the last 32): one listed again is a new request that
+    # reuses the rid (a client may choose it), not the one aborted.
+    gone: tuple[str, ...] = ()
     pending_since: float = -math.inf
     overdue_reported: bool = False                   # a pending abort past confirm_s was reported
     # Victims whose rid is a prefix of another victim's: aborted once those are confirmed gone.
@@ -360,18 +363,36 @@ class Confirmation:
     still: tuple[str, ...]       # still listed past the deadline: it did not (a repeat would be dropped)
 
 
-def confirm(s: GuardSettings, state: GuardState, inflight: InflightList, now: float) -> tuple[Confirmation, GuardState]:
+def confirm(s: GuardSettings, state: GuardState, inflight: InflightList, now: float,
+            asked: Iterable[str] | None = None) -> tuple[Confirmation, GuardState]:
     """Checks the aborts sent against a fresh listing. An abort takes effect at the next chunk
     boundary, so a victim may be listed for up to a chunk; still listed past confirm_s it did not
-    take effect (reported once), and it stays pending: the guard does not re-arm over it."""
+    take effect (reported once), and it stays pending: the guard does not re-arm over it.
+    `asked`: the rids pending when the listing was asked for (None: all); a victim chosen while it
+    was on its way may have arrived after it, and its absence there says nothing."""
     if not state.pending or inflight.unavailable:
         return Confirmation((), ()), state
     listed = {r.rid for r in inflight.requests}
-    gone = tuple(rid for rid in state.pending if rid not in listed)
-    still = tuple(rid for rid in state.pending if rid in listed)
-    overdue = still if now - state.pending_since >= s.confirm_s and not state.overdue_reported else ()
-    return Confirmation(gone, overdue), replace(state, pending=still,
+    judged = set(state.pending) if asked is None else set(asked)
+    gone = tuple(rid for rid in state.pending if rid not in listed and rid in judged)
+    still = tuple(rid for rid in state.pending if rid not in gone)
+    overdue = tuple(rid for rid in still if rid in listed) \
+        if now - state.pending_since >= s.confirm_s and not state.overdue_reported else ()
+    return Confirmation(gone, overdue), replace(state, pending=still, gone=(*state.gone, *gone)[-32:],
                                                 overdue_reported=state.overdue_reported or bool(overdue))
+
+
+def forget_reused(state: GuardState, inflight: InflightList) -> GuardState:
+    """An aborted rid that was seen gone and is listed again is a new request under the same rid:
+    no longer counted as aborted (its memory given back) nor as judged at the last action."""
+    if not state.gone or inflight.unavailable:
+        return state
+    back = set(state.gone) & {r.rid for r in inflight.requests}
+    if not back:
+        return state
+    return replace(state, aborted=tuple(r for r in state.aborted if r not in back),
+                   gone=tuple(r for r in state.gone if r not in back),
+                   acted_rids=tuple(r for r in state.acted_rids if r not in back))
 
 
 def decoding_only(inflight: InflightList, aborted: Iterable[str] = (), held: Iterable[str] = ()) -> bool:
@@ -406,6 +427,8 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         armed_levels[a.node] = max(armed_levels[a.node], a.level)
     st = replace(state, marks=tuple(sorted(marks.items())), armed_levels=tuple(sorted(armed_levels.items())),
                  last_danger_at=now if a.danger else state.last_danger_at)
+    if inflight is not None:
+        st = forget_reused(st, inflight)
     confirmed = mark.streak >= s.confirm_samples
     fallback = ABORT_ALL if serving else STOP
 
@@ -763,10 +786,12 @@ class Guard:
                 t.forget_lows()
         return d
 
-    def note_listing(self, inflight: InflightList, now: float, node: str = "") -> tuple[Confirmation, Decision | None]:
+    def note_listing(self, inflight: InflightList, now: float, node: str = "",
+                     asked: Iterable[str] | None = None) -> tuple[Confirmation, Decision | None]:
         """A fresh in-flight list (the runner's check after an abort): what it confirms, and the
-        abort that waited for it, if one can go now."""
-        seen, self.state = confirm(self.settings, self.state, inflight, now)
+        abort that waited for it, if one can go now. `asked`: the rids pending when it was asked for."""
+        seen, self.state = confirm(self.settings, self.state, inflight, now, asked)
+        self.state = forget_reused(self.state, inflight)
         queued, self.state = release_queued(self.settings, self.state, inflight, now, node or self.acting_node())
         return seen, queued
 

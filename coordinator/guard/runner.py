@@ -225,13 +225,15 @@ class MemoryGuard:
     def _check_aborts(self, session: _Session) -> None:
         """Reads the in-flight list until the aborts sent are seen gone, or past their deadline."""
         while not session.stopped.wait(CONFIRM_POLL_S):
+            with session.lock:
+                asked = tuple(session.guard.state.pending)  # a victim chosen meanwhile is judged by the next look
             listing = self._engine.inflight()
             with session.lock:
                 if session.stopped.is_set():
                     return
                 guard = session.guard
                 since = self._monotonic() - guard.state.pending_since
-                seen, queued = guard.note_listing(listing, self._monotonic())
+                seen, queued = guard.note_listing(listing, self._monotonic(), asked=asked)
                 for e in confirmation_events(guard.acting_node(), seen.gone, seen.still, since):
                     self._log.event(e.kind, e.message, e.priority, **e.fields)
                 if queued is not None:

@@ -852,3 +852,32 @@ def test_a_request_that_arrives_after_an_abort_all_and_grows_is_aborted_by_its_r
     assert "next arrived after the last abort and grows" in last.reason
     # looked at on the quarter-band lines: within one of them of the guard, where the stop came 39 MB below it
     assert out.lowest > SIM.guard_bytes - SIM.hysteresis_bytes // 4
+
+
+def test_a_retry_that_reuses_an_aborted_rid_is_a_new_request_aborted_by_it_again():
+    # SGLang takes the rid a client sends: a retry of job-7 comes back as job-7. Seen gone once,
+    # the rid listed again is a new request; before, it counted as aborted (its memory given back)
+    # and the guard held, then aborted all.
+    engine = sim_engine(700 * MB).add("job-7", 0.5, 60_000).add("job-7", 4.0, 60_000)
+    out = run_guard(engine, SIM, 10)
+    assert actions(out) == [(p.ABORT, "job-7"), (p.ABORT, "job-7")]
+    assert [rid for _, rid in engine.aborts] == ["job-7", "job-7"] and out.lowest > SIM.guard_bytes
+
+
+def test_a_listing_asked_for_before_a_victim_was_chosen_does_not_confirm_it_gone():
+    # The runner's check asks for the list, and a reader thread aborts a request that arrived
+    # meanwhile: that listing cannot show it, so its absence there confirms nothing.
+    state = p.GuardState(phase=p.ABORTED, pending=("old", "new"), pending_since=1.0)
+    listing = p.InflightList((p.InflightRequest("other", 1_000, 1_000),))
+    seen, after = p.confirm(SIM, state, listing, 1.1, asked=("old",))
+    assert seen.gone == ("old",) and after.pending == ("new",) and after.gone == ("old",)
+    seen, after = p.confirm(SIM, after, listing, 1.2, asked=("new",))
+    assert seen.gone == ("new",) and after.pending == ()
+    # a rid seen gone and listed again is forgotten as aborted
+    back = p.forget_reused(replace_state(after, aborted=("old", "new")),
+                           p.InflightList((p.InflightRequest("old", 5_000, 100),)))
+    assert back.aborted == ("new",) and back.gone == ("new",)
+
+
+def replace_state(state: p.GuardState, **changes) -> p.GuardState:
+    return dataclasses.replace(state, **changes)
