@@ -21,13 +21,19 @@ A slope counts only when it is significantly below zero (slope + 3 standard erro
 around a level does not read as a fall; memory that sits below the guard without falling is not
 acted on (nothing is running out).
 
-The state machine: armed -> (danger on `confirm_samples` consecutive samples) abort the largest
-prefill in flight, or abort_all when it cannot tell -> memory still falling (fallen by the
-hysteresis band since the action, and the abort had `lead_s` to work) -> abort_all -> still
-falling `stop_after_s` later -> stop the ranks. Either wait is cut short when memory would run
-out within the lead. Re-armed when every node is back above the guard plus the hysteresis band,
-or after `rearm_quiet_s` without danger (then the next action needs a further fall by the band,
-so noise at the guard cannot flap).
+The state machine: armed -> (danger on `confirm_samples` consecutive samples, or earlier when
+the requests' cost says those in flight will take the node below the guard) abort the fewest
+requests that keep the projected low above it (charge.choose: by exact rid; one whose rid is a
+prefix of another's waits until those are gone), or abort_all when none can be named -> memory
+still falling (fallen by the hysteresis band since the action, and the abort had `lead_s` to
+work): the next request growing is aborted, abort_all if the victim is still listed -> still
+falling `stop_after_s` after an abort_all with no request named -> stop the ranks. Either wait is
+cut short when memory would run out within the lead. After an action a request that arrives and
+grows is aborted by its rid. Re-armed when every node is back above the guard plus the hysteresis
+band, after the aborts were confirmed and the settle time passed, or after `rearm_quiet_s`
+without danger; re-armed with memory still low (the allocator keeps what the victims held), the
+trend acts again only after a further fall by the band (noise at the guard cannot flap), while the
+requests' cost is looked at on lines a quarter band apart.
 """
 
 from __future__ import annotations
