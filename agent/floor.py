@@ -8,7 +8,12 @@ MemAvailable and the node cgroup's headroom) goes below the floor the rank was s
 (MEMORY_FLOOR_GB, below the coordinator's guard), it sends SIGTERM to every process of the rank
 unit (the scheduler children of SGLang have no handler and end at once; rank 0's launcher logs
 and stops), then SIGKILL as soon as memory keeps falling, or when the deadline passes with the
-unit still running (a worker's launcher only logs SIGTERM). The exit it causes carries
+unit still running (a worker's launcher only logs SIGTERM). That is the host runtime, where the
+unit's cgroup holds the server's processes. In the container runtime (RANK_RUNTIME=container, the
+default) the unit holds the `docker run` client: SIGTERM reaches the container's init (SGLang's
+launcher) through the client's signal proxy, not the schedulers doing the load, so memory keeps
+falling and SIGKILL follows within the fall band or the deadline; it ends the client, and the
+unit's ExecStopPost (`docker rm --force`) has dockerd end the container. The exit it causes carries
 cause memory_floor, which a coordinator running that rank records as an incident naming the node;
 the cause is the rank's stopping_cause only once its signal was sent.
 
