@@ -209,7 +209,9 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -
             print(paint(f"{'':<13}{expiry}", "33"), file=out)
         if rank.last_exit.result and rank.active_state != "active":
             e = rank.last_exit
-            print(f"{'':<13}last exit: {e.result}, {e.code} {e.status}"[:80], file=out)
+            # A floor stop is found here even when no coordinator ran to record it as an incident.
+            why = ": its memory floor stopped it" if e.cause == apb.ExitInfo.MEMORY_FLOOR else ""
+            print(f"{'':<13}last exit{why}: {e.result}, {e.code} {e.status}"[:80], file=out)
         failed = [c for c in view.fabric.checks if not c.ok]
         for check in failed[:3]:
             print(f"{'':<13}fabric: {check.name}: {check.detail}"[:80], file=out)

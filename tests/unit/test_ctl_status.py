@@ -79,3 +79,19 @@ def test_a_certificate_near_expiry_is_warned_about_weeks_ahead():
     text = out.getvalue()
     assert "spark1: certificate" in text and "dsv41ctl pki rotate --node spark1" in text
     assert "spark2: certificate" not in text
+
+
+def test_a_rank_its_memory_floor_stopped_says_so_in_its_last_exit():
+    st = status()
+    floor = st.nodes[1].status.rank
+    floor.active_state = "inactive"
+    floor.last_exit.CopyFrom(apb.ExitInfo(result="signal", code="killed", status=9, cause=apb.ExitInfo.MEMORY_FLOOR,
+                                          cause_detail="available 0.740 GB below MEMORY_FLOOR_GB 0.800 GB"))
+    plain = st.nodes[0].status.rank
+    plain.active_state = "inactive"
+    plain.last_exit.CopyFrom(apb.ExitInfo(result="exit-code", code="exited", status=1))
+    out = io.StringIO()
+    ctl_cluster.render_status(st, out, now=NOW)
+    lines = out.getvalue().splitlines()
+    assert any(line.strip() == "last exit: its memory floor stopped it: signal, killed 9" for line in lines), lines
+    assert any(line.strip() == "last exit: exit-code, exited 1" for line in lines), lines
