@@ -77,8 +77,21 @@ def _encode(r: Record) -> bytes:
 def _decode(data: bytes) -> Record:
     state, rid_len, prompt, prefilled, cached, chunk, output, rid = _RECORD.unpack(data)
     kept = rid[:min(rid_len, RID_BYTES)]
-    return Record(kept.decode("utf-8", "replace"), STATES[state] if state < len(STATES) else "waiting",
-                  prompt, prefilled, cached, chunk, output, complete=rid_len <= RID_BYTES)
+    complete = rid_len <= RID_BYTES
+    # A cut rid may end inside a character: drop the partial one, so what is kept is still a prefix
+    # of the rid (a replacement character would match no request).
+    text = kept.decode("utf-8", "replace") if complete else _decode_prefix(kept)
+    return Record(text, STATES[state] if state < len(STATES) else "waiting",
+                  prompt, prefilled, cached, chunk, output, complete=complete)
+
+
+def _decode_prefix(data: bytes) -> str:
+    for cut in range(len(data), max(-1, len(data) - 4), -1):
+        try:
+            return data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return data.decode("utf-8", "replace")
 
 
 class RequestsWriter:

@@ -188,6 +188,17 @@ def test_an_untrusted_snapshot_is_not_used_and_the_route_says_why(tmp_path) -> N
     assert status == 200 and body["source"] == "tokenizer_manager" and "mode 0646" in body["scheduler_problem"]
 
 
+def test_a_long_rid_cut_inside_a_character_is_still_a_prefix_of_it(tmp_path) -> None:
+    # 159 ASCII bytes, then two-byte characters: the 160-byte cut falls inside the first of them
+    rid = "a" * 159 + "\u00e9" * 20
+    writer = reqstate.RequestsWriter(0, str(tmp_path), clock_ns=lambda: 1)
+    writer.write([reqstate.Record(rid, "prefilling", 9, 4, 0, 2, 0)])
+    (record,) = reqstate.read(writer.path).records
+    assert not record.complete and record.rid == "a" * 159 and rid.startswith(record.rid)
+    merged = merge(snapshot({rid: state(created=1.0, recorded=9)}, now=2.0), [record])
+    assert merged[0].state == "prefilling" and merged[0].prefilled_tokens == 4
+
+
 def test_a_long_rid_is_matched_by_its_first_bytes_only_when_they_name_one_request() -> None:
     rid_a, rid_b = "a" * 200, "a" * 170
     records = [reqstate.Record(rid_a[:reqstate.RID_BYTES], "prefilling", 9, 4, 0, 2, 0, complete=False)]
