@@ -115,6 +115,11 @@ class GuardSettings:
         after the first one in danger take to confirm it."""
         return (self.confirm_samples - 1) * self.interval_ms / 1000
 
+    @property
+    def line_bytes(self) -> int:
+        """The early check's finest spacing: a quarter band (the lines below guard + band)."""
+        return max(1, max(4 << 20, self.hysteresis_bytes) // 4)
+
     def line_of(self, level: int) -> int:
         """Which of the early check's lines a level is on: a hysteresis band apart (4 MiB at least),
         a quarter band apart below guard + band. Lines a band apart put the first one below a
@@ -122,7 +127,7 @@ class GuardSettings:
         allocator keeps it) would be looked at again only once the next prompt had taken it below."""
         band = max(4 << 20, self.hysteresis_bytes)
         above = level - self.guard_bytes
-        return 4 * (above // band) if above >= band else above // max(1, band // 4)
+        return 4 * (above // band) if above >= band else above // self.line_bytes
 
     @property
     def settle_s(self) -> float:
@@ -536,7 +541,12 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             return decision(NONE), replace(looked, no_scheduler_view=True)  # an older route: no early checks
         choice = charge.choose(inflight, a.level, s.guard_bytes, s.cost, exclude=at.aborted,
                                running_in_level=running_in_level(s, a, inflight))
-        if not (choice.needed and choice.explained and choice.victims):
+        # Below the guard already (re-armed there: the allocator keeps what the victims held) no
+        # abort can keep the projection above it; the requests growing are then aborted when they
+        # would take the node a further line down, not a band later by the trend.
+        deeper = a.level < s.guard_bytes and choice.projected_low_keeping_all < a.level - s.line_bytes \
+            and all(v.why == "growing" for v in choice.victims)
+        if not (choice.needed and (choice.explained or deeper) and choice.victims):
             return decision(NONE), looked
         why = (f"{a.node}: available {_gb(a.level)} falling {max(0.0, -a.slope) / 1e9:.2f} GB/s, guard "
                f"{_gb(s.guard_bytes)}: the requests in flight would take it to "
