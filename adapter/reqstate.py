@@ -19,6 +19,7 @@ chunk and output tokens, and the rid's first RID_BYTES bytes (UTF-8).
 
 from __future__ import annotations
 
+import codecs
 import os
 import stat
 import struct
@@ -80,18 +81,11 @@ def _decode(data: bytes) -> Record:
     complete = rid_len <= RID_BYTES
     # A cut rid may end inside a character: drop the partial one, so what is kept is still a prefix
     # of the rid (a replacement character would match no request).
-    text = kept.decode("utf-8", "replace") if complete else _decode_prefix(kept)
+    # (an incremental decoder that is not told the input is final holds back a partial last character)
+    text = kept.decode("utf-8", "replace") if complete else \
+        codecs.getincrementaldecoder("utf-8")("replace").decode(kept, final=False)
     return Record(text, STATES[state] if state < len(STATES) else "waiting",
                   prompt, prefilled, cached, chunk, output, complete=complete)
-
-
-def _decode_prefix(data: bytes) -> str:
-    for cut in range(len(data), max(-1, len(data) - 4), -1):
-        try:
-            return data[:cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-    return data.decode("utf-8", "replace")
 
 
 class RequestsWriter:

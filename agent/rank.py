@@ -114,8 +114,8 @@ class RankManager:
         self._expected_stop = False
         self._exits = 0  # exits recorded so far
         self._finalizing: set[str] = set()  # invocation IDs whose exit is being read from systemd
-        self._causes: dict[str, tuple[str, str]] = {}  # invocation ID -> (cause, detail) this agent set
-        self._published: set[str] = set()  # invocation IDs whose cause shows as stopping_cause
+        # invocation ID -> (cause, detail, published: shown as its stopping_cause) this agent set
+        self._causes: dict[str, tuple[str, str, bool]] = {}
         systemd.on_properties_changed(self._on_properties)
         systemd.on_reconnect(self.refresh)
 
@@ -136,9 +136,9 @@ class RankManager:
             if not self._props or self._props.get("LoadState") == "not-found":
                 return replace(ABSENT, last_exit=self._last_exit)
             status = _status_from(self._props, self._last_exit)
-            cause = self._causes.get(status.invocation_id) if status.invocation_id in self._published and (
-                status.running or status.active_state == "deactivating") else None
-            return replace(status, stopping_cause=cause[0], stopping_detail=cause[1]) if cause else status
+            cause = self._causes.get(status.invocation_id) if status.running or \
+                status.active_state == "deactivating" else None
+            return replace(status, stopping_cause=cause[0], stopping_detail=cause[1]) if cause and cause[2] else status
 
     def control_group(self) -> str:
         """The rank unit's control group, "" when there is none; read with every memory sample, so
@@ -164,13 +164,11 @@ class RankManager:
         held for an exit that may come before the sender publishes it (withdraw_cause if the
         signal could not be sent)."""
         with self._state_lock:
-            first = publish and invocation_id not in self._published
-            self._causes[invocation_id] = (cause, detail)
-            if publish:
-                self._published.add(invocation_id)
+            published = self._causes.get(invocation_id, ("", "", False))[2]
+            first = publish and not published
+            self._causes[invocation_id] = (cause, detail, publish or published)
             for key in list(self._causes)[:-8]:  # a few runs back is plenty
                 self._causes.pop(key, None)
-                self._published.discard(key)
             status = self.status()
             watchers = list(self._watchers)
         if first:
@@ -180,7 +178,7 @@ class RankManager:
     def withdraw_cause(self, invocation_id: str) -> None:
         """Forgets a cause held but not published (its signal was not sent); a published one stays."""
         with self._state_lock:
-            if invocation_id not in self._published:
+            if not self._causes.get(invocation_id, ("", "", True))[2]:
                 self._causes.pop(invocation_id, None)
 
     def refresh(self) -> RankStatus:
@@ -291,7 +289,7 @@ class RankManager:
         """The exit with the cause this agent set for its run (held under _state_lock): whichever
         path records an exit (the signal's read, a stop or start that finds the unit failed), the
         cause travels with it."""
-        cause, detail = self._causes.get(record.invocation_id, ("", ""))
+        cause, detail, _ = self._causes.get(record.invocation_id, ("", "", False))
         return replace(record, cause=cause, cause_detail=detail)
 
     def _record_exit_and_reset(self) -> None:

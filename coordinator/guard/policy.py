@@ -443,6 +443,10 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
     confirmed = mark.streak >= s.confirm_samples
     fallback = ABORT_ALL if serving else STOP
 
+    def listed() -> tuple[str, ...]:
+        """The rids of the in-flight list this decision was given."""
+        return tuple(r.rid for r in inflight.requests) if inflight is not None else ()
+
     def decision(kind: str, reason: str = "", **extra) -> Decision:
         return Decision(kind, a.node, reason, a.level, a.slope, a.crossing_s, a.basis, s.guard_bytes, **extra)
 
@@ -462,8 +466,7 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             # The requests' cost saw the crossing coming: when, at the rate memory falls now.
             falling = -a.slope if a.slope < 0 else 0.0
             d = replace(d, basis=basis, crossing_s=(a.level - s.guard_bytes) / falling if falling else None)
-        listed = tuple(r.rid for r in inflight.requests) if inflight is not None else ()
-        return d, acted(ABORTED, aborted=(*at.aborted, *rids)[-32:], pending=(*at.pending, *rids), acted_rids=listed,
+        return d, acted(ABORTED, aborted=(*at.aborted, *rids)[-32:], pending=(*at.pending, *rids), acted_rids=listed(),
                         queued=tuple(r.rid for r in choice.then),
                         pending_since=now if not at.pending else at.pending_since, overdue_reported=False,
                         checked_lines=at.checked_lines, no_scheduler_view=at.no_scheduler_view)
@@ -503,7 +506,7 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                 return (decision(HOLD, f"{why}; not acting: {held}{skipped}",
                                  projected_low_kept=choice.projected_low_keeping_all, skipped=choice.skipped),
                         replace(at, hold_until=now + s.envelope_s, hold_low=choice.projected_low_keeping_all,
-                                hold_rids=tuple(r.rid for r in inflight.requests)))
+                                hold_rids=listed()))
             choice = charge.growing_choice(inflight, a.level, s.cost, exclude=at.aborted,
                                            running_in_level=running_in_level(s, a, inflight))
         if choice.victims:
@@ -513,7 +516,7 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                  "by its rid"
         return (decision(kind, f"{why}; {cannot}{skipped}", skipped=choice.skipped,
                          projected_low_kept=choice.projected_low_keeping_all),
-                acted(_PHASE_OF[kind], acted_rids=tuple(r.rid for r in inflight.requests)))
+                acted(_PHASE_OF[kind], acted_rids=listed()))
 
     def early(at: GuardState) -> tuple[Decision, GuardState]:
         """Memory falls, no crossing within the lead yet: when the requests' cost says the fall
@@ -630,7 +633,7 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                 # meanwhile: one is chunk-prefilled at a time.
                 return (decision(fallback, f"{kept_falling}; the abort of {', '.join(still)} has not taken effect "
                                            f"after {since_sent:.2f} s (a repeated abort is dropped)"),
-                        acted(_PHASE_OF[fallback], pending=(), acted_rids=tuple(r.rid for r in inflight.requests)))
+                        acted(_PHASE_OF[fallback], pending=(), acted_rids=listed()))
             # Another request is growing now (the next one in line, once the victim was gone).
             return act(kept_falling, st)
         if st.phase == ABORTED_ALL and (since >= s.stop_after_s or urgent):
@@ -684,31 +687,30 @@ def release_queued(s: GuardSettings, st: GuardState, inflight: InflightList, now
     listed = {r.rid: r for r in inflight.requests}
     conflicts = charge.prefix_conflicts(inflight.requests)
     ready = [rid for rid in st.queued if rid in listed and rid not in conflicts]
-    if not ready:
-        blocked = tuple(rid for rid in st.queued if rid in listed)
+    if ready:
+        rids, queued = ready, tuple(rid for rid in st.queued if rid not in ready)
+        whys = ["growing" if listed[rid].prefilling else "cannot_fit" for rid in ready]
+    else:
+        queued = tuple(rid for rid in st.queued if rid in listed)
         # A request whose rid starts with a queued one arrived after the abort that was to unblock
         # it: it goes first, by its own rid (one that is itself no other's prefix, longest first),
         # or the queued victim could never be aborted.
-        blockers = sorted({o for rid in blocked for o in conflicts.get(rid, ()) if o not in conflicts},
-                          key=lambda rid: (-len(rid), rid))
-        if not blockers:
-            return None, replace(st, queued=blocked)
-        victims = tuple(charge.Victim(listed[o], "unblocks", s.cost.held(listed[o]) + s.cost.to_come(listed[o]))
-                        for o in blockers)
-        reason = (f"aborting {', '.join(blockers)} first: it arrived after the abort that was to let "
-                  f"{', '.join(blocked)} be aborted by its own rid, which would also end it")
-        d = Decision(ABORT, node, reason, dict(st.acted_levels).get(node, 0), guard_bytes=s.guard_bytes,
-                     basis="model", victims=victims)
-        return d, replace(st, queued=blocked, aborted=(*st.aborted, *blockers)[-32:], pending=tuple(blockers),
-                          pending_since=now, overdue_reported=False)
-    victims = tuple(charge.Victim(listed[rid], "growing" if listed[rid].prefilling else "cannot_fit",
-                                  s.cost.held(listed[rid]) + s.cost.to_come(listed[rid])) for rid in ready)
-    level = dict(st.acted_levels).get(node, 0)
-    reason = (f"aborting {', '.join(ready)} now that the requests its rid would also have ended are gone; "
-              + "; ".join(f"{v.request.rid} charged {_gb(v.charged_bytes)}" for v in victims))
-    d = Decision(ABORT, node, reason, level, guard_bytes=s.guard_bytes, basis="model", victims=victims)
-    return d, replace(st, queued=tuple(rid for rid in st.queued if rid not in ready),
-                      aborted=(*st.aborted, *ready)[-32:], pending=tuple(ready), pending_since=now,
+        rids = sorted({o for rid in queued for o in conflicts.get(rid, ()) if o not in conflicts},
+                      key=lambda rid: (-len(rid), rid))
+        if not rids:
+            return None, replace(st, queued=queued)
+        whys = ["unblocks"] * len(rids)
+    victims = tuple(charge.Victim(listed[rid], why, s.cost.held(listed[rid]) + s.cost.to_come(listed[rid]))
+                    for rid, why in zip(rids, whys))
+    if ready:
+        reason = (f"aborting {', '.join(ready)} now that the requests its rid would also have ended are gone; "
+                  + "; ".join(f"{v.request.rid} charged {_gb(v.charged_bytes)}" for v in victims))
+    else:
+        reason = (f"aborting {', '.join(rids)} first: it arrived after the abort that was to let "
+                  f"{', '.join(queued)} be aborted by its own rid, which would also end it")
+    d = Decision(ABORT, node, reason, dict(st.acted_levels).get(node, 0), guard_bytes=s.guard_bytes, basis="model",
+                 victims=victims)
+    return d, replace(st, queued=queued, aborted=(*st.aborted, *rids)[-32:], pending=tuple(rids), pending_since=now,
                       overdue_reported=False)
 
 

@@ -882,10 +882,6 @@ def test_a_listing_asked_for_before_a_victim_was_chosen_does_not_confirm_it_gone
     seen, after = p.confirm(SIM, after, listing, 1.2, asked=("new",))
     assert seen.gone == ("new",) and after.pending == ()
     # a rid seen gone and listed again is forgotten as aborted
-    back = p.forget_reused(replace_state(after, aborted=("old", "new")),
+    back = p.forget_reused(dataclasses.replace(after, aborted=("old", "new")),
                            p.InflightList((p.InflightRequest("old", 5_000, 100),)))
     assert back.aborted == ("new",) and back.gone == ("new",)
-
-
-def replace_state(state: p.GuardState, **changes) -> p.GuardState:
-    return dataclasses.replace(state, **changes)
