@@ -23,6 +23,7 @@ from dsv41.version import VERSION
 
 from . import settings as settings_mod
 from .auth import CallerCheck, CredentialFiles, PinFile
+from .container import ContainerProcesses, signal_rank
 from .events import EventHub
 from .floor import NodeFloor
 from .memory import MemorySampler, PsiTrigger, RankMemoryReader, TriggerWatcher
@@ -99,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     sampler = MemorySampler(rank_memory=RankMemoryReader(rank.control_group))
     # The node's last line runs before anything else can be asked of the agent: a rank it re-adopts
     # is guarded at once. Its own sampler: the streams' is read from their threads.
-    floor = NodeFloor(rank, MemorySampler(), lambda signum: systemd.kill(RANK_UNIT, signum), events, s.node)
+    container = ContainerProcesses()
+    floor = NodeFloor(rank, MemorySampler(),
+                      lambda signum: signal_rank(lambda n: systemd.kill(RANK_UNIT, n), container, signum),
+                      events, s.node)
     floor.start()
     trigger = PsiTrigger()
     if not trigger.armed:

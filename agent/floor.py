@@ -8,14 +8,13 @@ MemAvailable and the node cgroup's headroom) goes below the floor the rank was s
 (MEMORY_FLOOR_GB, below the coordinator's guard), it sends SIGTERM to every process of the rank
 unit (the scheduler children of SGLang have no handler and end at once; rank 0's launcher logs
 and stops), then SIGKILL as soon as memory keeps falling, or when the deadline passes with the
-unit still running (a worker's launcher only logs SIGTERM). That is the host runtime, where the
-unit's cgroup holds the server's processes. In the container runtime (RANK_RUNTIME=container, the
-default) the unit holds the `docker run` client: SIGTERM reaches the container's init (SGLang's
-launcher) through the client's signal proxy, not the schedulers doing the load, so memory keeps
-falling and SIGKILL follows within the fall band or the deadline; it ends the client, and the
-unit's ExecStopPost (`docker rm --force`) has dockerd end the container. The exit it causes carries
-cause memory_floor, which a coordinator running that rank records as an incident naming the node;
-the cause is the rank's stopping_cause only once its signal was sent.
+unit still running (a worker's launcher only logs SIGTERM). In the host runtime the unit's cgroup
+holds the server's processes. In the container runtime (RANK_RUNTIME=container, the default) it
+holds the `docker run` client, and the server runs in the container's cgroup: each signal goes
+also to every process of the container, found by the id the client wrote to its --cidfile
+(agent/container.py), so the schedulers doing the load end on the SIGTERM as they do on the host.
+The exit it causes carries cause memory_floor, which a coordinator running that rank records as an
+incident naming the node; the cause is the rank's stopping_cause only once its signal was sent.
 
 A pass that fails (a corrupt meminfo line, a bug) is journalled once (memory_floor_failed) and the
 floor goes on guarding; memory that cannot be read is journalled once per episode
@@ -103,12 +102,13 @@ class FloorJournal:
 class NodeFloor:
     """One thread: while the rank unit runs, samples every spec.interval_s and acts on floor_step."""
 
-    def __init__(self, rank, sampler, kill: Callable[[int], None], events, node: str,
+    def __init__(self, rank, sampler, kill: Callable[[int], str | None], events, node: str,
                  monotonic: Callable[[], float] = time.monotonic, idle_poll_s: float = 0.1,
                  retry_s: float = 1.0):
         """`rank` is the RankManager (its floor(), note_cause() and withdraw_cause()), `sampler` a
-        MemorySampler of its own, `kill(signal)` signals every process of the rank unit, `events`
-        an EventLog (its event()), written to from a thread of its own."""
+        MemorySampler of its own, `kill(signal)` signals every process of the rank (and may return
+        a note for the journal line: what it signalled beside the unit), `events` an EventLog (its
+        event()), written to from a thread of its own."""
         self._rank = rank
         self._sampler = sampler
         self._kill = kill
@@ -204,7 +204,7 @@ class NodeFloor:
         # run's stopping_cause only once the signal was sent.
         self._rank.note_cause(invocation, MEMORY_FLOOR, detail, publish=False)
         try:
-            self._kill(signum)
+            also = self._kill(signum) or ""
         except Exception as exc:  # a unit that is gone already, systemd busy: journalled, tried again next tick
             self._rank.withdraw_cause(invocation)
             what = f"{signum.name}: {type(exc).__name__}: {exc}"
@@ -218,7 +218,7 @@ class NodeFloor:
             return False
         watch.send_failure = ""
         self._rank.note_cause(invocation, MEMORY_FLOOR, detail)
-        self._journal.write("err", "memory_floor", f"{self._node}: memory floor: {detail}", node_name=self._node,
+        self._journal.write("err", "memory_floor", f"{self._node}: memory floor: {detail}{also}", node_name=self._node,
                             available_bytes=available, floor_bytes=spec.floor_bytes, signal=signum.name,
                             invocation=invocation)
         self.actions.append((action, invocation))

@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from .container import CIDFILE, CIDFILE_DIR
 from .pathtrust import PathUse
 from .settings import AgentSettings
 
@@ -66,6 +67,7 @@ _BIND_DENIED_EXACT = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/var", "/
                       "/usr/bin", "/usr/lib", "/usr/sbin", "/usr/share"}
 _DOCKER_FLAG_VALUES = {
     "--name": lambda v: v == CONTAINER_NAME,
+    "--cidfile": lambda v: v == CIDFILE,
     "--network": lambda v: v == "host",
     "--ipc": lambda v: v == "host",
     "--gpus": lambda v: v == "all",
@@ -328,8 +330,9 @@ def _check_docker(argv: Sequence[str], env: Mapping[str, str], settings: AgentSe
             raise SpecDenied(f"argv: {flag} {value}: not allowed for a rank")
         given.append((flag, value))
         i += 2
-    if ("--rm", "") not in given or "--name" not in dict(given):
-        raise SpecInvalid(f"argv: the rank container must be run with --rm --name {CONTAINER_NAME}")
+    if ("--rm", "") not in given or "--name" not in dict(given) or "--cidfile" not in dict(given):
+        raise SpecInvalid(f"argv: the rank container must be run with --rm --name {CONTAINER_NAME} "
+                          f"--cidfile {CIDFILE} (the memory floor finds its processes by that id)")
     missing = [f"{f} {v}" for f, v in REQUIRED_DOCKER_FLAGS if (f, v) not in given]
     if missing:
         raise SpecDenied(f"argv: the rank container must run with {', '.join(missing)} (a rank needs no other "
@@ -548,6 +551,10 @@ def unit_properties(launch: RankLaunch, env: Mapping[str, str], node: str,
     ]
     if launch.cache_dir:
         props.append(("ReadWritePaths", "as", [launch.cache_dir]))
+    if launch.runtime == "container":
+        # Where the client writes --cidfile: created for each start, removed at stop (docker refuses
+        # a cidfile that exists).
+        props.append(("RuntimeDirectory", "as", [CIDFILE_DIR]))
     if launch.exec_start_pre:
         props.append(("ExecStartPre", "a(sasb)", [cmd(c, True) for c in launch.exec_start_pre]))
     if launch.exec_stop_post:

@@ -26,6 +26,9 @@ RANK_CACHE_DIR = "/var/cache/dsv41/rank"  # JIT and autotune caches that should 
 # The container's caches are its own: what a container wrote is never loaded by a host-runtime rank.
 CONTAINER_CACHE_DIR = "/var/cache/dsv41/container"
 CONTAINER_NAME = "dsv41-rank"
+# The client writes the container's id here (the unit's RuntimeDirectory): the node floor finds the
+# container's processes by it, without asking dockerd (agent/container.py).
+CONTAINER_ID_FILE = "/run/dsv41-rank/container.id"
 # The API key (API_KEY_FILE on the head) is put here on the head, 0600; only rank 0 serves HTTP. The rank
 # reads the file named by DSV41_API_KEY_FILE: a key in argv would be visible in ps.
 API_KEY_NODE_PATH = f"{STATE_DIR}/sglang-api-key"
@@ -309,8 +312,8 @@ def _rank_launch(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> R
             argv = [str(cfg["RANK_PYTHON"]), "-m", "sglang.launch_server", *args]
         return RankSpec("host", tuple(argv), env, fills, tuple(binds), (), (), stop)
     image = str(cfg["IMAGE"] or cfg["BASE_IMAGE"])
-    docker = [DOCKER, "run", "--rm", "--name", CONTAINER_NAME, "--network", "host", "--ipc", "host",
-              "--gpus", "all", "--device", "/dev/infiniband:/dev/infiniband", *CONTAINER_HARDENING,
+    docker = [DOCKER, "run", "--rm", "--name", CONTAINER_NAME, "--cidfile", CONTAINER_ID_FILE,
+              "--network", "host", "--ipc", "host", "--gpus", "all", "--device", "/dev/infiniband:/dev/infiniband", *CONTAINER_HARDENING,
               "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864", "--stop-timeout", str(stop)]
     for bind in binds:
         docker += ["-v", f"{bind.source}:{bind.target}:{'ro' if bind.read_only else 'rw'}"]

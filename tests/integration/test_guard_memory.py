@@ -326,10 +326,27 @@ def test_with_the_admission_gate_every_rank_gets_the_guards_level_and_the_same_p
 
 
 LOAD_BYTES = 1 << 30  # more than the head's headroom: the load would exhaust it
+CONTAINER_ID = "5c" * 32
+CONTAINER_SCOPE = f"docker-{CONTAINER_ID}.scope"
+
+
+def start_container_stand_in(node) -> None:
+    """What dockerd makes of the container runtime's `docker run` under systemd's cgroup driver:
+    the server's processes in a scope of their own, docker-ID.scope, outside the rank unit, and the
+    id in the client's --cidfile (the host runtime's unit has no RuntimeDirectory: written here)."""
+    node.run(["sh", "-c", f"mkdir -p /run/dsv41-rank && echo {CONTAINER_ID} > /run/dsv41-rank/container.id && "
+              f"(setsid systemd-run --quiet --scope --unit {CONTAINER_SCOPE} sleep 600 </dev/null >/dev/null 2>&1 &)"])
+    wait(lambda: node.show(CONTAINER_SCOPE, "ActiveState")["ActiveState"] == "active", 10, "the container stand-in")
+
+
+def stop_container_stand_in(node) -> None:
+    node.run(["systemctl", "stop", CONTAINER_SCOPE], check=False)
+    node.run(["rm", "-rf", "/run/dsv41-rank"], check=False)
 
 
 def test_the_node_floor_stops_a_rank_whose_load_would_exhaust_the_node_while_no_coordinator_runs(nodes, tmp_path):
     head = nodes["spark1"]
+    start_container_stand_in(head)
     memory = HeadMemory(head)
     memory.limit_to(HEADROOM)
     failures = memory.read("memory.failcnt")
@@ -349,6 +366,10 @@ def test_the_node_floor_stops_a_rank_whose_load_would_exhaust_the_node_while_no_
         event = wait(lambda: next(iter(floor_events()), None), 30, "the floor's event")
         assert event["DSV41_SIGNAL"] == "SIGTERM" and int(event["DSV41_FLOOR_BYTES"]) == 100 * MB
         assert int(event["DSV41_AVAILABLE_BYTES"]) < 100 * MB
+        # The container's processes got the SIGTERM too, found by the id in the cidfile, not through dockerd.
+        assert f"sent also to the 1 process(es) of container {CONTAINER_ID[:12]}" in event["MESSAGE"], event
+        wait(lambda: head.show(CONTAINER_SCOPE, "ActiveState")["ActiveState"] != "active", 10,
+             "the container stand-in's process to end")
         wait(lambda: head.show("dsv41-rank.service", "ActiveState")["ActiveState"] in ("inactive", "failed"), 20,
              "the head's rank to stop")
         # the node never ran out: no OOM kill, the cgroup's limit never reached
@@ -367,6 +388,7 @@ def test_the_node_floor_stops_a_rank_whose_load_would_exhaust_the_node_while_no_
         assert "stopped by the node's memory floor" in status.last_incident.message
         assert memory.oom_kills() == 0 and memory.read("memory.failcnt") == failures
     finally:
+        stop_container_stand_in(head)
         if c.proc is not None and c.proc.poll() is None:
             c.terminate()
         for node in nodes.values():

@@ -104,6 +104,17 @@ def test_the_thread_signals_the_rank_unit_notes_the_cause_and_journals_the_numbe
     assert fields["available_bytes"] == 790 * MB and fields["floor_bytes"] == 800 * MB and fields["signal"] == "SIGTERM"
 
 
+def test_what_the_signal_reached_beside_the_unit_is_in_the_journal_line():
+    def kill(signum):
+        sent.append(signum)
+        return "; sent also to the 3 process(es) of container 5c5c5c5c5c5c"
+    sent = []
+    node, _, events = run_floor(Rank(), [700 * MB, 600 * MB], kill=kill)
+    assert sent == [signal.SIGTERM, signal.SIGKILL]
+    messages = [m for k, m, _ in events.entries if k == "memory_floor"]
+    assert len(messages) == 2 and all(m.endswith("3 process(es) of container 5c5c5c5c5c5c") for m in messages)
+
+
 def test_no_rank_running_or_no_floor_means_nothing_is_read_or_sent():
     for current in (("", NO_FLOOR), ("run-1", NO_FLOOR)):
         rank = Rank()

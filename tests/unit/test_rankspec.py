@@ -56,13 +56,30 @@ def test_container_argv_cannot_smuggle_flags():
     for bad, message in [(["--privileged"], "--privileged is not one a rank needs"),
                          (["-v", "/:/host:rw"], "the only read-write bind is the cache"),
                          (["-v", "/var/run/docker.sock:/s:ro"], "not under this node's ALLOWED_PATHS"),
-                         (["--network", "bridge"], "--network bridge: not allowed")]:
+                         (["--network", "bridge"], "--network bridge: not allowed"),
+                         (["--cidfile", "/var/lib/dsv41/state/id"], "--cidfile /var/lib/dsv41/state/id: not allowed")]:
         tampered = argv[:2] + bad + argv[2:]
         with pytest.raises((rankspec.SpecDenied, rankspec.SpecInvalid), match=message):
             rankspec.check_launch(runtime="container", argv=tampered, env=node_plan.rank_spec.env,
                                   fills={}, binds=[], exec_start_pre=[], exec_stop_post=[], stop_timeout_s=10,
                                   memory_max=0, memory_high=0, fingerprint="ab", rank=1, generation="",
                                   fabric_address="", hcas=[], settings=agent_settings())
+
+
+def test_the_container_must_write_its_id_where_the_memory_floor_reads_it():
+    cfg = config.parse(edited(IMAGE=IMAGE), "cluster.env", HOME)
+    node_plan = plan.render_node(cfg, "spark2")
+    argv = list(node_plan.rank_spec.argv)
+    i = argv.index("--cidfile")
+    assert argv[i + 1] == plan.CONTAINER_ID_FILE == rankspec.CIDFILE
+    launch = launch_of(node_plan, agent_settings(ADAPTER_DIR=plan.ADAPTER_DIR))
+    props = {name: value for name, _, value in rankspec.unit_properties(launch, {}, "spark2", "/var/lib/dsv41")}
+    assert props["RuntimeDirectory"] == ["dsv41-rank"]  # the directory of /run/dsv41-rank/container.id
+    with pytest.raises(rankspec.SpecInvalid, match="--cidfile /run/dsv41-rank/container.id"):
+        rankspec.check_launch(runtime="container", argv=argv[:i] + argv[i + 2:], env=node_plan.rank_spec.env,
+                              fills={}, binds=[], exec_start_pre=[], exec_stop_post=[], stop_timeout_s=10,
+                              memory_max=0, memory_high=0, fingerprint="ab", rank=1, generation="",
+                              fabric_address="", hcas=[], settings=agent_settings())
 
 
 def test_unit_properties_carry_what_the_design_asks_for():
@@ -78,6 +95,7 @@ def test_unit_properties_carry_what_the_design_asks_for():
     assert "NCCL_IB_GID_INDEX=3" in props["Environment"][1]
     fields = props["LogExtraFields"][1]
     assert b"DSV41_NODE=spark1" in fields and b"DSV41_RANK=0" in fields
+    assert "RuntimeDirectory" not in props  # the host runtime has no container id to write
     assert rankspec.fingerprint_from_fields(fields) == node_plan.fingerprint
     assert props["BindReadOnlyPaths"][1] == [("/home/op/NewModels/DeepSeek-V4.1-Flash",
                                               "/var/tmp/DeepSeek-V4.1-Flash", False, 0),
