@@ -157,8 +157,11 @@ def _scheduler_record(rid: str, by_rid: Mapping[str, reqstate.Record],
     found = by_rid.get(rid)
     if found is not None:
         return found
-    # A rid longer than the record keeps: its first bytes must name exactly one request.
-    matches = [r for r in partial if rid.startswith(r.rid)]
+    # A rid longer than the record keeps: named by its first bytes and the digest of all of it.
+    if not reqstate.is_long(rid):
+        return None
+    digest = reqstate.rid_digest(rid)
+    matches = [r for r in partial if r.digest == digest and rid.startswith(r.rid)]
     return matches[0] if len(matches) == 1 else None
 
 

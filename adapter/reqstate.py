@@ -14,12 +14,15 @@ was launched (CLOCK_MONOTONIC ns once `Scheduler.run_batch` returned, its alloca
 before), the writer's pid, the number of records, the requests not listed (more than
 MAX_RECORDS), then the records: state
 (0 waiting, 1 prefilling, 2 decoding), the rid's full length in bytes, prompt, prefilled, cached,
-chunk and output tokens, and the rid's first RID_BYTES bytes (UTF-8).
+chunk and output tokens, the rid's first RID_BYTES bytes (UTF-8), and for a rid longer than that
+an 8-byte BLAKE2b digest of the whole rid (zeros otherwise): two long rids that share their first
+bytes are still told apart.
 """
 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 import stat
 import struct
@@ -30,12 +33,14 @@ from adapter.progress import create_shared
 
 DIRECTORY = "/dev/shm"
 PREFIX = "dsv41-requests-tp"
-MAGIC = int.from_bytes(b"DSV41RQ2", "little")
+MAGIC = int.from_bytes(b"DSV41RQ3", "little")
 STATES = ("waiting", "prefilling", "decoding")
 RID_BYTES = 160
 MAX_RECORDS = 1024
 _HEADER = struct.Struct("<QQQQQII")  # magic, seq, written_ns, launched_ns, pid, count, unlisted
-_RECORD = struct.Struct(f"<BxH5I{RID_BYTES}s8x")  # state, rid length, 5 counts, rid: 192 bytes
+_RECORD = struct.Struct(f"<BxH5I{RID_BYTES}s8s")  # state, rid length, 5 counts, rid, digest: 192 bytes
+DIGEST_BYTES = 8
+_NO_DIGEST = bytes(DIGEST_BYTES)
 _SEQ = struct.Struct("<Q")
 _SEQ_OFFSET = 8
 SIZE = _HEADER.size + MAX_RECORDS * _RECORD.size
@@ -56,6 +61,16 @@ class Record:
     chunk_tokens: int   # in prefill steps launched and not yet processed
     output_tokens: int
     complete: bool = True  # the whole rid fits the record
+    digest: bytes = b""  # rid_digest() of the whole rid when it does not ("" when it does)
+
+
+def rid_digest(rid: str) -> bytes:
+    """What a record keeps of a rid longer than RID_BYTES beside its first bytes."""
+    return hashlib.blake2b(rid.encode("utf-8", "replace"), digest_size=DIGEST_BYTES).digest()
+
+
+def is_long(rid: str) -> bool:
+    return len(rid.encode("utf-8", "replace")) > RID_BYTES
 
 
 @dataclass(frozen=True)
@@ -72,11 +87,11 @@ def _encode(r: Record) -> bytes:
     return _RECORD.pack(STATES.index(r.state), min(len(rid), 0xFFFF),
                         *(min(max(0, n), _U32) for n in (r.prompt_tokens, r.prefilled_tokens, r.cached_tokens,
                                                          r.chunk_tokens, r.output_tokens)),
-                        rid[:RID_BYTES])
+                        rid[:RID_BYTES], rid_digest(r.rid) if len(rid) > RID_BYTES else _NO_DIGEST)
 
 
 def _decode(data: bytes) -> Record:
-    state, rid_len, prompt, prefilled, cached, chunk, output, rid = _RECORD.unpack(data)
+    state, rid_len, prompt, prefilled, cached, chunk, output, rid, digest = _RECORD.unpack(data)
     kept = rid[:min(rid_len, RID_BYTES)]
     complete = rid_len <= RID_BYTES
     # A cut rid may end inside a character: drop the partial one, so what is kept is still a prefix
@@ -85,7 +100,7 @@ def _decode(data: bytes) -> Record:
     text = kept.decode("utf-8", "replace") if complete else \
         codecs.getincrementaldecoder("utf-8")("replace").decode(kept, final=False)
     return Record(text, STATES[state] if state < len(STATES) else "waiting",
-                  prompt, prefilled, cached, chunk, output, complete=complete)
+                  prompt, prefilled, cached, chunk, output, complete=complete, digest=b"" if complete else digest)
 
 
 class RequestsWriter:

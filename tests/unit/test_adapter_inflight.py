@@ -115,6 +115,7 @@ def test_the_shared_snapshot_round_trips_and_a_long_rid_is_marked_incomplete(tmp
     first, second = snap.records
     assert first == reqstate.Record("a", "prefilling", 100, 50, 10, 25, 0)
     assert second.rid == "x" * reqstate.RID_BYTES and not second.complete
+    assert second.digest == reqstate.rid_digest(long_rid) and first.digest == b""
     writer.write([reqstate.Record(f"r{i}", "waiting", 1, 0, 0, 0, 0) for i in range(reqstate.MAX_RECORDS + 5)])
     snap = reqstate.read(writer.path)
     assert len(snap.records) == reqstate.MAX_RECORDS and snap.unlisted == 5
@@ -199,11 +200,36 @@ def test_a_long_rid_cut_inside_a_character_is_still_a_prefix_of_it(tmp_path) -> 
     assert merged[0].state == "prefilling" and merged[0].prefilled_tokens == 4
 
 
-def test_a_long_rid_is_matched_by_its_first_bytes_only_when_they_name_one_request() -> None:
+def long_record(rid: str, state_name: str, prefilled: int) -> reqstate.Record:
+    return reqstate.Record(rid[:reqstate.RID_BYTES], state_name, 9, prefilled, 0, 0, 0, complete=False,
+                           digest=reqstate.rid_digest(rid))
+
+
+def test_long_rids_that_share_their_first_bytes_each_get_their_own_record(tmp_path) -> None:
+    shared = "job-" + "p" * 200  # longer than a record keeps
+    rid_a, rid_b = shared + "-a", shared + "-b"
+    writer = reqstate.RequestsWriter(0, str(tmp_path), clock_ns=lambda: 1)
+    writer.write([reqstate.Record(rid_a, "prefilling", 9, 4, 0, 2, 0)])
+    records = list(reqstate.read(writer.path).records)
+    both = snapshot({rid_a: state(created=1.0, recorded=9), rid_b: state(created=2.0, recorded=9)}, now=3.0)
+    # only rid_a is listed by the scheduler: rid_b, same first bytes, is not given rid_a's record
+    assert {r.rid: r.state for r in merge(both, records)} == {rid_a: "prefilling", rid_b: "waiting"}
+    writer.write([reqstate.Record(rid_a, "prefilling", 9, 4, 0, 2, 0),
+                  reqstate.Record(rid_b, "decoding", 9, 9, 0, 0, 3)])
+    records = list(reqstate.read(writer.path).records)
+    assert records[0].rid == records[1].rid  # the same first bytes
+    merged = {r.rid: (r.state, r.prefilled_tokens) for r in merge(both, records)}
+    assert merged == {rid_a: ("prefilling", 4), rid_b: ("decoding", 9)}
+
+
+def test_a_long_rid_is_matched_only_by_a_record_of_its_own_digest() -> None:
     rid_a, rid_b = "a" * 200, "a" * 170
-    records = [reqstate.Record(rid_a[:reqstate.RID_BYTES], "prefilling", 9, 4, 0, 2, 0, complete=False)]
-    merged = merge(snapshot({rid_a: state(created=1.0, recorded=9)}, now=2.0), records)
+    merged = merge(snapshot({rid_a: state(created=1.0, recorded=9)}, now=2.0), [long_record(rid_a, "prefilling", 4)])
     assert merged[0].state == "prefilling" and merged[0].prefilled_tokens == 4
-    both = snapshot({rid_a: state(created=1.0, recorded=9), rid_b: state(created=1.0, recorded=9)}, now=2.0)
-    records.append(reqstate.Record(rid_b[:reqstate.RID_BYTES], "waiting", 9, 0, 0, 0, 0, complete=False))
-    assert {r.state for r in merge(both, records)} == {"waiting"}  # ambiguous: not from the scheduler
+    # a record with the right first bytes and another rid's digest is not this rid's
+    stray = [reqstate.Record(rid_a[:reqstate.RID_BYTES], "decoding", 9, 9, 0, 0, 1, complete=False,
+                             digest=reqstate.rid_digest(rid_b))]
+    assert merge(snapshot({rid_a: state(created=1.0, recorded=9)}, now=2.0), stray)[0].state == "waiting"
+    # the same rid listed twice is ambiguous: not from the scheduler
+    twice = snapshot({rid_a: state(created=1.0, recorded=9)}, now=2.0)
+    assert merge(twice, [long_record(rid_a, "prefilling", 4), long_record(rid_a, "decoding", 9)])[0].state == "waiting"
