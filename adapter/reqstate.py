@@ -6,13 +6,16 @@ where GET /dsv41/inflight is served, knows a request's prompt but not whether it
 chunk-prefilled or decodes. The scheduler's hooks write a snapshot here after each step: one
 store of the whole snapshot into a shared mapping between two bumps of a sequence word, no lock
 and no system call on the scheduler's hot path. The route reads it when asked; a read that
-overlaps a write is retried.
+overlaps a write is retried. Python has no memory barriers: on a weakly ordered CPU (GB10 is
+aarch64) the reader may see the sequence word's new value before all of the records' stores, so
+the header carries a CRC-32 of what it describes and of the records, and a read whose CRC does
+not match is retried like one that overlapped a write.
 
 Layout (little-endian, one mapping of SIZE bytes): a header of magic "DSV41RQ2", the sequence
 word (odd while a write is under way), the snapshot's CLOCK_MONOTONIC ns, when the step it lists
 was launched (CLOCK_MONOTONIC ns once `Scheduler.run_batch` returned, its allocations made; 0
 before), the writer's pid, the number of records, the requests not listed (more than
-MAX_RECORDS), then the records: state
+MAX_RECORDS), the CRC-32 of those four numbers and the records, then the records: state
 (0 waiting, 1 prefilling, 2 decoding), the rid's full length in bytes, prompt, prefilled, cached,
 chunk and output tokens, the rid's first RID_BYTES bytes (UTF-8), and for a rid longer than that
 an 8-byte BLAKE2b digest of the whole rid (zeros otherwise): two long rids that share their first
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import zlib
 import os
 import stat
 import struct
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from adapter.progress import create_shared
 
@@ -37,7 +42,8 @@ MAGIC = int.from_bytes(b"DSV41RQ3", "little")
 STATES = ("waiting", "prefilling", "decoding")
 RID_BYTES = 160
 MAX_RECORDS = 1024
-_HEADER = struct.Struct("<QQQQQII")  # magic, seq, written_ns, launched_ns, pid, count, unlisted
+_HEADER = struct.Struct("<QQQQQIII4x")  # magic, seq, written_ns, launched_ns, pid, count, unlisted, crc
+_CHECKED = struct.Struct("<QQII")  # written_ns, launched_ns, count, unlisted: what the CRC covers with the records
 _RECORD = struct.Struct(f"<BxH5I{RID_BYTES}s8s")  # state, rid length, 5 counts, rid, digest: 192 bytes
 DIGEST_BYTES = 8
 _NO_DIGEST = bytes(DIGEST_BYTES)
@@ -45,6 +51,10 @@ _SEQ = struct.Struct("<Q")
 _SEQ_OFFSET = 8
 SIZE = _HEADER.size + MAX_RECORDS * _RECORD.size
 _U32 = (1 << 32) - 1
+
+
+def _crc(written_ns: int, launched_ns: int, count: int, unlisted: int, records_crc: int) -> int:
+    return zlib.crc32(_CHECKED.pack(written_ns, launched_ns, count, unlisted), records_crc)
 
 
 def path_for(tp_rank: int, directory: str = DIRECTORY) -> str:
@@ -82,12 +92,13 @@ class Snapshot:
     launched_ns: int = 0  # when the step listed was launched (0: not yet)
 
 
-def _encode(r: Record) -> bytes:
+def _encode(r: Record, digest_of: Callable[[str], bytes] = rid_digest) -> bytes:
     rid = r.rid.encode("utf-8", "replace")
+    digest = digest_of(r.rid) if len(rid) > RID_BYTES else _NO_DIGEST
     return _RECORD.pack(STATES.index(r.state), min(len(rid), 0xFFFF),
                         *(min(max(0, n), _U32) for n in (r.prompt_tokens, r.prefilled_tokens, r.cached_tokens,
                                                          r.chunk_tokens, r.output_tokens)),
-                        rid[:RID_BYTES], rid_digest(r.rid) if len(rid) > RID_BYTES else _NO_DIGEST)
+                        rid[:RID_BYTES], digest)
 
 
 def _decode(data: bytes) -> Record:
@@ -112,15 +123,24 @@ class RequestsWriter:
         self._clock_ns = clock_ns
         self._seq = 0
         self._header = (0, 0, 0, 0)  # written_ns, launched_ns, count, unlisted of the last write
-        self._map = create_shared(self.path, SIZE,
-                                  lambda m: _HEADER.pack_into(m, 0, MAGIC, 0, clock_ns(), 0, self.pid, 0, 0))
+        self._records_crc = 0  # CRC-32 of the last write's records
+        self._digests: dict[str, bytes] = {}  # rid -> rid_digest of the last write's long rids
+        created = clock_ns()
+        self._map = create_shared(self.path, SIZE, lambda m: _HEADER.pack_into(
+            m, 0, MAGIC, 0, created, 0, self.pid, 0, 0, _crc(created, 0, 0, 0, 0)))
 
     def write(self, records: list[Record]) -> None:
         listed = records[:MAX_RECORDS]
-        body = b"".join(_encode(r) for r in listed)  # built before the sequence opens: the write is one copy
+        previous, self._digests = self._digests, {}
+
+        def digest_of(rid: str) -> bytes:  # a rid is listed step after step: digested once
+            found = self._digests[rid] = previous.get(rid) or rid_digest(rid)
+            return found
+        body = b"".join(_encode(r, digest_of) for r in listed)  # built before the sequence opens: one copy
         odd = self._open()
         self._map[_HEADER.size:_HEADER.size + len(body)] = body
         self._header = (self._clock_ns(), 0, len(listed), len(records) - len(listed))
+        self._records_crc = zlib.crc32(body)
         self._close(odd)
 
     def mark_launched(self) -> None:
@@ -138,7 +158,8 @@ class RequestsWriter:
 
     def _close(self, odd: int) -> None:
         written, launched, count, unlisted = self._header
-        _HEADER.pack_into(self._map, 0, MAGIC, odd, written, launched, self.pid, count, unlisted)
+        _HEADER.pack_into(self._map, 0, MAGIC, odd, written, launched, self.pid, count, unlisted,
+                          _crc(written, launched, count, unlisted, self._records_crc))
         _SEQ.pack_into(self._map, _SEQ_OFFSET, odd + 1)
 
     def close(self) -> None:
@@ -166,9 +187,10 @@ def read(path: str, allowed_uids: tuple[int, ...] | None = None, attempts: int =
         if st.st_uid not in allowed or st.st_mode & 0o022:
             raise Unreadable(f"{path}: owned by uid {st.st_uid} with mode {st.st_mode & 0o777:04o}; only the "
                              "rank's own user may write it")
+        torn = 0
         for _ in range(attempts):
             header = os.pread(fd, _HEADER.size, 0)
-            magic, seq, written_ns, launched_ns, pid, count, unlisted = _HEADER.unpack(header)
+            magic, seq, written_ns, launched_ns, pid, count, unlisted, crc = _HEADER.unpack(header)
             if magic != MAGIC:
                 raise Unreadable(f"{path}: not a request-state file")
             if seq % 2:
@@ -177,8 +199,14 @@ def read(path: str, allowed_uids: tuple[int, ...] | None = None, attempts: int =
             body = os.pread(fd, min(count, MAX_RECORDS) * _RECORD.size, _HEADER.size)
             if _SEQ.unpack(os.pread(fd, _SEQ.size, _SEQ_OFFSET))[0] != seq:
                 continue
+            if _crc(written_ns, launched_ns, count, unlisted, zlib.crc32(body)) != crc:
+                torn += 1  # stores seen out of order (or a corrupt file): read again
+                time.sleep(0)
+                continue
             records = tuple(_decode(body[i:i + _RECORD.size]) for i in range(0, len(body), _RECORD.size))
             return Snapshot(records, written_ns, pid, unlisted, launched_ns)
+        if torn == attempts:
+            raise Unreadable(f"{path}: its checksum never matched in {attempts} reads (a corrupt file)")
         raise Unreadable(f"{path}: always being written")
     finally:
         os.close(fd)

@@ -148,6 +148,37 @@ def test_a_write_under_way_is_never_read_half_done(tmp_path) -> None:
         reqstate.read(writer.path, attempts=3)
 
 
+def test_records_seen_before_their_stores_landed_are_read_again_not_returned(tmp_path, monkeypatch) -> None:
+    # A weakly ordered CPU may show the reader the new header (an even, unchanged sequence word)
+    # with a record still the previous write's: the CRC tells, and the read is tried again.
+    writer = reqstate.RequestsWriter(0, str(tmp_path))
+    writer.write([reqstate.Record("a", "waiting", 1, 0, 0, 0, 0)])
+    with open(writer.path, "rb") as f:
+        stale = f.read()
+    new = [reqstate.Record("a", "prefilling", 1, 1, 0, 1, 0)]
+    writer.write(new)
+    real_pread, reads = os.pread, []
+
+    def pread(fd, n, offset):
+        reads.append(offset)
+        if offset > 8 and len(reads) == 2:  # the first read of the records: the stale ones
+            return stale[offset:offset + n]
+        return real_pread(fd, n, offset)
+    monkeypatch.setattr(reqstate.os, "pread", pread)
+    assert reqstate.read(writer.path).records == tuple(new)
+    assert len(reads) == 6  # header, records, sequence word: twice
+
+
+def test_a_file_whose_checksum_never_matches_is_unreadable_and_says_so(tmp_path) -> None:
+    writer = reqstate.RequestsWriter(0, str(tmp_path))
+    writer.write([reqstate.Record("a", "waiting", 1, 0, 0, 0, 0)])
+    with open(writer.path, "r+b") as f:
+        f.seek(reqstate._HEADER.size + 4)  # a count of the first record
+        f.write(b"\x07")
+    with pytest.raises(reqstate.Unreadable, match="checksum never matched in 3 reads"):
+        reqstate.read(writer.path, attempts=3)
+
+
 def test_the_route_joins_the_tokenizer_view_with_the_scheduler_snapshot(tmp_path) -> None:
     tracker = SchedulerRequests(str(tmp_path))
     growing = req("grow", 30_000, prefix_len=6144, extend_end=6912)
