@@ -4,7 +4,8 @@ stop), and every action is one journal event (one per aborted request).
 
 Streams run while ranks run: from `launch` through `health` and `smoke` to `serving` (there, what
 cannot be aborted is stopped: the model load, the first forward's compilation and the warm-up are
-guarded too); each run of the ranks (a bring-up, a re-adoption) starts with a fresh policy. After
+guarded too) and `stopping` (rank 0 drains what is in flight for up to RANK_STOP_TIMEOUT_S: a
+prefill that grows meanwhile is aborted like one served; a stop is not asked twice); each run of the ranks (a bring-up, a re-adoption) starts with a fresh policy. After
 an abort a checker reads the in-flight list every CONFIRM_POLL_S until the victims are gone (or
 overdue), journals which, and sends an abort that had to wait for them. The guard never restarts
 anything itself: a stop goes through the runtime's own supervisor like an operator's, so it
@@ -28,7 +29,7 @@ from .policy import ABORT, ABORT_ALL, ACTIONS, HOLD, REARM, STOP, Decision, Guar
 
 CONFIRM_POLL_S = 0.05
 # Phases in which ranks run, and whether requests are served in them.
-GUARDED_PHASES = {"launch": False, "health": False, "smoke": False, "serving": True}
+GUARDED_PHASES = {"launch": False, "health": False, "smoke": False, "serving": True, "stopping": True}
 
 
 class MemorySource(Protocol):
@@ -61,9 +62,11 @@ class GuardStats:
 class MemoryGuard:
     def __init__(self, settings: GuardSettings, sources: dict[str, MemorySource], engine: EngineApi, log: EventLog,
                  guarded: Callable[[], tuple[float, bool] | None], stop_cluster: Callable[[str], None],
-                 monotonic: Callable[[], float] = time.monotonic, poll_s: float = 0.2):
+                 monotonic: Callable[[], float] = time.monotonic, poll_s: float = 0.2,
+                 stopping: Callable[[], bool] = lambda: False):
         """`guarded()` returns (a key of the current run of the ranks, e.g. when it began; whether the
-        cluster serves) or None when no rank runs; `stop_cluster(reason)` asks for a clean stop."""
+        cluster serves) or None when no rank runs; `stop_cluster(reason)` asks for a clean stop;
+        `stopping()` says whether one is under way already (then a stop is not asked again)."""
         if settings.mode == "off":
             raise ValueError("the memory guard is off (MEMORY_GUARD=off): nothing to run")
         self.settings = settings
@@ -72,6 +75,7 @@ class MemoryGuard:
         self._log = log
         self._guarded = guarded
         self._stop_cluster = stop_cluster
+        self._stopping = stopping
         self._monotonic = monotonic
         self._poll_s = poll_s
         self._done = threading.Event()
@@ -101,7 +105,8 @@ class MemoryGuard:
                 return None
             return snap.ranks_since, GUARDED_PHASES[snap.phase]
         return cls(settings, dict(runtime.clients), EngineApi(runtime.base_url, api_key), log, guarded,
-                   lambda reason: runtime.request("stop", reason=f"memory guard: {reason}"))
+                   lambda reason: runtime.request("stop", reason=f"memory guard: {reason}"),
+                   stopping=lambda: runtime.snapshot().phase == "stopping")
 
     # -- lifecycle
 
@@ -249,6 +254,10 @@ class MemoryGuard:
         found = self._phase()
         if found is None or found[0] != session.key:
             self._emit(d, "not carried out: the ranks stopped meanwhile")
+            return
+        if d.kind == STOP and self._stopping():
+            # Asked again, it would be served after this stop (and undo a restart's bring-up).
+            self._emit(d, "not carried out: the cluster is stopping already")
             return
         if d.kind == STOP:
             # Logged before the request: the stop is the supervisor's, asynchronous, and its own events

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from dsv41.v1 import control_pb2 as cpb
 from tests.integration.simcluster import Coordinator, boot, cluster_env
 
 pytestmark = pytest.mark.integration
@@ -229,6 +230,50 @@ def test_control_without_the_guard_acting_the_same_runaway_kills_the_rank(nodes,
         assert events(c.log, "memory_abort") == []
         status = c.wait_phase("failed", timeout=30)
         assert status.last_incident.node == "spark1" and "signal" in status.last_incident.message, status
+    finally:
+        c.terminate()
+        for node in nodes.values():
+            node.run(["systemctl", "reset-failed"], check=False)
+
+
+def test_a_stop_during_a_runaway_prefill_aborts_it_while_rank_0_drains_and_the_stop_completes(nodes, tmp_path):
+    # An operator's stop while a runaway prefills: rank 0 drains what is in flight (SGLang finishes
+    # it before it exits), and the runaway would exhaust the head during the drain. The guard goes
+    # on through `stopping`: it aborts the runaway, the normal request completes, the stop ends.
+    # The floor is off (only the coordinator acts), the prefill slower, and the guard without its
+    # cost model (it would abort the runaway by its cost at once, before the stop): it acts on the
+    # trend, once the runaway nears the guard, well after the stop is under way.
+    head = nodes["spark1"]
+    env = cluster_env(nodes, **{**GUARD_ENV, "MEMORY_FLOOR_GB": "0", "DSV41_SIM_PREFILL_TOKENS_PER_S": "5000",
+                                "MEMORY_GUARD_TOKEN_BYTES": "0", "MEMORY_GUARD_TRANSIENT_BYTES": "0",
+                                "RANK_STOP_TIMEOUT_S": "40"})
+    c = Coordinator(tmp_path, env).start()
+    try:
+        assert c.wait_phase("serving", "failed").phase == "serving"
+        memory = HeadMemory(head)
+        memory.limit_to(HEADROOM)
+        failures = memory.read("memory.failcnt")
+        memory.reset_peak()
+        results: dict = {}
+        a, b = run_once(head, 0, results)
+        wait(lambda: (r := inflight(head.address).get("runaway-0")) and r["prefilled_tokens"] > 0, 10,
+             "the runaway to prefill")
+        c.stub().Stop(cpb.StopRequest(), timeout=20)
+        assert c.wait_phase("stopping", timeout=10).phase == "stopping"
+        assert events(c.log, "memory_abort") == []  # the stop came first
+        a.join(60)
+        b.join(60)
+        assert results["runaway-0"].get("choices", [{}])[0].get("finish_reason") == "abort", results
+        assert results["normal-0"].get("choices", [{}])[0].get("finish_reason") == "stop", results
+        (abort,) = events(c.log, "memory_abort")
+        assert abort["DSV41_VICTIM_RID"] == "runaway-0" and predicted(abort), abort
+        print(f"aborted during the stop at {int(abort['DSV41_AVAILABLE_BYTES']) / MB:.0f} MB available, "
+              f"lowest {memory.lowest_available() / MB:.0f} MB")
+        assert c.wait_phase("stopped", "failed", timeout=60).phase == "stopped"
+        assert memory.lowest_available() >= GUARD_BYTES, memory.lowest_available()
+        assert memory.oom_kills() == 0 and memory.read("memory.failcnt") == failures
+        assert events(c.log, "memory_abort_all") == [] and events(c.log, "memory_stop") == []
+        assert head.show("dsv41-rank.service", "Result")["Result"] == "success"  # drained and exited 0
     finally:
         c.terminate()
         for node in nodes.values():

@@ -146,12 +146,13 @@ class Journal:
 def rig():
     made = []
 
-    def make(inflight, mode="act", abort_status=200, serving_key=1.0, settings=SETTINGS, serving=True):
+    def make(inflight, mode="act", abort_status=200, serving_key=1.0, settings=SETTINGS, serving=True,
+             stopping=False):
         rank0 = Rank0(inflight, abort_status)
         source = Source("spark1")
         journal = Journal()
         stops: list[str] = []
-        state = {"key": serving_key, "serving": serving, "journal_at_stop": []}
+        state = {"key": serving_key, "serving": serving, "journal_at_stop": [], "stopping": stopping}
 
         def stop(reason: str) -> None:
             state["journal_at_stop"].append(journal.kinds())
@@ -159,7 +160,7 @@ def rig():
         guard = MemoryGuard(p.GuardSettings(**{**settings.__dict__, "mode": mode}), {"spark1": source},
                             EngineApi(rank0.url), journal.log,
                             lambda: None if state["key"] is None else (state["key"], state["serving"]),
-                            stop, poll_s=0.02)
+                            stop, poll_s=0.02, stopping=lambda: state["stopping"])
         made.append((guard, rank0))
         guard.start()
         return guard, rank0, source, journal, stops, state
@@ -219,6 +220,19 @@ def test_memory_that_keeps_falling_ends_in_one_stop_request(rig):
     assert journal.kinds().count("memory_stop") == 1
     # The stop is asynchronous (the supervisor's): the guard's reason is in the journal before it is asked.
     assert state["journal_at_stop"][0][-1] == "memory_stop"
+
+
+def test_while_the_cluster_stops_a_growing_request_is_aborted_and_no_second_stop_is_asked(rig):
+    # Rank 0 drains during a stop: what grows meanwhile is aborted as when serving; the fall that
+    # goes on is not answered with another stop (it would be served after this one).
+    guard, rank0, source, journal, stops, state = rig(RUNAWAY, stopping=True)
+    assert source.opened.wait(2)
+    source.push_ramp(700 * MB, 400 * MB, 2.0)   # the engine ignores the aborts
+    event = journal.wait_for("memory_stop")
+    assert event["DSV41_OUTCOME"] == "not carried out: the cluster is stopping already"
+    assert [a["abort_all"] for a in rank0.aborts] == [False, True] and rank0.aborts[0]["rid"] == "runaway"
+    time.sleep(0.1)
+    assert stops == [] and guard.stats.failures == 0
 
 
 def test_a_failed_abort_is_journalled_as_failed(rig):
