@@ -4,6 +4,7 @@ every node's rank runs, each from the plan the coordinator renders now, and rank
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from dsv41.v1 import agent_pb2 as pb
 
@@ -25,14 +26,26 @@ class Adoption:
         return {node: rank.invocation_id for node, rank in self.ranks.items()}
 
 
-def find_running(ctx: StepContext) -> Adoption | None:
-    """The running ranks when every node's matches its current plan; None (and why, in the
-    journal) when they do not, or when nothing runs."""
+def read_statuses(ctx: StepContext) -> dict[str, pb.NodeStatus] | None:
+    """Every agent's status; None (and why, in the journal) when one cannot be asked."""
     try:
-        statuses = ctx.each(lambda c: c.status())
+        return ctx.each(lambda c: c.status())
     except StepFailed as exc:
         ctx.log.warning("adopt_skipped", f"cannot see every agent ({exc}); bringing the cluster up instead")
         return None
+
+
+def floor_stops(statuses: Mapping[str, pb.NodeStatus]) -> list[tuple[str, pb.ExitInfo]]:
+    """(node, exit) of each rank not running whose last run its node's memory floor ended, oldest
+    first: a coordinator starting now may not have seen it happen."""
+    found = [(n, s.rank.last_exit) for n, s in statuses.items()
+             if s.rank.active_state not in RUNNING and s.rank.last_exit.cause == pb.ExitInfo.MEMORY_FLOOR]
+    return sorted(found, key=lambda item: item[1].at_unix_s)
+
+
+def find_running(ctx: StepContext, statuses: Mapping[str, pb.NodeStatus]) -> Adoption | None:
+    """The running ranks when every node's matches its current plan; None (and why, in the
+    journal) when they do not, or when nothing runs."""
     running = {n for n, s in statuses.items() if s.rank.active_state in RUNNING}
     if not running:
         return None

@@ -676,7 +676,14 @@ class ClusterRuntime:
     def _adopt(self) -> bool:
         """A restarted coordinator takes over ranks that run the current plans instead of restarting them."""
         ctx = self._context("adopt")
-        found = adopt.find_running(ctx)
+        statuses = adopt.read_statuses(ctx)
+        if statuses is None:
+            return False
+        for node, exit_info in adopt.floor_stops(statuses):
+            at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(exit_info.at_unix_s))
+            self._incident(node, "memory_floor", f"found at start: the node's memory floor stopped its rank at {at}"
+                           + (f" ({exit_info.cause_detail})" if exit_info.cause_detail else ""))
+        found = adopt.find_running(ctx, statuses)
         if found is None:
             return False
         self._bring = BringUp(plans=found.plans, generation=generation_of(found.plans), launched=found.launched)

@@ -429,6 +429,10 @@ def test_the_node_floor_stops_a_rank_whose_load_would_exhaust_the_node_while_no_
         c.config.write_text(env + "MEMORY_GUARD=off\n")
         c.start()
         status = c.wait_phase("failed", timeout=120)
+        # the stop it did not see is an incident too, found when it started
+        found = [line for line in c.log.read_text().splitlines() if "DSV41_EVENT=incident" in line
+                 and "found at start: the node's memory floor stopped its rank at" in line]
+        assert len(found) == 1 and found[0].startswith("<3>spark1: ") and "DSV41_NODE_NAME=spark1" in found[0], found
         assert status.last_incident.kind == "memory_floor" and status.last_incident.node == "spark1", status
         assert "stopped by the node's memory floor" in status.last_incident.message
         assert memory.oom_kills() == 0 and memory.read("memory.failcnt") == failures

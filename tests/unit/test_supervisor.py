@@ -83,6 +83,7 @@ class FakeAgent:
         self.frozen = False  # a frozen node: no heartbeat, and every call hangs until thawed
         self.boot = f"{node}-boot1"
         self.steps, self.stepped_at = 0, time.monotonic()
+        self.last_exit = None  # the ExitInfo of the rank's last run, as the agent reports it
 
     def _call(self, what, timeout=None):
         self.journal.append((self.node, what))
@@ -95,7 +96,8 @@ class FakeAgent:
             raise AgentUnavailable(self.node, what, DOWN)
 
     def rank(self):
-        return pb.RankState(active_state="active" if self.running else "inactive", invocation_id=self.running)
+        return pb.RankState(active_state="active" if self.running else "inactive", invocation_id=self.running,
+                            last_exit=self.last_exit)
 
     def status(self, timeout=None):
         self._call("status", timeout)
@@ -564,6 +566,23 @@ def test_the_coordinator_says_starting_until_it_has_looked_for_ranks_to_adopt_no
     snap = wait_phase(rt, "stopped", timeout=15)
     assert snap.detail == "nothing was running; waiting for dsv41ctl start"
     assert sum(a.starts for a in agents.values()) == 0
+
+
+def test_a_floor_stop_made_while_no_coordinator_ran_is_an_incident_found_at_start(cluster):
+    rt, agents, rank0, journal, stream = cluster()
+    at = 1796340201.0  # 2026-12-03 23:23:21 UTC
+    agents["spark2"].last_exit = pb.ExitInfo(result="signal", code="killed", status=15, at_unix_s=at,
+                                             cause=pb.ExitInfo.MEMORY_FLOOR, cause_detail="available 0.7 GB below "
+                                             "MEMORY_FLOOR_GB 0.8 GB: SIGTERM")
+    agents["spark3"].last_exit = pb.ExitInfo(result="success", code="exited", at_unix_s=at)  # an ordinary stop
+    rt.run(autostart=False)
+    wait_phase(rt, "stopped", timeout=15)
+    (incident,) = rt.incidents()
+    assert (incident.node, incident.kind) == ("spark2", "memory_floor")
+    assert incident.message == ("found at start: the node's memory floor stopped its rank at 2026-12-03 23:23:21 UTC "
+                                "(available 0.7 GB below MEMORY_FLOOR_GB 0.8 GB: SIGTERM)")
+    assert rt.snapshot().last_incident == incident
+    assert "DSV41_INCIDENT=memory_floor" in stream.getvalue()
 
 
 def test_with_autostart_the_first_phase_after_starting_is_the_bring_up_not_stopped(cluster):
