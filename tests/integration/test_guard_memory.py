@@ -137,6 +137,16 @@ def run_once(head, i: int, results: dict) -> tuple[threading.Thread, threading.T
     return a, b
 
 
+def serving_with_the_head_limited(c: Coordinator, head) -> tuple[HeadMemory, int]:
+    """Once the cluster serves: the head's cgroup limited to HEADROOM above its use, its peak reset;
+    the cgroup and its failure count now."""
+    assert c.wait_phase("serving", "failed").phase == "serving"
+    memory = HeadMemory(head)
+    memory.limit_to(HEADROOM)
+    memory.reset_peak()
+    return memory, memory.read("memory.failcnt")
+
+
 def predicted(event: dict) -> bool:
     """The abort came before the crossing: by the requests' cost (the projected low with every
     request kept below the guard, memory still above it) or by the trend (a fall, a crossing
@@ -214,10 +224,7 @@ def test_control_without_the_guard_acting_the_same_runaway_kills_the_rank(nodes,
                                 "MEMORY_FLOOR_GB": "0", "DSV41_SIM_DECODE_TOKENS_PER_S": "2"})
     c = Coordinator(tmp_path, env).start()
     try:
-        assert c.wait_phase("serving", "failed").phase == "serving"
-        memory = HeadMemory(head)
-        memory.limit_to(HEADROOM)
-        failures = memory.read("memory.failcnt")
+        memory, failures = serving_with_the_head_limited(c, head)
         results: dict = {}
         a, b = run_once(head, 0, results)
         a.join(60)
@@ -249,11 +256,7 @@ def test_a_stop_during_a_runaway_prefill_aborts_it_while_rank_0_drains_and_the_s
                                 "RANK_STOP_TIMEOUT_S": "40"})
     c = Coordinator(tmp_path, env).start()
     try:
-        assert c.wait_phase("serving", "failed").phase == "serving"
-        memory = HeadMemory(head)
-        memory.limit_to(HEADROOM)
-        failures = memory.read("memory.failcnt")
-        memory.reset_peak()
+        memory, failures = serving_with_the_head_limited(c, head)
         results: dict = {}
         a, b = run_once(head, 0, results)
         wait(lambda: (r := inflight(head.address).get("runaway-0")) and r["prefilled_tokens"] > 0, 10,
