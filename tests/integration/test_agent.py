@@ -293,3 +293,35 @@ def test_bad_requests_are_refused_and_start_nothing(agent, mutate, code, fragmen
     assert info.value.code() == getattr(grpc.StatusCode, code)
     assert fragment in info.value.details()
     assert unit_state(node)["ActiveState"] in ("inactive", "")
+
+
+CID_PROBE = """
+import sys
+sys.path.insert(0, {src!r})
+from agent import rankspec
+from agent.systemd import Systemd
+# The container runtime's unit as the agent sends it, but with a shell for the docker client: it
+# writes the id where `docker run --cidfile` would, from inside the sandbox.
+launch = rankspec.RankLaunch("container", ("/bin/sh", "-c", "echo {cid} > {cidfile} && exec sleep 60"), {{}}, {{}},
+                             (), (), (), 10, 0, 0, "ab", 1, "g1", "", cache_dir="/var/cache/dsv41/container")
+props = rankspec.unit_properties(launch, {{}}, "agent1", "/var/cache/dsv41/container")
+print(Systemd().start_transient("dsv41-cid-probe.service", props, 10))
+"""
+
+
+def test_the_container_runtimes_unit_lets_its_client_write_the_cidfile_and_removes_it_at_stop(booted):
+    from agent.container import CIDFILE
+    from tests.integration.agentnode import SRC
+    node, _ = booted
+    cid = "7e" * 32
+    node.run(["mkdir", "-p", "/var/cache/dsv41/container"])
+    node.run(["python3", "-c", CID_PROBE.format(src=SRC, cid=cid, cidfile=CIDFILE)], timeout=30)
+    try:
+        assert wait(lambda: node.run(["cat", CIDFILE], check=False).stdout.strip() == cid), \
+            node.journal(unit="dsv41-cid-probe.service")
+        props = node.show("dsv41-cid-probe.service", "RuntimeDirectory", "ProtectSystem", "ActiveState")
+        assert props == {"RuntimeDirectory": "dsv41-rank", "ProtectSystem": "strict", "ActiveState": "active"}
+    finally:
+        node.run(["systemctl", "stop", "dsv41-cid-probe.service"], check=False)
+    # removed with the unit: the next `docker run --cidfile` finds no file (docker refuses one that exists)
+    assert node.run(["test", "-e", "/run/dsv41-rank"], check=False).returncode != 0
