@@ -330,9 +330,11 @@ def _check_docker(argv: Sequence[str], env: Mapping[str, str], settings: AgentSe
             raise SpecDenied(f"argv: {flag} {value}: not allowed for a rank")
         given.append((flag, value))
         i += 2
-    if ("--rm", "") not in given or "--name" not in dict(given) or "--cidfile" not in dict(given):
-        raise SpecInvalid(f"argv: the rank container must be run with --rm --name {CONTAINER_NAME} "
-                          f"--cidfile {CIDFILE} (the memory floor finds its processes by that id)")
+    # --cidfile is not required: an agent upgraded before the coordinator (the packages upgrade
+    # independently) must still start the ranks its plans describe; the floor then signals only the
+    # docker client.
+    if ("--rm", "") not in given or "--name" not in dict(given):
+        raise SpecInvalid(f"argv: the rank container must be run with --rm --name {CONTAINER_NAME}")
     missing = [f"{f} {v}" for f, v in REQUIRED_DOCKER_FLAGS if (f, v) not in given]
     if missing:
         raise SpecDenied(f"argv: the rank container must run with {', '.join(missing)} (a rank needs no other "

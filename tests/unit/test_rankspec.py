@@ -66,7 +66,7 @@ def test_container_argv_cannot_smuggle_flags():
                                   fabric_address="", hcas=[], settings=agent_settings())
 
 
-def test_the_container_must_write_its_id_where_the_memory_floor_reads_it():
+def test_the_plan_has_the_container_write_its_id_where_the_memory_floor_reads_it():
     cfg = config.parse(edited(IMAGE=IMAGE), "cluster.env", HOME)
     node_plan = plan.render_node(cfg, "spark2")
     argv = list(node_plan.rank_spec.argv)
@@ -75,11 +75,13 @@ def test_the_container_must_write_its_id_where_the_memory_floor_reads_it():
     launch = launch_of(node_plan, agent_settings(ADAPTER_DIR=plan.ADAPTER_DIR))
     props = {name: value for name, _, value in rankspec.unit_properties(launch, {}, "spark2", "/var/lib/dsv41")}
     assert props["RuntimeDirectory"] == ["dsv41-rank"]  # the directory of /run/dsv41-rank/container.id
-    with pytest.raises(rankspec.SpecInvalid, match="--cidfile /run/dsv41-rank/container.id"):
-        rankspec.check_launch(runtime="container", argv=argv[:i] + argv[i + 2:], env=node_plan.rank_spec.env,
-                              fills={}, binds=[], exec_start_pre=[], exec_stop_post=[], stop_timeout_s=10,
-                              memory_max=0, memory_high=0, fingerprint="ab", rank=1, generation="",
-                              fabric_address="", hcas=[], settings=agent_settings())
+    # A plan from a coordinator older than the agent has none: still started (the packages upgrade
+    # independently); the floor then signals only the client.
+    older = rankspec.check_launch(runtime="container", argv=argv[:i] + argv[i + 2:], env=node_plan.rank_spec.env,
+                                  fills={}, binds=[], exec_start_pre=[], exec_stop_post=[], stop_timeout_s=10,
+                                  memory_max=0, memory_high=0, fingerprint="ab", rank=1, generation="",
+                                  fabric_address="", hcas=[], settings=agent_settings(ADAPTER_DIR=plan.ADAPTER_DIR))
+    assert "--cidfile" not in older.argv
 
 
 def test_unit_properties_carry_what_the_design_asks_for():
