@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import zlib
 import os
 import stat
 import struct
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 

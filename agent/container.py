@@ -36,15 +36,15 @@ class Signalled:
         return f"; sent also to the {len(self.pids)} process(es) of container {self.container_id[:12]}"
 
 
-def cgroup_paths_of(cgroup_text: str, container_id: str) -> list[str]:
-    """The cgroup paths in one /proc/PID/cgroup that belong to the container (one per hierarchy);
-    the id must be a whole path element, or the element `docker-ID.scope`."""
-    paths = []
+def cgroup_lines_of(cgroup_text: str, container_id: str) -> list[str]:
+    """The lines of one /proc/PID/cgroup (`ID:CONTROLLERS:PATH`, one per hierarchy) whose path is
+    the container's: the id must be a whole path element, or the element `docker-ID.scope`."""
+    lines = []
     for line in cgroup_text.splitlines():
         _, _, path = line.partition(":")[2].partition(":")
         if any(part in (container_id, f"docker-{container_id}.scope") for part in path.split("/")):
-            paths.append(line)
-    return paths
+            lines.append(line)
+    return lines
 
 
 class ContainerProcesses:
@@ -76,11 +76,12 @@ class ContainerProcesses:
                 continue
             try:
                 with open(os.path.join(self._proc, name, "cgroup"), encoding="utf-8", errors="replace") as f:
-                    lines = cgroup_paths_of(f.read(), container_id)
+                    lines = cgroup_lines_of(f.read(), container_id)
             except OSError:  # ended while we looked
                 continue
             if lines:
                 pids.append(int(name))
+                # cgroup v2's line is "0::PATH"
                 unified = unified or next((line[3:] for line in lines if line.startswith("0::")), "")
         return sorted(pids), unified
 

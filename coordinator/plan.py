@@ -313,7 +313,8 @@ def _rank_launch(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> R
         return RankSpec("host", tuple(argv), env, fills, tuple(binds), (), (), stop)
     image = str(cfg["IMAGE"] or cfg["BASE_IMAGE"])
     docker = [DOCKER, "run", "--rm", "--name", CONTAINER_NAME, "--cidfile", CONTAINER_ID_FILE,
-              "--network", "host", "--ipc", "host", "--gpus", "all", "--device", "/dev/infiniband:/dev/infiniband", *CONTAINER_HARDENING,
+              "--network", "host", "--ipc", "host", "--gpus", "all", "--device", "/dev/infiniband:/dev/infiniband",
+              *CONTAINER_HARDENING,
               "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864", "--stop-timeout", str(stop)]
     for bind in binds:
         docker += ["-v", f"{bind.source}:{bind.target}:{'ro' if bind.read_only else 'rw'}"]

@@ -5,11 +5,11 @@ stop), and every action is one journal event (one per aborted request).
 Streams run while ranks run: from `launch` through `health` and `smoke` to `serving` (there, what
 cannot be aborted is stopped: the model load, the first forward's compilation and the warm-up are
 guarded too) and `stopping` (rank 0 drains what is in flight for up to RANK_STOP_TIMEOUT_S: a
-prefill that grows meanwhile is aborted like one served; a stop is not asked twice); each run of the ranks (a bring-up, a re-adoption) starts with a fresh policy. After
-an abort a checker reads the in-flight list every CONFIRM_POLL_S until the victims are gone (or
-overdue), journals which, and sends an abort that had to wait for them. The guard never restarts
-anything itself: a stop goes through the runtime's own supervisor like an operator's, so it
-cannot race the restart logic.
+prefill that grows meanwhile is aborted like one served; a stop is not asked twice); each run of
+the ranks (a bring-up, a re-adoption) starts with a fresh policy. After an abort a checker reads
+the in-flight list every CONFIRM_POLL_S until the victims are gone (or overdue), journals which,
+and sends an abort that had to wait for them. The guard never restarts anything itself: a stop
+goes through the runtime's own supervisor like an operator's, so it cannot race the restart logic.
 """
 
 from __future__ import annotations
