@@ -28,7 +28,10 @@ prefix of another's waits until those are gone), or abort_all when none can be n
 still falling (fallen by the hysteresis band since the action, and the abort had `lead_s` to
 work): the next request growing is aborted, abort_all if the victim is still listed -> still
 falling `stop_after_s` after an abort_all with no request named -> stop the ranks. Either wait is
-cut short when memory would run out within the lead. After an action a request that arrives and
+cut short when memory would run out within the lead. A danger the requests' cost says ends above
+the guard is held, except when memory would run out within the lead: the model may be wrong and
+there is no time left to find out, so the request growing is aborted, unless the listings show
+its prefill ending in well under that time with nothing waiting behind it (progress.py). After an action a request that arrives and
 grows is aborted by its rid. Re-armed when every node is back above the guard plus the hysteresis
 band, after the aborts were confirmed and the settle time passed, or after `rearm_quiet_s`
 without danger; re-armed with memory still low (the allocator keeps what the victims held), the
@@ -43,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from . import charge
+from . import charge, progress
 from .charge import CostModel, InflightList, InflightRequest, Victim
 
 # Decision kinds
@@ -344,6 +347,9 @@ class GuardState:
     checked_lines: tuple[tuple[str, int], ...] = ()
     no_scheduler_view: bool = False                  # the route said nothing of what requests do
     found_nothing_at: float = -math.inf              # when the last early look found no request
+    # Each request prefilling when last listed, first seen then (progress.track): how fast the
+    # scheduler prefills it, whatever the cost model says.
+    sightings: tuple[progress.Sighting, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -439,7 +445,7 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
     st = replace(state, marks=tuple(sorted(marks.items())), armed_levels=tuple(sorted(armed_levels.items())),
                  last_danger_at=now if a.danger else state.last_danger_at)
     if inflight is not None:
-        st = forget_reused(st, inflight)
+        st = replace(forget_reused(st, inflight), sightings=progress.track(st.sightings, inflight, now))
     confirmed = mark.streak >= s.confirm_samples
     fallback = ABORT_ALL if serving else STOP
 
@@ -487,6 +493,15 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         skipped = "".join(f"; not aborting {rid} alone: {text}" for rid, text in choice.skipped)
         if not choice.needed:
             urgent = a.exhaust_s is not None and a.exhaust_s <= s.lead_s
+            ends = ""
+            if urgent and not at.model_failed:
+                # Close to running out, the model is not trusted, but the scheduler's progress is:
+                # a fall that is the end of a prefill stops with it.
+                end = progress.prefills_end(at.sightings, inflight, now, 2 * s.interval_ms / 1000, at.aborted)
+                if progress.ends_in_time(end, a.exhaust_s):
+                    urgent = False
+                    ends = (f"; the prefill growing ends in {end.seconds:.2f} s at the {end.tokens_per_s:.0f} "
+                            f"tokens/s seen, well before memory would run out ({a.exhaust_s:.2f} s at this rate)")
             believed = not at.model_failed and not urgent
             # When every request decodes, neither urgency nor a model that erred before is a reason
             # to act: nothing of theirs allocates more, and an abort_all would free nothing (the
@@ -503,7 +518,7 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                         f"{_gb(choice.projected_low_keeping_all)}" if believed else
                         f"every request in flight is decoding (nothing it allocates), "
                         f"{_gb(a.level - s.guard_bytes)} above the guard")
-                return (decision(HOLD, f"{why}; not acting: {held}{skipped}",
+                return (decision(HOLD, f"{why}; not acting: {held}{ends}{skipped}",
                                  projected_low_kept=choice.projected_low_keeping_all, skipped=choice.skipped),
                         replace(at, hold_until=now + s.envelope_s, hold_low=choice.projected_low_keeping_all,
                                 hold_rids=listed()))

@@ -1,0 +1,88 @@
+"""How fast rank 0's scheduler prefills, from the in-flight listings the guard is given.
+
+The cost model says how much a prefill takes; the listings say, whatever the model says, how many
+tokens each prefilling request gained since the guard first saw it prefilling, and so when a
+prefill ends. The guard uses it where it does not trust the model (memory close to running out):
+a fall that is one request's prefill ends when that prefill does, not where the trend's line goes.
+
+Pure: listings and the coordinator's clock in, tuples out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .charge import InflightList
+
+# How much sooner than memory would run out a prefill must be seen to end for the guard to wait for
+# it: the fall may speed up before the end (a chunk's indexer buffers grow with its prefix) and the
+# prefill slow down (attention over a longer prefix).
+END_MARGIN = 2.0
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """A request first seen prefilling: when, and how many tokens it had prefilled then."""
+    rid: str
+    at: float
+    prefilled: int
+
+
+def track(seen: tuple[Sighting, ...], inflight: InflightList, now: float) -> tuple[Sighting, ...]:
+    """The first sighting of each request prefilling in this listing. A rid listed with fewer
+    tokens than at its sighting is a new request reusing it: seen anew."""
+    if inflight.unavailable:
+        return seen
+    before = {x.rid: x for x in seen}
+    out = []
+    for r in inflight.requests:
+        if not r.prefilling or r.state is None:
+            continue
+        first = before.get(r.rid)
+        out.append(first if first is not None and first.prefilled <= r.prefilled_tokens
+                   else Sighting(r.rid, now, r.prefilled_tokens))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """When the prefills growing now end, at the speed seen; `why` when that cannot be told."""
+    seconds: float | None
+    tokens_per_s: float = 0.0
+    why: str = ""
+
+
+def prefills_end(seen: tuple[Sighting, ...], inflight: InflightList, now: float, min_span_s: float,
+                 aborted: Iterable[str] = ()) -> Ending:
+    """How long until the requests prefilling have prefilled the rest of their prompts, at the
+    tokens per second each gained since its sighting. Not told (seconds None) while another
+    request waits to start (its prefill would follow at once), none prefills (a fall then is not a
+    prefill's), or a prefill was seen too briefly (less than min_span_s, or no token gained: it may
+    be stalled)."""
+    gone = set(aborted)
+    live = [r for r in inflight.requests if r.rid not in gone]
+    if inflight.unavailable or not inflight.scheduler_view:
+        return Ending(None, why="no scheduler view")
+    if any(r.waiting for r in live):
+        return Ending(None, why="a request waits to start after them")
+    growing = [r for r in live if r.prefilling]
+    if not growing:
+        return Ending(None, why="no request is prefilling")
+    first = {x.rid: x for x in seen}
+    longest, slowest = 0.0, 0.0
+    for r in growing:
+        x = first.get(r.rid)
+        span = now - x.at if x is not None else 0.0
+        gained = r.prefilled_tokens - x.prefilled if x is not None else 0
+        if span < min_span_s or gained <= 0:
+            return Ending(None, why=f"{r.rid}'s prefill was not seen progressing for {min_span_s:g} s")
+        speed = gained / span
+        if r.remaining_tokens / speed >= longest:
+            longest, slowest = r.remaining_tokens / speed, speed
+    return Ending(longest, slowest)
+
+
+def ends_in_time(end: Ending, exhaust_s: float | None) -> bool:
+    """The prefills end within 1 / END_MARGIN of the time memory would last at the rate it falls."""
+    return end.seconds is not None and exhaust_s is not None and end.seconds * END_MARGIN < exhaust_s
