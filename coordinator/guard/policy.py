@@ -31,7 +31,8 @@ falling `stop_after_s` after an abort_all with no request named -> stop the rank
 cut short when memory would run out within the lead. A danger the requests' cost says ends above
 the guard is held, except when memory would run out within the lead: the model may be wrong and
 there is no time left to find out, so the request growing is aborted, unless the listings show
-its prefill ending in well under that time with nothing waiting behind it (progress.py). After an action a request that arrives and
+its prefill and those queued behind it ending in well under that time at the speed it was seen
+prefilling, with no prefix-cache hit waiting (progress.py). After an action a request that arrives and
 grows is aborted by its rid. Re-armed when every node is back above the guard plus the hysteresis
 band, after the aborts were confirmed and the settle time passed, or after `rearm_quiet_s`
 without danger; re-armed with memory still low (the allocator keeps what the victims held), the
@@ -500,7 +501,7 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                 end = progress.prefills_end(at.sightings, inflight, now, 2 * s.interval_ms / 1000, at.aborted)
                 if progress.ends_in_time(end, a.exhaust_s):
                     urgent = False
-                    ends = (f"; the prefill growing ends in {end.seconds:.2f} s at the {end.tokens_per_s:.0f} "
+                    ends = (f"; the prefills growing end in {end.seconds:.2f} s at the {end.tokens_per_s:.0f} "
                             f"tokens/s seen, well before memory would run out ({a.exhaust_s:.2f} s at this rate)")
             believed = not at.model_failed and not urgent
             # When every request decodes, neither urgency nor a model that erred before is a reason

@@ -3,13 +3,15 @@
 The cost model says how much a prefill takes; the listings say, whatever the model says, how many
 tokens each prefilling request gained since the guard first saw it prefilling, and so when a
 prefill ends. The guard uses it where it does not trust the model (memory close to running out):
-a fall that is one request's prefill ends when that prefill does, not where the trend's line goes.
+a fall that is the prefills' ends when the last of those queued does (one request is prefilled at
+a time, at about the same speed), not where the trend's line goes.
 
 Pure: listings and the coordinator's clock in, tuples out.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -55,32 +57,36 @@ class Ending:
 
 def prefills_end(seen: tuple[Sighting, ...], inflight: InflightList, now: float, min_span_s: float,
                  aborted: Iterable[str] = ()) -> Ending:
-    """How long until the requests prefilling have prefilled the rest of their prompts, at the
-    tokens per second each gained since its sighting. Not told (seconds None) while another
-    request waits to start (its prefill would follow at once), none prefills (a fall then is not a
-    prefill's), or a prefill was seen too briefly (less than min_span_s, or no token gained: it may
-    be stalled)."""
+    """How long until the requests prefilling have prefilled the rest of their prompts, and the
+    requests waiting theirs after them, at the tokens per second the slowest of those prefilling
+    gained since its sighting. Not told (seconds None) while a prefix-cache hit waits (its first
+    step takes the buffers over its cached prefix at once, a step no rate foresees), none
+    prefills (a fall then is not a prefill's), or a prefill was seen too briefly (less than
+    min_span_s, or no token gained: it may be stalled)."""
     gone = set(aborted)
     live = [r for r in inflight.requests if r.rid not in gone]
     if inflight.unavailable or not inflight.scheduler_view:
         return Ending(None, why="no scheduler view")
-    if any(r.waiting for r in live):
-        return Ending(None, why="a request waits to start after them")
+    hit = next((r for r in live if r.waiting and r.cached_tokens), None)
+    if hit is not None:
+        # its first step takes the buffers over its whole cached prefix at once: not a rate
+        return Ending(None, why=f"{hit.rid}, a prefix-cache hit, waits to start")
     growing = [r for r in live if r.prefilling]
     if not growing:
         return Ending(None, why="no request is prefilling")
     first = {x.rid: x for x in seen}
-    longest, slowest = 0.0, 0.0
+    slowest = math.inf
     for r in growing:
         x = first.get(r.rid)
         span = now - x.at if x is not None else 0.0
         gained = r.prefilled_tokens - x.prefilled if x is not None else 0
         if span < min_span_s or gained <= 0:
             return Ending(None, why=f"{r.rid}'s prefill was not seen progressing for {min_span_s:g} s")
-        speed = gained / span
-        if r.remaining_tokens / speed >= longest:
-            longest, slowest = r.remaining_tokens / speed, speed
-    return Ending(longest, slowest)
+        slowest = min(slowest, gained / span)
+    # The scheduler prefills one request at a time: the queue behind them follows at the same speed.
+    tokens = sum(r.remaining_tokens for r in growing) + \
+        sum(max(0, r.prompt_tokens - r.cached_tokens) for r in live if r.waiting)
+    return Ending(tokens / slowest, slowest)
 
 
 def ends_in_time(end: Ending, exhaust_s: float | None) -> bool:

@@ -21,8 +21,8 @@ def prefilling(rid: str, prompt: int, prefilled: int) -> p.InflightRequest:
     return p.InflightRequest(rid, prompt, prefilled, 1.0, "prefilling", 0, 768, 0)
 
 
-def waiting(rid: str, prompt: int) -> p.InflightRequest:
-    return p.InflightRequest(rid, prompt, 0, 0.1, "waiting", 0, 0, 0)
+def waiting(rid: str, prompt: int, cached: int = 0) -> p.InflightRequest:
+    return p.InflightRequest(rid, prompt, 0, 0.1, "waiting", cached, 0, 0)
 
 
 def decoding(rid: str, prompt: int) -> p.InflightRequest:
@@ -48,11 +48,14 @@ def test_a_prefill_ends_at_the_speed_it_was_seen_gaining_tokens():
     assert end.tokens_per_s == pytest.approx(20_000) and end.seconds == pytest.approx(3464 / 20_000)
     # an aborted request is not what ends, and with none prefilling no prefill ends the fall
     assert progress.prefills_end(seen, listing, 10.2, 0.04, aborted=("a",)).why == "no request is prefilling"
+    # the queue behind it follows at the same speed (one request is prefilled at a time)
+    queued = p.InflightList((prefilling("a", 9000, 5536), waiting("b", 4000), waiting("c", 600, cached=0)))
+    assert progress.prefills_end(seen, queued, 10.2, 0.04).seconds == pytest.approx((3464 + 4600) / 20_000)
 
 
 @pytest.mark.parametrize("case, seen, now, requests, why", [
-    ("a request waits to start after it", (progress.Sighting("a", 10.0, 1536),), 10.2,
-     (prefilling("a", 9000, 5536), waiting("b", 4000)), "waits to start"),
+    ("a prefix-cache hit waits: its first step is not a rate", (progress.Sighting("a", 10.0, 1536),), 10.2,
+     (prefilling("a", 9000, 5536), waiting("b", 40_000, cached=36_000)), "a prefix-cache hit, waits to start"),
     ("seen too briefly", (progress.Sighting("a", 10.19, 1536),), 10.2, (prefilling("a", 9000, 5536),),
      "not seen progressing"),
     ("never seen before", (), 10.2, (prefilling("a", 9000, 5536),), "not seen progressing"),
@@ -82,14 +85,25 @@ def test_close_to_running_out_a_prefill_seen_ending_well_before_memory_would_is_
     # seen gaining 20k tokens/s: the 1392 tokens left take 0.07 s, twice that is within the 0.42 s
     d, state = decide_with((progress.Sighting("short", 4.9, 2608),), decoding("chat", 2000))
     assert d.kind == p.HOLD, d
-    assert "the prefill growing ends in 0.07 s at the 20000 tokens/s seen" in d.reason, d.reason
+    assert "the prefills growing end in 0.07 s at the 20000 tokens/s seen" in d.reason, d.reason
     assert state.phase == p.ARMED and state.hold_low is not None
+    # a short prompt waiting behind it adds its own tokens at that speed: 0.12 s, still in time
+    d, _ = decide_with((progress.Sighting("short", 4.9, 2608),), waiting("next", 1000))
+    assert d.kind == p.HOLD and "end in 0.12 s" in d.reason, d.reason
+    # and seen at 10k tokens/s alone: 0.14 s
+    d, _ = decide_with((progress.Sighting("short", 4.8, 2608),))
+    assert d.kind == p.HOLD and "end in 0.14 s" in d.reason, d.reason
 
 
 @pytest.mark.parametrize("case, seen, others, state", [
     # 2k tokens/s: 0.70 s left, memory gone before
     ("seen prefilling slowly", (progress.Sighting("short", 4.0, 2608),), (), CONFIRMED),
-    ("another request waits", (progress.Sighting("short", 4.9, 2608),), (waiting("next", 1000),), CONFIRMED),
+    ("a prefix-cache hit waits", (progress.Sighting("short", 4.9, 2608),), (waiting("next", 2500, cached=2000),),
+     CONFIRMED),
+    # seen at 10k tokens/s: its own 1392 tokens (0.14 s) would be in time, with a 1000-token prompt
+    # behind it (0.24 s) twice that is not
+    ("the queue behind takes too long", (progress.Sighting("short", 4.8, 2608),), (waiting("next", 1000),),
+     CONFIRMED),
     ("never seen progressing", (), (), CONFIRMED),
     # the model erred before in this fall: not trusted at all, whatever the prefill's end
     ("the model failed", (progress.Sighting("short", 4.9, 2608),), (),
