@@ -15,8 +15,9 @@ node cgroup's headroom):
   through the recent minima, projected lead + envelope ahead. A chunked prefill makes a sawtooth
   whose lows fall chunk by chunk; an abort only takes effect at the next chunk boundary, so the
   crossing must be seen coming from the lows, a chunk early.
-Both look further by the samples a confirmation waits for (confirm_samples - 1 intervals), so the
-confirmed action comes when the crossing is that far ahead, not a confirmation later.
+Both look further by the samples a confirmation waits for (confirm_samples - 1 intervals) and one
+interval more, so the confirmed action comes on the last sample before the crossing is that far
+ahead, not a confirmation (or the next sample's interval) later.
 A slope counts only when it is significantly below zero (slope + 3 standard errors < 0), so noise
 around a level does not read as a fall; memory that sits below the guard without falling is not
 acted on (nothing is running out).
@@ -114,10 +115,12 @@ class GuardSettings:
         return self.lead_s + self.envelope_s
 
     @property
-    def confirm_reach_s(self) -> float:
+    def reach_s(self) -> float:
         """How much further ahead than an action needs a projection looks: the time the samples
-        after the first one in danger take to confirm it."""
-        return (self.confirm_samples - 1) * self.interval_ms / 1000
+        after the first one in danger take to confirm it, and one interval more. The next sample
+        comes an interval later, so the action comes on the last sample before the crossing is an
+        action's time ahead, not up to an interval after it."""
+        return self.confirm_samples * self.interval_ms / 1000
 
     @property
     def line_bytes(self) -> int:
@@ -285,17 +288,17 @@ class Assessment:
 def assess(node: str, reading: Reading, s: GuardSettings) -> Assessment:
     """Danger: a projection crosses the guard within its horizon. Both projections look as far
     ahead as an action needs, lead + envelope (the slope only as far as its fall has lasted), and
-    further by the samples the guard waits for to confirm a danger (confirm_samples - 1 intervals):
-    the action then comes on the sample at which the crossing is a horizon away, not that many
-    samples after it."""
+    further by the samples the guard waits for to confirm a danger (confirm_samples - 1 intervals)
+    and the interval to the next sample: the action then comes on the last sample before the
+    crossing is a horizon away, not that many samples after it."""
     g = s.guard_bytes
     candidates = []
     if reading.slope is not None and reading.sustained and reading.slope.falling(s.significance):
-        horizon = min(s.lead_s + s.envelope_s, reading.fall_s) + s.confirm_reach_s
+        horizon = min(s.lead_s + s.envelope_s, reading.fall_s) + s.reach_s
         crossing = 0.0 if reading.level <= g else (reading.level - g) / -reading.slope.slope
         candidates.append((crossing, horizon, "slope", reading.slope.slope, reading.level))
     if reading.lows is not None and reading.lows.falling(s.significance):
-        horizon = s.lead_s + s.envelope_s + s.confirm_reach_s
+        horizon = s.lead_s + s.envelope_s + s.reach_s
         crossing = 0.0 if reading.low <= g else (reading.low - g) / -reading.lows.slope
         candidates.append((crossing, horizon, "lows", reading.lows.slope, reading.low))
     if not candidates:

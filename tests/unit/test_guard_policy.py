@@ -596,20 +596,21 @@ def steady_fall(settings: p.GuardSettings, rate: float, above: int, flat_s: floa
 
 
 def test_a_steady_fall_is_acted_on_once_the_crossing_is_an_actions_time_ahead_not_a_confirmation_later():
-    # The confirmation's samples are looked ahead for: the action comes on the first sample at which
-    # the crossing is lead + envelope away (within one interval of it), with 2 samples or 3.
+    # The confirmation's samples and the next sample's interval are looked ahead for: the action
+    # comes on the last sample before the crossing is lead + envelope away (within one interval
+    # before it), with 2 samples or 3, never after it.
     for confirm in (2, 3):
         settings = dataclasses.replace(TREND_ONLY, confirm_samples=confirm)
         dt = settings.interval_ms / 1000
         reference, acted, d = steady_fall(settings, 2e9, 3_000 * MB)
         assert d.kind == p.ABORT and d.victim.rid == "runaway"
-        assert reference - 1e-9 <= acted <= reference + dt + 1e-9, (confirm, acted - reference)
+        assert reference - dt - 1e-9 <= acted <= reference + 1e-9, (confirm, acted - reference)
 
 
 def test_the_slope_looks_as_far_ahead_as_the_lows_once_its_fall_has_lasted_and_a_burst_no_further():
     s = TREND_ONLY
-    reach = s.confirm_reach_s
-    assert reach == pytest.approx(0.02)
+    reach = s.reach_s
+    assert reach == pytest.approx(0.04)  # the confirming sample's interval and the next one's
     horizon = s.lead_s + s.envelope_s
     fall = p.Fit(-1e9, 1e6)
 
@@ -621,7 +622,7 @@ def test_the_slope_looks_as_far_ahead_as_the_lows_once_its_fall_has_lasted_and_a
     inside = p.assess("spark1", reading(g + int(1e9 * (horizon + reach)) - MB, 5.0), s)
     assert inside.danger and inside.basis == "slope" and inside.horizon_s == pytest.approx(horizon + reach)
     assert not p.assess("spark1", reading(g + int(1e9 * (horizon + reach)) + MB, 5.0), s).danger
-    # a fall that has lasted 0.1 s is projected 0.1 s ahead (and the confirmation's reach), no further
+    # a fall that has lasted 0.1 s is projected 0.1 s ahead (and the reach), no further
     assert p.assess("spark1", reading(g + int(1e9 * (0.1 + reach)) - MB, 0.1), s).danger
     assert not p.assess("spark1", reading(g + int(1e9 * (0.1 + reach)) + MB, 0.1), s).danger
 
