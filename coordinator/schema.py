@@ -236,8 +236,8 @@ KEYS: tuple[Key, ...] = (
        "chunked prefill's sawtooth, and the slope of one that has lasted this long) this much further than the lead"),
     _k("MEMORY_GUARD_WINDOW_SAMPLES", v.integer(4, 1000), "10", "samples in the line whose slope the guard projects"),
     _k("MEMORY_GUARD_CONFIRM_SAMPLES", v.integer(1, 100), "2",
-       "consecutive samples that must predict a crossing before the guard acts (it looks that many samples further "
-       "ahead, so the confirmation does not make it late)"),
+       "consecutive samples that must predict a crossing before the guard acts (it looks that many sampling "
+       "intervals further ahead, so neither the confirmation nor the wait for the next sample makes it late)"),
     _k("MEMORY_GUARD_HYSTERESIS_GB", v.real(0.0, 1024.0), "0.25",
        "re-arm only once every node is this far above the guard again; escalate only after memory fell this much "
        "more since the last action"),
