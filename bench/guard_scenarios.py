@@ -32,6 +32,9 @@ own run from that moment, allocator and all), but no later arrival and no client
 A victim of the guard's it would have kept was aborted because the cost model's projection was
 wrong, not because the future was unknown.
 
+The guard with a wrong model (wrong_model): its cost model charging a fraction of what the engine
+takes, the engine unchanged; what the guard's distrust of its model keeps of the node.
+
 Deterministic for a seed: no threads, no wall clock.
 """
 
@@ -481,9 +484,38 @@ def report(count: int, seed: int, out=print) -> dict:
                 + ", ".join(f"{k} {n}" for k, n in sorted(bases.items()))
                 + (f"; the projected low keeping every request was {below[len(below) // 2]:.0f} MB below the "
                    f"guard (median; {below[0]:.0f} to {below[-1]:.0f} MB)" if below else ""))
+    wrong = wrong_model(scenarios, seed, out)
     decision_cost(out)
-    return {"as_generated": a, "held": b, "gated": ga, "gated_held": gb, "verdicts": as_generated, "held_verdicts": held,
+    return {"wrong_model": wrong, "as_generated": a, "held": b, "gated": ga, "gated_held": gb, "verdicts": as_generated, "held_verdicts": held,
             "gated_verdicts": gated}
+
+
+WRONG_FACTORS = (0.5, 0.25)
+
+
+def wrong_model(scenarios: list[Scenario], seed: int, out=print) -> dict:
+    """The same scenarios with the guard's cost model charging a fraction of what the engine takes
+    (the engine unchanged): what the guard's distrust of the model (the trend, the broken hold, the
+    urgency) keeps of the node when the model is wrong, as generated and with answers held."""
+    figures = {}
+    for factor in WRONG_FACTORS:
+        cost = replace(SETTINGS.cost, token_bytes=int(SETTINGS.cost.token_bytes * factor),
+                       transient_bytes=SETTINGS.cost.transient_bytes * factor)
+        settings = replace(SETTINGS, cost=cost)
+        for held in (False, True):
+            runs = [simulate(long_decodes(s) if held else s, guarded=True, seed=seed * 100_003 + s.index,
+                             settings=settings) for s in scenarios]
+            lows = [r.lowest - SETTINGS.guard_bytes for r in runs]
+            figures[(factor, held)] = f = {
+                "below_guard": sum(1 for x in lows if x < 0),
+                "ran_out": sum(1 for r in runs if r.lowest <= 0),
+                "aborts": sum(len(r.aborted) for r in runs),
+                "lowest_margin": min(lows) if lows else 0}
+            out(f"the guard's cost model charging {factor:g} of the truth, "
+                f"{'answers held' if held else 'as generated'}: below the guard in {f['below_guard']} scenarios, "
+                f"the node ran out in {f['ran_out']}, lowest {f['lowest_margin'] / MB:.0f} MB against the guard, "
+                f"{f['aborts']} aborts")
+    return figures
 
 
 def decision_cost(out=print, repeats: int = 20) -> None:

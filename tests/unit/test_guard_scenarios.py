@@ -72,3 +72,7 @@ def test_the_report_has_both_engines_and_their_targets_line(capsys) -> None:
     assert any("with the admission gate" in line for line in lines)
     row = next(line for line in lines if line.startswith("scenarios below the guard, with the guard"))
     assert len(row.split()[-4:]) == 4 and all(x.isdigit() for x in row.split()[-4:])
+    # and with the guard's model wrong, each factor both ways
+    wrong = [line for line in lines if line.startswith("the guard's cost model charging")]
+    assert len(wrong) == 2 * len(gs.WRONG_FACTORS) and all("the node ran out in" in line for line in wrong)
+    assert set(figures["wrong_model"]) == {(f, h) for f in gs.WRONG_FACTORS for h in (False, True)}
