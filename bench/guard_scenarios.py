@@ -486,8 +486,8 @@ def report(count: int, seed: int, out=print) -> dict:
                    f"guard (median; {below[0]:.0f} to {below[-1]:.0f} MB)" if below else ""))
     wrong = wrong_model(scenarios, seed, out)
     decision_cost(out)
-    return {"wrong_model": wrong, "as_generated": a, "held": b, "gated": ga, "gated_held": gb, "verdicts": as_generated, "held_verdicts": held,
-            "gated_verdicts": gated}
+    return {"wrong_model": wrong, "as_generated": a, "held": b, "gated": ga, "gated_held": gb,
+            "verdicts": as_generated, "held_verdicts": held, "gated_verdicts": gated}
 
 
 WRONG_FACTORS = (0.5, 0.25)
