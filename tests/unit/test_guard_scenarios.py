@@ -76,3 +76,19 @@ def test_the_report_has_both_engines_and_their_targets_line(capsys) -> None:
     wrong = [line for line in lines if line.startswith("the guard's cost model charging")]
     assert len(wrong) == 2 * len(gs.WRONG_FACTORS) and all("the node ran out in" in line for line in wrong)
     assert set(figures["wrong_model"]) == {(f, h) for f in gs.WRONG_FACTORS for h in (False, True)}
+
+
+def test_a_waiting_prefix_cache_hit_that_rank_0_lists_as_a_cold_prompt_costs_an_abort_a_named_one_does_not():
+    # A 30k-token prompt, 27k of it in the prefix cache, arrives while a 10k prompt prefills. The
+    # two fit (the hit's KV is 3k tokens' worth), but rank 0 lists a waiting hit as a cold prompt
+    # (SGLang under fcfs matches it against the cache only at its first step), so the guard charges
+    # it 30k tokens of KV and aborts it before it starts; given its match, it keeps both.
+    s = gs.Scenario(0, 640 * MiB, (gs.Spec("p10k", "long", 0.0, 10_000, 0, 3.0),
+                                   gs.Spec("hit", "cached", 0.01, 30_000, 27_000, 3.0)))
+    listed = gs.judge(s, seed=3)
+    assert listed.oracle_aborts == 0 and listed.unguarded.lowest >= gs.SETTINGS.guard_bytes
+    assert listed.guard.aborted == {"hit"} and listed.needless == {"hit"}
+    (first, *_) = [d for _, d in listed.guard.decisions if d.kind == "abort"]
+    assert "hit waits with a 30000-token prompt" in first.reason
+    named = gs.judge(s, seed=3, named_hits=True)
+    assert named.guard.aborted == set() and named.guard.completed == {"p10k", "hit"}
