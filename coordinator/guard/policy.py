@@ -33,7 +33,8 @@ cut short when memory would run out within the lead. A danger the requests' cost
 the guard is held, except when memory would run out within the lead: the model may be wrong and
 there is no time left to find out, so the request growing is aborted, unless the listings show
 its prefill and those queued behind it ending in well under that time at the speed it was seen
-prefilling, with no prefix-cache hit listed waiting (progress.py). After an action a request that
+prefilling, with no prefix-cache hit listed waiting (progress.py), or the fall since the last
+listing is what the model charges the steps in between (account.py). After an action a request that
 arrives and grows is aborted by its rid. Re-armed when every node is back above the guard plus the hysteresis
 band, after the aborts were confirmed and the settle time passed, or after `rearm_quiet_s`
 without danger; re-armed with memory still low (the allocator keeps what the victims held), the
@@ -48,7 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from . import charge, progress
+from . import account, charge, progress
 from .charge import CostModel, InflightList, InflightRequest, Victim
 
 # Decision kinds
@@ -354,6 +355,9 @@ class GuardState:
     # Each request prefilling when last listed, first seen then (progress.track): how fast the
     # scheduler prefills it, whatever the cost model says.
     sightings: tuple[progress.Sighting, ...] = ()
+    # Per node, the model's account of the last listing given with a sample (account.py): the
+    # next one's tells whether the fall in between is what the model charges.
+    accounts: tuple[account.Account, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -448,8 +452,13 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         armed_levels[a.node] = max(armed_levels[a.node], a.level)
     st = replace(state, marks=tuple(sorted(marks.items())), armed_levels=tuple(sorted(armed_levels.items())),
                  last_danger_at=now if a.danger else state.last_danger_at)
+    accounted = None  # (the node's last account, this listing's)
     if inflight is not None:
         st = replace(forget_reused(st, inflight), sightings=progress.track(st.sightings, inflight, now))
+        if s.cost.configured:
+            mine = account.account(a.node, now, a.level, inflight, s.cost, running_in_level(s, a, inflight))
+            accounted = (next((x for x in st.accounts if x.node == a.node), None), mine)
+            st = replace(st, accounts=tuple(x for x in st.accounts if x.node != a.node) + ((mine,) if mine else ()))
     confirmed = mark.streak >= s.confirm_samples
     fallback = ABORT_ALL if serving else STOP
 
@@ -506,6 +515,13 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                     urgent = False
                     ends = (f"; the prefills growing end in {end.seconds:.2f} s at the {end.tokens_per_s:.0f} "
                             f"tokens/s seen, well before memory would run out ({a.exhaust_s:.2f} s at this rate)")
+                elif accounted is not None:
+                    # or the model has just been checked: the fall since the last listing is what it
+                    # charges the steps in between
+                    checked, figures = account.explains(*accounted)
+                    if checked:
+                        urgent = False
+                        ends = f"; {figures}, though memory would run out in {a.exhaust_s:.2f} s at this rate"
             believed = not at.model_failed and not urgent
             # When every request decodes, neither urgency nor a model that erred before is a reason
             # to act: nothing of theirs allocates more, and an abort_all would free nothing (the

@@ -284,6 +284,7 @@ class Projection:
                       for r in requests if r.prefilling and r.chunk_tokens > 0]
             self._running = _allocate_batch(self._memory, pieces, model, self._kv)
             self._running_hooked = _hooked(pieces, model)
+        self.taken = level - self._memory.available  # what the model says they hold from the system now
         self._memory.available = level  # the level sampled holds all of it
 
     def _start(self, kept: list["InflightRequest"], aborted: Iterable["InflightRequest"]) -> tuple[_Allocator, list[list]]:
