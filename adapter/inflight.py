@@ -27,12 +27,14 @@ Schema (the stand-in engine serves the same route with the same schema from its 
     rid               str    SGLang's request id, the value POST /abort_request {"rid": ...} takes
                              (an OpenAI request's own "rid" when it sent one)
     prompt_tokens     int    tokens of the tokenized prompt; 0 until tokenization has finished
-    prefilled_tokens  int    prompt tokens in the request's KV so far (prefix-cache hits included)
+    prefilled_tokens  int    prompt tokens in the request's KV so far (prefix-cache hits included;
+                             for a waiting request, its prefix-cache match)
     age_s             float  seconds since the request arrived
     state             str    waiting (queued, or not at the scheduler yet: it holds nothing),
                              prefilling (being chunk-prefilled: at most one request at a time
                              outside the batch of whole short prompts), decoding
-    cached_tokens     int    prompt tokens served from the prefix cache
+    cached_tokens     int    prompt tokens served from the prefix cache (waiting: matched in it,
+                             once, when first listed; 0 where the match could not be made)
     chunk_tokens      int    its tokens in the prefill step now launched (0: none)
     output_tokens     int    tokens generated so far
     Finished requests are not listed. Order: oldest first (arrival order).

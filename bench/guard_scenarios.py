@@ -30,12 +30,13 @@ The same-moment oracle (needless_at_decisions) knows only what the guard could: 
 guard's actions it sees the requests in flight then, and knows their true peaks (the engine's
 own run from that moment, allocator and all), but no later arrival and no client stopping early.
 A victim of the guard's it would have kept was aborted because the cost model's projection was
-wrong, or because rank 0's listing did not say what the oracle knows, not because the future was
-unknown. Rank 0 lists a waiting prefix-cache hit as a cold prompt (SGLang 0.5.23 under fcfs
-matches a request against the cache only when it builds its first step, and the stand-in lists
-it so), and the guard charges it a cold prompt's KV; `named_hits` runs the guard on a listing
-that names each waiting hit's match instead (as a scheduler matching its waiting queue would),
-which measures what not knowing them costs.
+wrong, not because the future was unknown.
+
+Rank 0 lists a waiting prefix-cache hit with its match because the adapter matches each waiting
+request itself (adapter/scheduler_requests.py); SGLang 0.5.23 under fcfs matches a request only
+when it builds its first step. `cold_waiting_hits` runs the guard on the listing SGLang alone
+would give (as rank 0 gives where the adapter's match fails): a waiting hit looks like a cold
+prompt, charged a cold prompt's KV, which measures what that match is worth.
 
 The guard with a wrong model (wrong_model): its cost model charging a fraction of what the engine
 takes, the engine unchanged; what the guard's distrust of its model keeps of the node.
@@ -154,12 +155,12 @@ class Fork:
 
 def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset(), seed: int = 0,
              settings: p.GuardSettings = SETTINGS, fork: Fork | None = None, engine_config: EngineConfig = ENGINE,
-             named_hits: bool = False) -> Run:
+             cold_waiting_hits: bool = False) -> Run:
     """One scenario on the stand-in's engine; with `guarded` the policy in the loop, else nothing
     acts. Requests in `skip` are aborted on arrival (the oracle's choice): they hold nothing.
     With `fork`, the run from the guard's fork.decision-th action on (Run.lowest from there, and
-    Run.live the requests in flight then). `named_hits`: the guard's listings name each waiting
-    prefix-cache hit's match (prefilled and cached), which rank 0's do not."""
+    Run.live the requests in flight then). `cold_waiting_hits`: the guard's listings show a waiting
+    prefix-cache hit as a cold prompt (nothing prefilled or cached), as SGLang alone lists it."""
     rng = random.Random(seed)
     clock = [0.0]
     backing = CountedMemory()
@@ -186,9 +187,8 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
 
     def listing() -> p.InflightList:
         items = engine.inflight()
-        if named_hits:
-            items = [{**x, "prefilled_tokens": requests[x["rid"]].prefilled, "cached_tokens": requests[x["rid"]].cached}
-                     if x["state"] == "waiting" else x for x in items]
+        if cold_waiting_hits:
+            items = [{**x, "prefilled_tokens": 0, "cached_tokens": 0} if x["state"] == "waiting" else x for x in items]
         return parse_inflight({"requests": items, "step_launched_monotonic_s": engine.step_launched_at()})
 
     def apply(d: p.Decision) -> None:
@@ -336,7 +336,7 @@ def oracle(scenario: Scenario, seed: int, engine_config: EngineConfig = ENGINE) 
 
 
 def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings: p.GuardSettings = SETTINGS,
-                          engine_config: EngineConfig = ENGINE, named_hits: bool = False) -> set[str]:
+                          engine_config: EngineConfig = ENGINE, cold_waiting_hits: bool = False) -> set[str]:
     """The guard's victims an oracle deciding at the same moments would have kept: one that knows
     the true peak of every request in flight (the engine's own run from there, allocator and all)
     and nothing the guard cannot know either (no later arrival, every client reading on). At each
@@ -347,7 +347,7 @@ def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings:
     actions = [d for _, d in guarded.decisions if d.kind in p.ACTIONS]
     for i, d in enumerate(actions):
         keep_all = simulate(scenario, guarded=True, seed=seed, settings=settings, fork=Fork(i, frozenset()),
-                            engine_config=engine_config, named_hits=named_hits)
+                            engine_config=engine_config, cold_waiting_hits=cold_waiting_hits)
         live = sorted(keep_all.live)
         victims = {v.request.rid for v in d.victims} if d.kind == p.ABORT else set(live)
         victims &= set(live)
@@ -357,7 +357,7 @@ def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings:
         for k in range(1, len(live) + 1):
             sets = [frozenset(c) for c in itertools.combinations(live, k)
                     if simulate(scenario, guarded=True, seed=seed, settings=settings, fork=Fork(i, frozenset(c)),
-                                engine_config=engine_config, named_hits=named_hits).lowest
+                                engine_config=engine_config, cold_waiting_hits=cold_waiting_hits).lowest
                     >= SETTINGS.guard_bytes]
             if sets:
                 needless |= victims - min(sets, key=lambda c: len(victims - c))
@@ -365,16 +365,16 @@ def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings:
     return needless
 
 
-def judge(scenario: Scenario, seed: int, engine_config: EngineConfig = ENGINE, named_hits: bool = False) -> Verdict:
+def judge(scenario: Scenario, seed: int, engine_config: EngineConfig = ENGINE, cold_waiting_hits: bool = False) -> Verdict:
     """With the gated engine the guard's cost model knows the gate (as MEMORY_GUARD_ADMISSION=1 tells both)."""
     settings = GATED_SETTINGS if engine_config.admission else SETTINGS
     k, sets, unguarded = oracle(scenario, seed, engine_config)
     guarded = simulate(scenario, guarded=True, seed=seed, settings=settings, engine_config=engine_config,
-                       named_hits=named_hits)
+                       cold_waiting_hits=cold_waiting_hits)
     best = min(sets, key=lambda s: len(guarded.aborted - s))
     return Verdict(scenario, guarded, unguarded, k, sets, guarded.aborted - best,
                    needless_at_decisions(scenario, seed, guarded, settings, engine_config=engine_config,
-                                         named_hits=named_hits))
+                                         cold_waiting_hits=cold_waiting_hits))
 
 
 def run_scenarios(count: int, seed: int) -> list[Verdict]:
@@ -497,15 +497,14 @@ def report(count: int, seed: int, out=print) -> dict:
                 + ", ".join(f"{k} {n}" for k, n in sorted(bases.items()))
                 + (f"; the projected low keeping every request was {below[len(below) // 2]:.0f} MB below the "
                    f"guard (median; {below[0]:.0f} to {below[-1]:.0f} MB)" if below else ""))
-    named = summary([judge(s, seed * 100_003 + s.index, named_hits=True) for s in scenarios])
-    out(f"with rank 0's listings naming each waiting prefix-cache hit's match (a scheduler matching its waiting "
-        f"queue; SGLang 0.5.23 under fcfs does not), as generated: the oracle would have kept {named['kept_by_oracle']}, "
-        f"the same-moment oracle {named['needless']} (against {a['kept_by_oracle']} and {a['needless']} above), "
-        f"below the guard in {named['below_guard']} scenarios, lowest {named['lowest_margin'] / MB:.0f} MB, "
-        f"abort_all {named['abort_all']}")
+    cold = summary([judge(s, seed * 100_003 + s.index, cold_waiting_hits=True) for s in scenarios])
+    out(f"with a waiting prefix-cache hit listed as a cold prompt (SGLang's own listing under fcfs, without the "
+        f"adapter's match), as generated: the oracle would have kept {cold['kept_by_oracle']}, the same-moment "
+        f"oracle {cold['needless']} (against {a['kept_by_oracle']} and {a['needless']} above), below the guard in "
+        f"{cold['below_guard']} scenarios, lowest {cold['lowest_margin'] / MB:.0f} MB, abort_all {cold['abort_all']}")
     wrong = wrong_model(scenarios, seed, out)
     decision_cost(out)
-    return {"wrong_model": wrong, "as_generated": a, "held": b, "gated": ga, "gated_held": gb, "named": named,
+    return {"wrong_model": wrong, "as_generated": a, "held": b, "gated": ga, "gated_held": gb, "cold_waiting_hits": cold,
             "verdicts": as_generated, "held_verdicts": held, "gated_verdicts": gated}
 
 

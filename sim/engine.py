@@ -249,17 +249,14 @@ class Engine:
         """The unfinished requests in arrival order, as the scheduler knows them (the schema of
         adapter/inflight.py; over HTTP the stand-in has no prefix cache, so nothing is served from one).
 
-        A waiting request is listed with nothing prefilled and nothing cached, a prefix-cache hit
-        too: SGLang 0.5.23 under its default --schedule-policy fcfs matches a request against the
-        radix tree only when it builds the request's first step (Req.init_next_round_input; the
-        cached count is added in ScheduleBatch.prepare_for_extend), so rank 0 cannot tell a
-        waiting hit from a cold prompt, and neither can the guard here."""
+        A waiting prefix-cache hit is listed with its match as prefilled and cached, as the
+        adapter lists it on SGLang (adapter/scheduler_requests.py matches each waiting request
+        once, since SGLang under --schedule-policy fcfs matches it only when it builds its first
+        step); the stand-in's cache never evicts, so that match holds until it starts."""
         now = self._clock()
         with self._cond:
-            return [{"rid": r.rid, "prompt_tokens": r.prompt_tokens,
-                     "prefilled_tokens": 0 if r.phase is Phase.WAITING else r.prefilled,
-                     "cached_tokens": 0 if r.phase is Phase.WAITING else r.cached,
-                     "state": STATES[r.phase], "chunk_tokens": r.chunk_tokens,
+            return [{"rid": r.rid, "prompt_tokens": r.prompt_tokens, "prefilled_tokens": r.prefilled,
+                     "cached_tokens": r.cached, "state": STATES[r.phase], "chunk_tokens": r.chunk_tokens,
                      "output_tokens": r.generated, "age_s": round(now - r.created, 3)}
                     for r in self._requests.values()]
 

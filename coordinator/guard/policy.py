@@ -33,7 +33,7 @@ cut short when memory would run out within the lead. A danger the requests' cost
 the guard is held, except when memory would run out within the lead: the model may be wrong and
 there is no time left to find out, so the request growing is aborted, unless the listings show
 its prefill and those queued behind it ending in well under that time at the speed it was seen
-prefilling, with no prefix-cache hit listed waiting (progress.py), or the fall since the last
+prefilling, with no prefix-cache hit waiting (progress.py), or the fall since the last
 listing is what the model charges the steps in between (account.py). After an action a request that
 arrives and grows is aborted by its rid. Re-armed when every node is back above the guard plus the hysteresis
 band, after the aborts were confirmed and the settle time passed, or after `rearm_quiet_s`

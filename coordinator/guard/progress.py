@@ -67,11 +67,10 @@ def prefills_end(seen: tuple[Sighting, ...], inflight: InflightList, now: float,
     live = [r for r in inflight.requests if r.rid not in gone]
     if inflight.unavailable or not inflight.scheduler_view:
         return Ending(None, why="no scheduler view")
-    # SGLang 0.5.23 (--schedule-policy fcfs) counts a request's cached tokens only when its first
-    # step is built (ScheduleBatch.prepare_for_extend), so rank 0, and the stand-in as it does,
-    # lists a waiting prefix-cache hit as uncached: then it is not excluded here, its whole prompt
-    # counts in the time below (longer), and the cost model charges it its whole prompt's KV.
-    # A listing that does name a waiting hit's cached tokens is taken at its word.
+    # Rank 0 lists a waiting hit with its match (the adapter matches each waiting request;
+    # SGLang under fcfs would only at its first step). Where that match failed the hit is listed
+    # as a cold prompt: then it is not excluded here, its whole prompt counts in the time below
+    # (longer), and the cost model charges it a cold prompt's KV.
     hit = next((r for r in live if r.waiting and r.cached_tokens), None)
     if hit is not None:
         # its first step takes the buffers over its whole cached prefix at once: not a rate

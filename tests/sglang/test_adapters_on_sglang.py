@@ -309,8 +309,14 @@ def test_the_scheduler_publishes_its_requests_from_the_real_get_next_batch_to_ru
     plain, _ = sglang.check("chk_scheduler_requests", armed=False, env={"DSV41_PROGRESS_DIR": str(tmp_path / "plain")})
     assert armed["error"] is None and armed["plan_is_sglangs"] and armed["marked"] == "inflight"
     assert armed["installed"] and armed["writer_is_this_process"]
-    # the chunked request grows by its 768-token chunk; job-10 waits behind it and holds nothing
-    assert armed["records"] == [["job-1", "prefilling", 30_000, 6144, 768], ["job-10", "waiting", 20_000, 0, 0]]
+    # the chunked request grows by its 768-token chunk; behind it job-10 waits with the tree's
+    # whole 12000-token prefix matched, job-11 with the 5000 it shares, job-12 with none: listed
+    # as prefilled and cached, holding nothing of their own
+    assert armed["records"] == [["job-1", "prefilling", 30_000, 6144, 768], ["job-10", "waiting", 20_000, 12_000, 0],
+                                ["job-11", "waiting", 6000, 5000, 0], ["job-12", "waiting", 3000, 0, 0]]
+    assert armed["cached"] == [0, 12_000, 5000, 0]
+    assert armed["waiting_prefix_lens"] == [0, 0, 0] and armed["tree_still_matches"] == 12_000
+    assert "prefix-cache match failed" not in err
     # listed before its launch; marked launched once SGLang's run_batch returned
     assert armed["launch_error"] is None and not armed["launched_before_run_batch"] and armed["launched_after_run_batch"]
     assert plain["error"] is None and plain["records"] is None and plain["marked"] is None

@@ -12,7 +12,7 @@ import os
 
 from adapter import reqstate
 from adapter.inflight import InflightRoute, SchedulerSnapshot, merge, payload, record_prompt_length, snapshot
-from adapter.scheduler_requests import SchedulerRequests, snapshot_records
+from adapter.scheduler_requests import SchedulerRequests, WaitingMatches, prefix_match, snapshot_records
 
 pytestmark = pytest.mark.unit
 
@@ -103,6 +103,45 @@ def test_the_scheduler_snapshot_says_who_waits_who_is_chunk_prefilled_and_who_de
     records = snapshot_records(decode, growing, [decoding], [queued])
     assert [(r.rid, r.state, r.prefilled_tokens, r.chunk_tokens) for r in records] == [
         ("grow", "prefilling", 6144, 0), ("dec", "decoding", 5000, 0), ("wait", "waiting", 0, 0)]
+
+
+def test_a_waiting_request_is_listed_with_its_prefix_cache_match_made_once(capsys) -> None:
+    calls = []
+
+    def match(tree, r):
+        calls.append(r.rid)
+        return {"hit": 12_000, "whole": 900, "cold": 0}[r.rid]
+
+    matches = WaitingMatches(match)
+    hit, whole, cold = req("hit", 20_000), req("whole", 900), req("cold", 3000)
+    for _ in range(3):  # three scheduler steps: each request matched at the first only
+        matched = matches.refresh("tree", [hit, whole, cold])
+        records = snapshot_records(None, None, [], [hit, whole, cold], matched)
+    assert calls == ["hit", "whole", "cold"]
+    # prefilled and cached: the match, a whole prompt's less its last token (which is computed)
+    assert [(r.rid, r.state, r.prefilled_tokens, r.cached_tokens) for r in records] == [
+        ("hit", "waiting", 12_000, 12_000), ("whole", "waiting", 899, 899), ("cold", "waiting", 0, 0)]
+    # "hit" started (out of the queue: forgotten); a retry under its rid is another request, matched anew
+    matches.refresh("tree", [whole, cold])
+    retry = req("hit", 20_000)
+    matches.refresh("tree", [retry, whole, cold])
+    assert calls == ["hit", "whole", "cold", "hit"]
+    # a match that raises stops the matching, said once; the queue is listed unmatched
+    def broken(tree, r):
+        raise AttributeError("no match_prefix")
+    failing = WaitingMatches(broken)
+    for _ in range(2):
+        matched = failing.refresh("tree", [hit, cold])
+        assert [r.prefilled_tokens for r in snapshot_records(None, None, [], [hit, cold], matched)] == [0, 0]
+    err = capsys.readouterr().err
+    assert err.count("the prefix-cache match failed: AttributeError: no match_prefix") == 1, err
+    assert failing.failed == "AttributeError: no match_prefix"
+
+
+def test_no_tree_or_a_disabled_one_matches_nothing_without_importing_sglang() -> None:
+    assert prefix_match(None, req("a", 5000)) == 0
+    assert prefix_match(SimpleNamespace(disable=True), req("a", 5000)) == 0
+    assert prefix_match(SimpleNamespace(disable=False), req("a", 1)) == 0
 
 
 def test_the_shared_snapshot_round_trips_and_a_long_rid_is_marked_incomplete(tmp_path) -> None:

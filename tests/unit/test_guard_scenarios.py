@@ -78,17 +78,17 @@ def test_the_report_has_both_engines_and_their_targets_line(capsys) -> None:
     assert set(figures["wrong_model"]) == {(f, h) for f in gs.WRONG_FACTORS for h in (False, True)}
 
 
-def test_a_waiting_prefix_cache_hit_that_rank_0_lists_as_a_cold_prompt_costs_an_abort_a_named_one_does_not():
+def test_a_waiting_prefix_cache_hit_listed_with_its_match_is_kept_and_listed_cold_costs_an_abort():
     # A 30k-token prompt, 27k of it in the prefix cache, arrives while a 10k prompt prefills. The
-    # two fit (the hit's KV is 3k tokens' worth), but rank 0 lists a waiting hit as a cold prompt
-    # (SGLang under fcfs matches it against the cache only at its first step), so the guard charges
-    # it 30k tokens of KV and aborts it before it starts; given its match, it keeps both.
+    # two fit (the hit's KV is 3k tokens' worth). Listed with its match (the adapter's), the guard
+    # keeps both; listed as SGLang alone lists a waiting hit (a cold prompt: fcfs matches it only
+    # at its first step), it is charged 30k tokens of KV and aborted before it starts.
     s = gs.Scenario(0, 640 * MiB, (gs.Spec("p10k", "long", 0.0, 10_000, 0, 3.0),
                                    gs.Spec("hit", "cached", 0.01, 30_000, 27_000, 3.0)))
-    listed = gs.judge(s, seed=3)
-    assert listed.oracle_aborts == 0 and listed.unguarded.lowest >= gs.SETTINGS.guard_bytes
-    assert listed.guard.aborted == {"hit"} and listed.needless == {"hit"}
-    (first, *_) = [d for _, d in listed.guard.decisions if d.kind == "abort"]
+    matched = gs.judge(s, seed=3)
+    assert matched.oracle_aborts == 0 and matched.unguarded.lowest >= gs.SETTINGS.guard_bytes
+    assert matched.guard.aborted == set() and matched.guard.completed == {"p10k", "hit"}
+    cold = gs.judge(s, seed=3, cold_waiting_hits=True)
+    assert cold.guard.aborted == {"hit"} and cold.needless == {"hit"}
+    (first, *_) = [d for _, d in cold.guard.decisions if d.kind == "abort"]
     assert "hit waits with a 30000-token prompt" in first.reason
-    named = gs.judge(s, seed=3, named_hits=True)
-    assert named.guard.aborted == set() and named.guard.completed == {"p10k", "hit"}

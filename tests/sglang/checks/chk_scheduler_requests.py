@@ -2,7 +2,10 @@
 body runs (the chunked request's stash, the running batch filter, the prefill plan, the
 schedule-time stamps on real Req objects), then the hook publishes the snapshot that rank 0's
 route reads; read back through the route's own reader. The real Scheduler.run_batch then returns
-(through its prebuilt path), and the hook after it marks the snapshot's step launched."""
+(through its prebuilt path), and the hook after it marks the snapshot's step launched. The
+waiting requests are matched against a real RadixCache (SGLang's simulated one: its tree without
+memory pools) holding a 12000-token prefix: one shares all of it, one 5000 tokens of it (the
+match ends inside the stored node, which SGLang's match splits), one none."""
 
 import os
 import sys
@@ -13,7 +16,11 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import emit, installer, marked  # noqa: E402
 
 from adapter import reqstate  # noqa: E402
+from array import array  # noqa: E402
+
 from sglang.srt.managers.schedule_batch import NextBatchPlan, Req  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -48,10 +55,10 @@ class Passes:
         return batch
 
 
-def req(rid, prompt_tokens, prefix_len=0, extend_end=None):
+def req(rid, prompt_tokens, prefix_len=0, extend_end=None, ids=None):
     params = SamplingParams(max_new_tokens=16)
     params.normalize(None)
-    r = Req(rid, "", list(range(prompt_tokens)), params)
+    r = Req(rid, "", list(range(prompt_tokens)) if ids is None else ids, params)
     r.prefix_len, r.extend_end = prefix_len, extend_end
     return r
 
@@ -72,8 +79,13 @@ class Running:
 directory = os.environ.get("DSV41_PROGRESS_DIR") or tempfile.mkdtemp()
 growing = req("job-1", 30_000, prefix_len=6144, extend_end=6912)
 queued = req("job-10", 20_000)
+partial = req("job-11", 6000, ids=list(range(5000)) + [10**6 + i for i in range(1000)])
+cold = req("job-12", 3000, ids=[2 * 10**6 + i for i in range(3000)])
+tree = RadixCache.create_simulated()
+tree.insert(InsertParams(key=RadixKey(token_ids=array("q", range(12_000)))))
 batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[growing])
-scheduler = Anything(tp_rank=0, chunked_req=growing, waiting_queue=[queued], dllm_config=None, enable_hisparse=False,
+scheduler = Anything(tp_rank=0, chunked_req=growing, waiting_queue=[queued, partial, cold], tree_cache=tree,
+                     dllm_config=None, enable_hisparse=False,
                      require_mlp_sync=False, dp_attn_adapter=Passes(), ngram_embedding_manager=Passes(),
                      _should_defer_prefill=lambda running: False,
                      get_new_batch_prefill=lambda running: NextBatchPlan(batch_to_run=batch, running_batch=running))
@@ -116,5 +128,11 @@ emit({
     "plan_is_sglangs": plan is not None and plan.batch_to_run is batch,
     "records": [[r.rid, r.state, r.prompt_tokens, r.prefilled_tokens, r.chunk_tokens] for r in snap.records]
     if snap else None,
+    "cached": [r.cached_tokens for r in snap.records] if snap else None,
+    # the requests as SGLang left them: the adapter's match touched none of their fields
+    "waiting_prefix_lens": [r.prefix_len for r in (queued, partial, cold)],
+    "tree_still_matches": tree.match_prefix(__import__("sglang.srt.mem_cache.base_prefix_cache", fromlist=["x"])
+                                            .MatchPrefixParams(key=RadixKey(token_ids=array("q", range(12_000)))))
+    .device_prefix_len,
     "writer_is_this_process": bool(snap and snap.pid == os.getpid()),
 })
