@@ -225,6 +225,7 @@ class Trend:
         self._bin_end: float | None = None
         self._bin_min = 0
         self._last_low: int | None = None          # the last closed span's minimum
+        self._last_level: int | None = None        # the last sample's level
         # Lows of non-overlapping spans: overlapping ones would be correlated and make a slope
         # through them look more certain than it is.
         self._lows: deque[tuple[float, int]] = deque(maxlen=settings.envelope_points)
@@ -247,6 +248,7 @@ class Trend:
             self._fall_start = None
         fall_s = at - self._fall_start if self._fall_start is not None else 0.0
         self._add_to_span(at, available)
+        self._last_level = available
         low = self._bin_min if self._last_low is None else min(self._bin_min, self._last_low)
         return Reading(at, available, slope, sustained, fall_s, low, self._lows_fit)
 
@@ -266,6 +268,13 @@ class Trend:
             return
         self._last_low = self._bin_min
         self._lows.append((self._bin_end, self._bin_min))
+        if at >= self._bin_end + width and self._last_level is not None:
+            # A whole span without a sample: the agent sends one when memory moves by its change
+            # threshold, so memory stayed at the last sample's level meanwhile. That level is the
+            # low of the spans it held back (not the old minimum again, which would draw a fall
+            # that is over through the gap).
+            self._last_low = self._last_level
+            self._lows.append((at - width / 2, self._last_level))
         self._lows_fit = fit_line(self._lows)
         # after a gap the next span starts at this sample, not at a stale boundary
         self._bin_end = max(self._bin_end + width, at + width / 2)
@@ -637,12 +646,12 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         # keeps what the aborted requests held), so the next action needs a further fall.
         return (decision(REARM, f"the aborts took effect and no node was in danger for {s.settle_s:g} s; the next "
                                 f"action needs a fall of {_gb(s.hysteresis_bytes)}"),
-                replace(st, phase=ARMED, armed_levels=levels_now, checked_lines=(), queued=()))
+                replace(st, phase=ARMED, armed_levels=levels_now, checked_lines=_look_next(s, marks), queued=()))
     if quiet >= s.rearm_quiet_s and now - st.acted_at >= s.rearm_quiet_s:
         return (decision(REARM, f"no node in danger for {s.rearm_quiet_s:g} s; the next action needs a further "
                                 f"fall of {_gb(s.hysteresis_bytes)}"),
                 replace(st, phase=ARMED, armed_levels=levels_now, pending=(), overdue_reported=False,
-                        checked_lines=(), queued=()))
+                        checked_lines=_look_next(s, marks), queued=()))
     acted_level = dict(st.acted_levels).get(a.node)
     fell = acted_level is not None and a.level <= acted_level - s.hysteresis_bytes
     if confirmed and fell:
@@ -711,6 +720,14 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
 
 
 _PHASE_OF = {ABORT_ALL: ABORTED_ALL, STOP: STOPPED}
+
+
+def _look_next(s: GuardSettings, marks: dict) -> tuple[tuple[str, int], ...]:
+    """Early-check lines for a re-arm with memory still low: each node's next sample is looked at.
+    A request that arrived since the last look (memory steady, so no line was crossed) would
+    otherwise be judged only once it has taken the node a line down, and near the guard one chunk
+    can take it a line and more."""
+    return tuple((n, s.line_of(m.level) + 1) for n, m in sorted(marks.items()))
 
 
 def release_queued(s: GuardSettings, st: GuardState, inflight: InflightList, now: float,

@@ -234,6 +234,26 @@ def test_after_a_re_arm_with_memory_left_low_the_next_runaway_is_aborted_by_its_
         assert out.lowest > SIM.guard_bytes - SIM.line_bytes
 
 
+def test_a_request_that_arrived_just_before_a_re_arm_with_memory_low_is_judged_at_the_next_sample():
+    # After the runaway's abort the allocator keeps what it held and the guard re-arms 25 MB
+    # above the guard. A prompt that cannot fit arrived 0.1 s before, reusing the kept blocks:
+    # memory steady, so it crossed no line. The re-arm looks at each node's next sample by the
+    # requests' cost; before, it was judged only once its chunks had taken the node a line down,
+    # and the next chunk then took it below the guard (149.7 MB against 150).
+    send = agent_send_policy(SIM)
+    first = run_guard(sim_engine(200 * MB, hook_tokens=0).add("runaway", 0.5, 60_000), SIM, 6, send=send)
+    rearmed = next(t for t, d in first.decisions if d.kind == p.REARM)
+    engine = sim_engine(200 * MB, hook_tokens=0).add("runaway", 0.5, 60_000).add("short", rearmed - 0.1, 4_000)
+    out = run_guard(engine, SIM, rearmed + 4, send=send)
+    assert actions(out) == [(p.ABORT, "runaway"), (p.ABORT, "short")]
+    kinds = [(d.kind, d.level) for _, d in out.decisions if d.kind in (p.REARM, p.ABORT)]
+    (rearm, level), (abort, abort_level) = kinds[1:]
+    assert (rearm, abort) == (p.REARM, p.ABORT)
+    assert abort_level == level                 # no fall between the re-arm and the abort
+    assert out.first(p.ABORT)[1].basis == "model" and kinds_of(out, p.ABORT)[1][1].basis == "model"
+    assert out.lowest >= SIM.guard_bytes
+
+
 def test_an_abort_that_does_not_take_effect_is_not_repeated_the_guard_aborts_all():
     # rank 0 drops the abort (a stale rid, a tokenizer that already sent one): the next listings
     # still show the victim, so a repeat would be dropped as well
@@ -575,6 +595,24 @@ def test_the_lows_follow_the_minimum_of_each_span():
         r = trend.add(t, int(1_000 * MB - (i % 4) * 50 * MB - 40 * MB * t))
     assert r.lows is not None and r.lows.slope == pytest.approx(-40 * MB, rel=0.1)
     assert r.low <= r.level
+
+
+def test_a_span_without_samples_counts_as_a_low_at_the_last_level_not_the_old_minimum_again():
+    # The agent sends a sample when memory moves by its change threshold: a gap means memory
+    # stayed near where the last sample put it. A fall that is over (100 MB/s for a second, then
+    # a second with no sample, then steady) must not be drawn through the gap as if it went on:
+    # the first lows after the gap fell at 81 MB/s without the gap's low, 48 MB/s with it.
+    trend = p.Trend(SIM)
+    for i in range(51):
+        trend.add(i * 0.02, 1_000 * MB - i * 2 * MB)
+    level = 900 * MB
+    slopes = []
+    for k in range(6):                                 # the samples after the gap, unchanged
+        r = trend.add(2.0 + k * 0.25, level)
+        assert r.low == level
+        slopes.append(r.lows.slope)
+    assert slopes[0] > -60 * MB and slopes[-1] > -5 * MB
+    assert slopes == sorted(slopes)                    # flattening, sample by sample
 
 
 def steady_fall(settings: p.GuardSettings, rate: float, above: int, flat_s: float = 1.0):
