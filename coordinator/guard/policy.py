@@ -573,6 +573,11 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         # nothing in flight (a model load) is not repeated within an envelope.
         line = s.line_of(a.level)
         lines = dict(at.checked_lines)
+        if a.node in lines and s.line_of(a.level - s.hysteresis_bytes) > lines[a.node]:
+            # Memory came back a band and more above the last look (a request ended, a hook gave
+            # its buffers back): a fall from here is a new one, looked at from its first line
+            # down, not only once it goes below where the last one was looked at.
+            lines[a.node] = line
         if line >= lines.get(a.node, line) or (at.found_nothing_at > now - s.envelope_s):
             lines[a.node] = min(line, lines.get(a.node, line))
             return decision(NONE), replace(at, checked_lines=tuple(sorted(lines.items())))

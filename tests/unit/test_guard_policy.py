@@ -254,6 +254,26 @@ def test_a_request_that_arrived_just_before_a_re_arm_with_memory_low_is_judged_a
     assert out.lowest >= SIM.guard_bytes
 
 
+def test_a_fall_after_memory_came_back_is_looked_at_from_its_first_line_not_below_the_last_look():
+    # A prefill took the node down to 380 MB (looked at on the way: it fits), ended, and the
+    # hook gave its buffers back: 600 MB. The next prefill's fall is a new one: its cost is
+    # looked at on the first line below 600 MB, not only once it goes below 380 MB (before, the
+    # guard saw it first by its trend, with no listing on the way to tell how fast it grew).
+    guard = p.Guard(SIM)
+    asked = []
+    fits = p.InflightList((p.InflightRequest("a", 4_000, 2_000, 1.0, "prefilling", 0, 768),))
+    first = [600 - 5 * i for i in range(45)]
+    path = first + [600] * 10 + [600 - 5 * i for i in range(1, 30)]
+    for i, level in enumerate(path):
+        d = guard.observe("spark1", 0.02 * i, level * MB, 0.02 * i, lambda: asked.append((i, level)) or fits)
+        assert d.kind not in p.ACTIONS, d.reason
+    first_fall = [mb for i, mb in asked if i < len(first)]
+    second = [mb for i, mb in asked if i >= len(first)]
+    assert first_fall and min(first_fall) <= 400       # the first fall was looked at on its way
+    assert second and second[0] >= 540                 # the second, from its first line down
+    assert len(second) <= 3                            # a line at a time, not every sample
+
+
 def test_an_abort_that_does_not_take_effect_is_not_repeated_the_guard_aborts_all():
     # rank 0 drops the abort (a stale rid, a tokenizer that already sent one): the next listings
     # still show the victim, so a repeat would be dropped as well
