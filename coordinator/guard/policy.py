@@ -801,10 +801,13 @@ def _broken_why(st: GuardState, inflight: InflightList) -> str:
 
 def _hold_broken(st: GuardState, a: Assessment, s: GuardSettings) -> bool:
     """Memory went below the lowest point the requests were projected to take it to: the cost
-    model is wrong (half the way to the guard, at most the hysteresis band)."""
+    model is wrong (half the way to the guard, at most the hysteresis band; a projection within
+    a sample's resolution of the guard, the agent's change threshold, is wrong once memory is
+    below the guard or that far below it, not by a sample's worth)."""
     if st.hold_low is None:
         return False
-    slack = min(s.hysteresis_bytes, max(0, st.hold_low - s.guard_bytes) // 2)
+    above = max(0, st.hold_low - s.guard_bytes)
+    slack = max(min(s.hysteresis_bytes, above // 2), min(s.send_change_bytes, above))
     return a.level < st.hold_low - slack
 
 
