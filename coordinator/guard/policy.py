@@ -225,7 +225,6 @@ class Trend:
         self._bin_end: float | None = None
         self._bin_min = 0
         self._last_low: int | None = None          # the last closed span's minimum
-        self._last_level: int | None = None        # the last sample's level
         # Lows of non-overlapping spans: overlapping ones would be correlated and make a slope
         # through them look more certain than it is.
         self._lows: deque[tuple[float, int]] = deque(maxlen=settings.envelope_points)
@@ -236,6 +235,7 @@ class Trend:
         s = self._s
         if self._recent and at <= self._recent[-1][0]:
             at = self._recent[-1][0] + 1e-6  # a clock that does not advance must not break the fit
+        previous = self._recent[-1][1] if self._recent else None  # the last sample's level
         self._recent.append((at, available))
         while self._recent[0][0] < at - s.window_s:
             self._recent.popleft()
@@ -247,8 +247,7 @@ class Trend:
         else:
             self._fall_start = None
         fall_s = at - self._fall_start if self._fall_start is not None else 0.0
-        self._add_to_span(at, available)
-        self._last_level = available
+        self._add_to_span(at, available, previous)
         low = self._bin_min if self._last_low is None else min(self._bin_min, self._last_low)
         return Reading(at, available, slope, sustained, fall_s, low, self._lows_fit)
 
@@ -258,7 +257,7 @@ class Trend:
         self._lows.clear()
         self._lows_fit = None
 
-    def _add_to_span(self, at: float, available: int) -> None:
+    def _add_to_span(self, at: float, available: int, previous: int | None) -> None:
         width = self._s.envelope_s
         if self._bin_end is None:
             self._bin_end, self._bin_min = at + width, available
@@ -268,13 +267,13 @@ class Trend:
             return
         self._last_low = self._bin_min
         self._lows.append((self._bin_end, self._bin_min))
-        if at >= self._bin_end + width and self._last_level is not None:
+        if at >= self._bin_end + width and previous is not None:
             # A whole span without a sample: the agent sends one when memory moves by its change
             # threshold, so memory stayed at the last sample's level meanwhile. That level is the
             # low of the spans it held back (not the old minimum again, which would draw a fall
             # that is over through the gap).
-            self._last_low = self._last_level
-            self._lows.append((at - width / 2, self._last_level))
+            self._last_low = previous
+            self._lows.append((at - width / 2, previous))
         self._lows_fit = fit_line(self._lows)
         # after a gap the next span starts at this sample, not at a stale boundary
         self._bin_end = max(self._bin_end + width, at + width / 2)
