@@ -50,6 +50,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from adapter.admission_gate import GateSettings
 from agent.memory import NO_PRESSURE, ChangeFilter, Sample, SendPolicy
@@ -155,19 +156,22 @@ class Fork:
 
 def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset(), seed: int = 0,
              settings: p.GuardSettings = SETTINGS, fork: Fork | None = None, engine_config: EngineConfig = ENGINE,
-             cold_waiting_hits: bool = False) -> Run:
+             cold_waiting_hits: bool = False,
+             allocator_of: Callable[[CountedMemory], CachingAllocator] = CachingAllocator) -> Run:
     """One scenario on the stand-in's engine; with `guarded` the policy in the loop, else nothing
     acts. Requests in `skip` are aborted on arrival (the oracle's choice): they hold nothing.
     With `fork`, the run from the guard's fork.decision-th action on (Run.lowest from there, and
     Run.live the requests in flight then). `cold_waiting_hits`: the guard's listings show a waiting
-    prefix-cache hit as a cold prompt (nothing prefilled or cached), as SGLang alone lists it."""
+    prefix-cache hit as a cold prompt (nothing prefilled or cached), as SGLang alone lists it.
+    `allocator_of` makes the engine's allocator over the counted memory (bench/allocator_fidelity
+    records what it serves)."""
     rng = random.Random(seed)
     clock = [0.0]
     backing = CountedMemory()
     def available() -> int:
         return scenario.base - backing.mapped
     engine = Engine(engine_config, on_fatal=lambda why: None, clock=lambda: clock[0],
-                    allocator=CachingAllocator(backing), node_room=available)
+                    allocator=allocator_of(backing), node_room=available)
     run = Run(lowest=available())
     arrivals = [s for s in scenario.requests]
     requests = {}

@@ -1,13 +1,14 @@
 """The stand-in's model of PyTorch's native CUDA caching allocator (expandable_segments:False, what
 the rank runs), enough of it to give memory back the way the real engine does.
 
-What it keeps from c10/cuda/CUDACachingAllocator.cpp (the large pool; the stand-in allocates
-nothing small):
-- a request is rounded up to 512 bytes; a new segment is 20 MiB for requests under 10 MiB and the
-  request rounded up to 2 MiB otherwise, and is resident at once (cudaMalloc on GB10's unified
-  memory takes physical pages);
-- a request is served from the smallest cached free block that fits (best fit), split when more
-  than 1 MiB would be left over;
+What it keeps from c10/cuda/CUDACachingAllocator.cpp (checked against torch's own allocator on
+a GPU, operation by operation, by bench/allocator_fidelity):
+- a request is rounded up to 512 bytes; requests of up to 1 MiB are served from the small pool,
+  whose segments are 2 MiB, larger ones from the large pool, whose new segment is 20 MiB for
+  requests under 10 MiB and the request rounded up to 2 MiB otherwise; a segment is resident at
+  once (cudaMalloc on GB10's unified memory takes physical pages);
+- a request is served from the smallest cached free block of its pool that fits (best fit),
+  split when 512 bytes or more (small pool) or more than 1 MiB (large pool) would be left over;
 - a freed block goes back to the cache, merged with free neighbours of its own segment only:
   the process keeps the memory, and the next request that fits reuses it;
 - empty_cache() returns every segment that is wholly free to the OS, and nothing else.
@@ -28,7 +29,8 @@ from typing import Protocol
 
 MiB = 1 << 20
 ROUND = 512
-SMALL = 1 * MiB          # kSmallSize: the most a split may leave unsplit
+SMALL = 1 * MiB          # kSmallSize: the largest small-pool request; the most a large split may leave unsplit
+SMALL_BUFFER = 2 * MiB   # kSmallBuffer: the small pool's segment
 MIN_LARGE_ALLOC = 10 * MiB
 LARGE_BUFFER = 20 * MiB  # the segment for requests under MIN_LARGE_ALLOC
 ROUND_LARGE = 2 * MiB
@@ -41,6 +43,8 @@ def round_size(nbytes: int) -> int:
 
 def segment_size(nbytes: int) -> int:
     """What cudaMalloc is asked for when no cached block fits a request of `nbytes` (rounded)."""
+    if nbytes <= SMALL:
+        return SMALL_BUFFER
     if nbytes < MIN_LARGE_ALLOC:
         return LARGE_BUFFER
     return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
@@ -96,6 +100,7 @@ class Segment:
     size: int
     handle: object = None
     blocks: list[Block] = field(default_factory=list)
+    small: bool = False  # of the small pool: serves requests of up to SMALL alone
 
     def wholly_free(self) -> bool:
         return len(self.blocks) == 1 and self.blocks[0].free
@@ -128,14 +133,15 @@ class CachingAllocator:
         with self._lock:
             block = self._best_fit(size)
             if block is None:
-                segment = Segment(segment_size(size))
+                segment = Segment(segment_size(size), small=size <= SMALL)
                 segment.handle = self._backing.map(segment.size)  # the OOM-prone step, as cudaMalloc is
                 block = Block(segment, 0, segment.size)
                 segment.blocks.append(block)
                 self._segments.append(segment)
                 self._reserved += segment.size
                 self._peak = max(self._peak, self._reserved)
-            if block.size - size > SMALL:
+            left = block.size - size
+            if left >= ROUND if block.segment.small else left > SMALL:
                 rest = Block(block.segment, block.offset + size, block.size - size)
                 blocks = block.segment.blocks
                 blocks.insert(blocks.index(block) + 1, rest)
@@ -177,7 +183,10 @@ class CachingAllocator:
 
     def _best_fit(self, size: int) -> Block | None:
         best = None
+        small = size <= SMALL
         for segment in self._segments:
+            if segment.small != small:
+                continue
             for block in segment.blocks:
                 if block.free and block.size >= size and (best is None or block.size < best.size):
                     best = block

@@ -9,8 +9,10 @@ sim/engine.py and sim/allocator.py, does the same):
 - each piece allocates its tokens' KV, which the request keeps, and the indexer's buffers
   (transient_bytes x tokens x prefix), freed when the step ends;
 - a freed block stays with the process and merges with the free blocks beside it in its
-  segment; a later allocation is served from the smallest free block that fits (split when more
-  than 1 MiB would be left over), else from a new segment;
+  segment; a later allocation is served from the smallest free block of its pool that fits, else
+  from a new segment: requests of up to 1 MiB from the small pool (2 MiB segments, a block split
+  when 512 bytes or more would be left over), larger ones from the large pool (split when more
+  than 1 MiB would be left over);
 - before a step holding a prompt of at least the prefill_empty_cache threshold, and before the
   step after it, every wholly free segment goes back to the system (empty_cache);
 - with the ranks' admission gate (adapter/admission_gate.py), a waiting request whose first piece
@@ -42,7 +44,9 @@ if TYPE_CHECKING:  # charge.py imports this module
     from .charge import CostModel, InflightRequest
 
 MiB = 1 << 20
-SPLIT_REMAINDER = 1 * MiB   # kSmallSize: a block is split only when more than this is left
+SPLIT_REMAINDER = 1 * MiB   # kSmallSize: a large-pool block is split only when more than this is left
+SMALL_SIZE = 1 * MiB        # kSmallSize: requests of up to this are served from the small pool
+SMALL_BUFFER = 2 * MiB      # kSmallBuffer: the small pool's segment
 MIN_LARGE_ALLOC = 10 * MiB  # below this a new segment is LARGE_BUFFER, else rounded to ROUND_LARGE
 LARGE_BUFFER = 20 * MiB
 ROUND_LARGE = 2 * MiB
@@ -51,8 +55,10 @@ UNHOOKED_EXACT_CHUNKS = 32  # a prompt without the hook stepped chunk by chunk u
 
 
 def segment_size(nbytes: int) -> int:
-    """What the caching allocator asks the system for when no free block fits (as
-    c10/cuda/CUDACachingAllocator.cpp does for the large pool)."""
+    """What the caching allocator asks the system for when no free block fits a request of
+    `nbytes` (rounded), as c10/cuda/CUDACachingAllocator.cpp's get_allocation_size does."""
+    if nbytes <= SMALL_SIZE:
+        return SMALL_BUFFER
     return LARGE_BUFFER if nbytes < MIN_LARGE_ALLOC else -(-nbytes // ROUND_LARGE) * ROUND_LARGE
 
 
@@ -63,11 +69,12 @@ def round_size(nbytes: int) -> int:
 class _Segment:
     """A segment's blocks in address order, each [size, free]."""
 
-    __slots__ = ("size", "blocks")
+    __slots__ = ("size", "blocks", "small")
 
-    def __init__(self, size: int, blocks: list[list] | None = None) -> None:
+    def __init__(self, size: int, blocks: list[list] | None = None, small: bool = False) -> None:
         self.size = size
         self.blocks = blocks if blocks is not None else [[size, True]]
+        self.small = small  # of the small pool: its blocks serve requests of up to SMALL_SIZE alone
 
 
 Handle = tuple[_Segment, list]
@@ -78,22 +85,24 @@ class _Allocator:
 
     def __init__(self, available: int) -> None:
         self.available = available
-        self._free: list[tuple[int, int, _Segment, list]] = []  # (size, seq, segment, block), sorted
+        # (pool, size, seq, segment, block), sorted: the small pool's (0) before the large pool's (1)
+        self._free: list[tuple[int, int, int, _Segment, list]] = []
         self._seq = 0
 
     def free_bytes(self) -> int:
-        return sum(f[0] for f in self._free)
+        return sum(f[1] for f in self._free)
 
     def largest_free(self) -> int:
-        return self._free[-1][0] if self._free else 0
+        """The large pool's largest free block."""
+        return self._free[-1][1] if self._free and self._free[-1][0] else 0
 
     def _index(self, segment: _Segment, block: list) -> None:
         self._seq += 1
-        bisect.insort(self._free, (block[0], self._seq, segment, block), key=lambda f: f[:2])
+        bisect.insort(self._free, (int(not segment.small), block[0], self._seq, segment, block), key=lambda f: f[:3])
 
-    def _unindex(self, block: list) -> None:
-        i = bisect.bisect_left(self._free, block[0], key=lambda f: f[0])
-        while self._free[i][3] is not block:
+    def _unindex(self, segment: _Segment, block: list) -> None:
+        i = bisect.bisect_left(self._free, (int(not segment.small), block[0]), key=lambda f: f[:2])
+        while self._free[i][4] is not block:
             i += 1
         del self._free[i]
 
@@ -101,14 +110,15 @@ class _Allocator:
         if nbytes <= 0:
             return None
         size = round_size(nbytes)
-        i = bisect.bisect_left(self._free, size, key=lambda f: f[0])
-        if i < len(self._free):  # best fit
-            _, _, segment, block = self._free.pop(i)
+        pool = int(size > SMALL_SIZE)
+        i = bisect.bisect_left(self._free, (pool, size), key=lambda f: f[:2])
+        if i < len(self._free) and self._free[i][0] == pool:  # best fit in its pool
+            _, _, _, segment, block = self._free.pop(i)
         else:
-            segment = _Segment(segment_size(size))
+            segment = _Segment(segment_size(size), small=not pool)
             self.available -= segment.size
             block = segment.blocks[0]
-        if block[0] - size > SPLIT_REMAINDER:
+        if block[0] - size >= ROUND if segment.small else block[0] - size > SPLIT_REMAINDER:
             rest = [block[0] - size, True]
             segment.blocks.insert(_position(segment, block) + 1, rest)
             block[0] = size
@@ -124,27 +134,27 @@ class _Allocator:
         blocks = segment.blocks
         i = _position(segment, block)
         if i + 1 < len(blocks) and blocks[i + 1][1]:
-            self._unindex(blocks[i + 1])
+            self._unindex(segment, blocks[i + 1])
             block[0] += blocks.pop(i + 1)[0]
         if i > 0 and blocks[i - 1][1]:
-            self._unindex(blocks[i - 1])
+            self._unindex(segment, blocks[i - 1])
             blocks[i - 1][0] += blocks.pop(i)[0]
             block = blocks[i - 1]
         self._index(segment, block)
 
     def add_free_segments(self, sizes: Iterable[int]) -> None:
         """Wholly free segments of these sizes (what a block that was a segment of its own leaves
-        when it is freed), indexed at once."""
+        when it is freed: only a large-pool block is), indexed at once."""
         for size in sizes:
             self._seq += 1
             segment = _Segment(size)
-            self._free.append((size, self._seq, segment, segment.blocks[0]))
-        self._free.sort(key=lambda f: f[:2])
+            self._free.append((1, size, self._seq, segment, segment.blocks[0]))
+        self._free.sort(key=lambda f: f[:3])
 
     def empty_cache(self) -> None:
         kept = []
         for entry in self._free:
-            segment = entry[2]
+            segment = entry[3]
             if len(segment.blocks) == 1:
                 self.available += segment.size
             else:
@@ -159,15 +169,16 @@ class _Allocator:
         copies: dict[int, _Segment] = {}
         mapped: dict[int, Handle] = {}
         blocks: dict[int, list] = {}
-        for segment in [e[2] for e in self._free] + [h[0] for h in handles]:
+        for segment in [e[3] for e in self._free] + [h[0] for h in handles]:
             if id(segment) not in copies:
-                copy = _Segment(segment.size, [list(b) for b in segment.blocks])
+                copy = _Segment(segment.size, [list(b) for b in segment.blocks], segment.small)
                 copies[id(segment)] = copy
                 for old, new in zip(segment.blocks, copy.blocks):
                     blocks[id(old)] = new
         out = _Allocator(self.available)
         out._seq = self._seq
-        out._free = [(size, seq, copies[id(segment)], blocks[id(block)]) for size, seq, segment, block in self._free]
+        out._free = [(pool, size, seq, copies[id(segment)], blocks[id(block)])
+                     for pool, size, seq, segment, block in self._free]
         for segment, block in handles:
             mapped[id(block)] = (copies[id(segment)], blocks[id(block)])
         return out, mapped

@@ -238,7 +238,27 @@ def test_small_kv_chunks_share_segments():
         return BASE - charge.projected_low(BASE, [waiting("k", tokens)], [], model)
     assert kv_only(10_000, 1000, 4000) == 2 * projection.LARGE_BUFFER  # 10 MB a chunk, two to a segment
     assert kv_only(16_384, 768, 768 * 3) == 3 * 12 * MiB                # 12 MiB chunks, their own
-    assert kv_only(16_384, 768, 768 * 3 + 1) == 3 * 12 * MiB + projection.LARGE_BUFFER
+    # the last token's 16 KiB is a small-pool request: a 2 MiB segment, as torch's allocator makes
+    # (bench/allocator_fidelity on a GPU), not a 20 MiB large one
+    assert kv_only(16_384, 768, 768 * 3 + 1) == 3 * 12 * MiB + projection.SMALL_BUFFER
+    assert kv_only(16_384, 768, 768 * 3 + 64) == 3 * 12 * MiB + projection.SMALL_BUFFER  # 1 MiB: still small
+    assert kv_only(16_384, 768, 768 * 3 + 65) == 3 * 12 * MiB + projection.LARGE_BUFFER  # past it: large
+
+
+def test_small_requests_come_from_the_small_pool_alone():
+    memory = projection._Allocator(0)
+    big = memory.malloc(12 * MiB)       # a large segment of its own
+    memory.free(big)                    # free and cached: a small request does not take it
+    small = memory.malloc(300_000)
+    assert -memory.available == 12 * MiB + projection.SMALL_BUFFER
+    second = memory.malloc(700_000)     # the rest of the small segment serves it (split down to 512 bytes)
+    assert -memory.available == 12 * MiB + projection.SMALL_BUFFER
+    memory.malloc(2 * MiB)              # large: the cached 12 MiB block, split
+    assert -memory.available == 12 * MiB + projection.SMALL_BUFFER
+    memory.free(small)
+    memory.free(second)
+    memory.empty_cache()                # the wholly free small segment goes back; the split large one stays
+    assert -memory.available == 12 * MiB
 
 
 def segment(nbytes: int) -> int:

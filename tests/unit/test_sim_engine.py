@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from sim.allocator import AnonymousMemory, CachingAllocator, CountedMemory, segment_size
+from sim.allocator import SMALL_BUFFER, AnonymousMemory, CachingAllocator, CountedMemory, segment_size
 from sim.engine import Engine, EngineConfig, Phase, Rejected, plan_chunk
 
 pytestmark = pytest.mark.unit
@@ -88,9 +88,10 @@ def test_prefill_runs_in_chunks_at_the_rate_and_holds_memory_per_token():
     assert engine.next_token(request) and request.generated == 1
     engine.finish(request, "stop")
     assert request.finish_reason == "stop" and request.held_bytes == 0 and engine.inflight() == []
-    # the process keeps what the request held: the allocator caches it (one 20 MiB segment)
+    # the process keeps what the request held: the allocator caches it (its 1 MiB chunks are
+    # small-pool requests: two 2 MiB segments, two chunks to each)
     memory = engine.allocator.stats()
-    assert memory.allocated == 0 and memory.reserved == 20 * MiB
+    assert memory.allocated == 0 and memory.reserved == 2 * SMALL_BUFFER and memory.segments == 2
     engine.close()
 
 
@@ -109,8 +110,9 @@ def test_an_abort_takes_effect_at_the_next_chunk_boundary_and_leaves_the_memory_
     assert request.held_bytes == 0 and request.prefilled == 256
     assert engine.inflight() == []
     # SGLang's caching allocator keeps the blocks: available memory does not come back by itself
+    # (the two 1 MiB chunks share one small-pool segment)
     memory = engine.allocator.stats()
-    assert memory.allocated == 0 and memory.reserved == 20 * MiB
+    assert memory.allocated == 0 and memory.reserved == SMALL_BUFFER
     engine.close()
 
 
@@ -245,7 +247,7 @@ def test_admission_is_bounded_by_max_running_and_loads_report_it():
     load = engine.loads()
     assert load["num_used_tokens"] == 256 and load["token_usage"] == pytest.approx(0.0256)
     assert load["memory_bytes"] == 512 * 4096  # the second chunk's KV is allocated as it starts
-    assert load["memory_reserved_bytes"] == 20 * MiB
+    assert load["memory_reserved_bytes"] == SMALL_BUFFER  # two 1 MiB chunks in one small-pool segment
     engine.abort("", abort_all=True)
     steps.finish()
     engine.close()
@@ -356,6 +358,24 @@ def test_the_allocator_reuses_the_best_fitting_cached_block_and_splits_only_a_la
         allocator.free(block)
     assert allocator.empty_cache() == 30 * MiB and memory.mapped == 0
     assert allocator.malloc(0) is None
+
+
+def test_requests_of_up_to_1_mib_come_from_the_small_pool_alone():
+    # c10's get_pool / get_allocation_size / should_split, as torch's own allocator does on a GPU
+    # (bench/allocator_fidelity): 2 MiB segments, split down to 512 bytes, never a large block
+    memory = CountedMemory()
+    allocator = CachingAllocator(memory)
+    big = allocator.malloc(12 * MiB)
+    allocator.free(big)                      # cached, and free: a small request does not take it
+    small = allocator.malloc(300_000)
+    assert memory.mapped == 12 * MiB + SMALL_BUFFER and small.segment is not big.segment
+    second = allocator.malloc(1 * MiB)       # 1 MiB exactly is still small: the same segment's rest
+    assert memory.mapped == 12 * MiB + SMALL_BUFFER and second.segment is small.segment
+    third = allocator.malloc(1 * MiB + 1)    # past it: the large pool's cached block
+    assert third.segment is big.segment and memory.mapped == 12 * MiB + SMALL_BUFFER
+    for block in (small, second):
+        allocator.free(block)
+    assert allocator.empty_cache() == SMALL_BUFFER and memory.mapped == 12 * MiB
 
 
 def test_the_time_spent_touching_memory_is_part_of_the_chunk_and_the_excess_is_carried():
