@@ -38,6 +38,11 @@ when it builds its first step. `cold_waiting_hits` runs the guard on the listing
 would give (as rank 0 gives where the adapter's match fails): a waiting hit looks like a cold
 prompt, charged a cold prompt's KV, which measures what that match is worth.
 
+The engine with its KV in a pool as SGLang keeps it (POOLED, sim/kvpool.py): the KV's memory
+taken once, never given back, reused by later requests' KV alone, while the guard's cost model
+still charges KV through the allocator (where an aborted request's blocks serve anything and the
+hook may return them): what that simplification of the model costs.
+
 The guard with a wrong model (wrong_model): its cost model charging a fraction of what the engine
 takes, the engine unchanged; what the guard's distrust of its model keeps of the node.
 
@@ -60,6 +65,7 @@ from coordinator.guard.charge import CostModel
 from coordinator.guard.engine import parse_inflight
 from sim.allocator import CachingAllocator, CountedMemory
 from sim.engine import Engine, EngineConfig, Phase
+from sim.kvpool import KvPool
 
 MB = 1_000_000
 MiB = 1 << 20
@@ -77,6 +83,9 @@ ENGINE = EngineConfig(chunk_tokens=CHUNK, max_running=64, prefill_tokens_per_s=2
 # The same engine with the admission gate (adapter/admission_gate.py, MEMORY_GUARD_ADMISSION=1): the
 # coordinator passes the guard's level and cost model to the rank.
 GATED = replace(ENGINE, admission=GateSettings(150 * MB, TOKEN_BYTES, TRANSIENT_BYTES))
+# The same engine with its KV in a pool as SGLang's (sim/kvpool.py): taken once, kept, reused by KV
+# alone; the guard's cost model unchanged (it charges KV through the allocator).
+POOLED = replace(ENGINE, kv_pool=True)
 SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB,
                            cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS), rank0_node="node")
 GATED_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, admission_guard_bytes=SETTINGS.guard_bytes))
@@ -171,7 +180,8 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
     def available() -> int:
         return scenario.base - backing.mapped
     engine = Engine(engine_config, on_fatal=lambda why: None, clock=lambda: clock[0],
-                    allocator=allocator_of(backing), node_room=available)
+                    allocator=allocator_of(backing), node_room=available,
+                    kv_pool=KvPool(backing, engine_config.bytes_per_token) if engine_config.kv_pool else None)
     run = Run(lowest=available())
     arrivals = [s for s in scenario.requests]
     requests = {}
@@ -506,9 +516,21 @@ def report(count: int, seed: int, out=print) -> dict:
         f"adapter's match), as generated: the oracle would have kept {cold['kept_by_oracle']}, the same-moment "
         f"oracle {cold['needless']} (against {a['kept_by_oracle']} and {a['needless']} above), below the guard in "
         f"{cold['below_guard']} scenarios, lowest {cold['lowest_margin'] / MB:.0f} MB, abort_all {cold['abort_all']}")
+    pooled = summary([judge(s, seed * 100_003 + s.index, POOLED) for s in scenarios])
+    pooled_held = summary([judge(long_decodes(s), seed * 100_003 + s.index, POOLED) for s in scenarios])
+    pa, pb = pooled, pooled_held
+    out(f"with the engine's KV in a pool as SGLang keeps it (sim/kvpool.py: taken once, kept, reused by KV "
+        f"alone), the guard's cost model unchanged (it charges KV through the allocator), as generated / answers "
+        f"held: the oracle would have kept {pa['kept_by_oracle']} / {pb['kept_by_oracle']}, the same-moment oracle "
+        f"{pa['needless']} / {pb['needless']} (against {a['kept_by_oracle']} / {b['kept_by_oracle']} and "
+        f"{a['needless']} / {b['needless']} above), below the guard in {pa['below_guard']} / {pb['below_guard']} "
+        f"scenarios (nothing acting: {pa['below_guard_unguarded']} / {pb['below_guard_unguarded']}, the node ran "
+        f"out in {pa['ran_out_unguarded']} / {pb['ran_out_unguarded']}), lowest {pa['lowest_margin'] / MB:.0f} / "
+        f"{pb['lowest_margin'] / MB:.0f} MB, abort_all {pa['abort_all']} / {pb['abort_all']}")
     wrong = wrong_model(scenarios, seed, out)
     decision_cost(out)
     return {"wrong_model": wrong, "as_generated": a, "held": b, "gated": ga, "gated_held": gb, "cold_waiting_hits": cold,
+            "kv_pool": pa, "kv_pool_held": pb,
             "verdicts": as_generated, "held_verdicts": held, "gated_verdicts": gated}
 
 

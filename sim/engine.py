@@ -11,7 +11,9 @@ until it finishes, and for the chunk's duration the indexer's logits buffer [chu
 (DSV41_SIM_TRANSIENT_BYTES per chunk token and prefix token; the low-ratio layers reuse one
 block, so one is live at a time). A finished or aborted request's memory goes back to the
 allocator's cache, not to the OS; only empty_cache() returns it, which the prefill_empty_cache
-hook runs after a chunk of a sequence of at least DSV41_PREFILL_EMPTY_CACHE_TOKENS.
+hook runs after a chunk of a sequence of at least DSV41_PREFILL_EMPTY_CACHE_TOKENS. With
+`kv_pool` the KV goes to a pool as SGLang's does (sim/kvpool.py): its memory is taken once, the
+first time the pool's slots are used, never given back, and reused by later requests' KV alone.
 
 Every forward step (a prefill chunk or a decode batch) begins with `begin_step()`: the rank's
 progress counter moves and, in a TP group, rank 0 waits for every worker to take part in the step
@@ -30,6 +32,7 @@ from typing import Callable
 from adapter.admission_gate import GateSettings, HoldReport, NodeRoom, admits, step_bytes
 
 from .allocator import AnonymousMemory, Block, CachingAllocator
+from .kvpool import KvPool
 
 
 class Phase(enum.Enum):
@@ -66,10 +69,12 @@ class Request:
     abort_sent: bool = False  # the tokenizer side took an abort of this rid: a repeat is dropped
     chunk_tokens: int = 0  # its tokens in the prefill step now running (0: none)
     blocks: list[Block] = field(default_factory=list)  # its KV, in the allocator
+    pool_tokens: int = 0  # its KV's slots in the KV pool (kv_pool mode)
+    pool_bytes: int = 0
 
     @property
     def held_bytes(self) -> int:
-        return sum(b.size for b in self.blocks)
+        return sum(b.size for b in self.blocks) + self.pool_bytes
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class EngineConfig:
     transient_bytes: float = 0.0  # per chunk token and prefix token, for the chunk's duration
     empty_cache_tokens: int = 0  # the prefill_empty_cache hook's threshold (0: off)
     admission: GateSettings | None = None  # the admission gate's settings (None: off)
+    kv_pool: bool = False  # KV in SGLang's pool (sim/kvpool.py), not in the caching allocator
 
 
 def plan_chunk(pending: list[tuple[str, int]], budget: int) -> list[tuple[str, int]]:
@@ -112,7 +118,8 @@ class Engine:
                  begin_step: Callable[[], None] = lambda: None,
                  allocator: CachingAllocator | None = None,
                  node_room: Callable[[], int] | None = None,
-                 log: Callable[[str], None] = lambda line: None) -> None:
+                 log: Callable[[str], None] = lambda line: None,
+                 kv_pool: KvPool | None = None) -> None:
         self.config = config
         self._holds = HoldReport(log)  # the gate's lines, as the rank's gate writes them
         self._node_room = node_room or NodeRoom()  # the admission gate's measure of the node
@@ -121,6 +128,8 @@ class Engine:
         self._sleep = sleep
         self._begin_step = begin_step
         self.allocator = allocator or CachingAllocator(AnonymousMemory())
+        self.kv_pool = kv_pool if kv_pool is not None else \
+            KvPool(AnonymousMemory(), config.bytes_per_token) if config.kv_pool else None
         self._cond = threading.Condition()
         self._requests: dict[str, Request] = {}  # in arrival order; finished ones are removed
         self._last_step_at = float("-inf")  # time.monotonic() when the last forward step completed
@@ -293,6 +302,9 @@ class Engine:
         blocks, request.blocks = request.blocks, []
         for block in blocks:  # back to the allocator's cache: the process keeps the memory
             self.allocator.free(block)
+        if request.pool_tokens and self.kv_pool is not None:  # back to the pool's free list: the same
+            self.kv_pool.give_back(request.pool_tokens)
+        request.pool_tokens = request.pool_bytes = 0
         self._requests.pop(request.rid, None)
         self._cond.notify_all()
 
@@ -370,7 +382,17 @@ class Engine:
         if empties_cache([r.prompt_tokens for r, _ in batch], cfg.empty_cache_tokens):
             self.allocator.empty_cache()
         for request, take in batch:
-            kv = self.allocator.malloc(take * cfg.bytes_per_token)
+            if self.kv_pool is not None:
+                self.kv_pool.take(take)
+                with self._cond:
+                    request.pool_tokens += take
+                    request.pool_bytes += take * cfg.bytes_per_token
+                    if request.phase is Phase.FINISHED:  # aborted meanwhile: its slots go back at once
+                        self.kv_pool.give_back(request.pool_tokens)
+                        request.pool_tokens = request.pool_bytes = 0
+                kv = None
+            else:
+                kv = self.allocator.malloc(take * cfg.bytes_per_token)
             if kv is not None:
                 with self._cond:
                     request.blocks.append(kv)  # freed with the request, also if it was aborted meanwhile

@@ -78,7 +78,8 @@ def engine_config(args: SimArgs, settings: Settings) -> EngineConfig:
                         max_total_tokens=int(args.max_total_tokens or 0),
                         context_length=args.context_length,
                         transient_bytes=settings.transient_bytes,
-                        empty_cache_tokens=settings.empty_cache_tokens, admission=settings.admission)
+                        empty_cache_tokens=settings.empty_cache_tokens, admission=settings.admission,
+                        kv_pool=settings.kv_pool)
 
 
 LOAD_STEPS = 50

@@ -139,6 +139,7 @@ def test_settings_from_the_environment():
     assert (s.transient_bytes, s.load_bytes, s.empty_cache_tokens) == (0.5, 1 << 20, 0)
     # the hook's threshold is the adapter's default, read as the adapter reads it
     assert settings.Settings().empty_cache_tokens == 8192 and settings.Settings().transient_bytes == 4.0
+    assert settings.from_env({"DSV41_SIM_KV_POOL": "1"}).kv_pool and not settings.Settings().kv_pool
 
 
 @pytest.mark.parametrize("env, fragment", [
@@ -149,6 +150,8 @@ def test_settings_from_the_environment():
     ({"DSV41_SIM_LOAD_BYTES": "1.5"}, "DSV41_SIM_LOAD_BYTES='1.5' is not an integer"),
     ({"DSV41_SIM_TRANSIENT_BYTES": "-4"}, "DSV41_SIM_TRANSIENT_BYTES='-4' must be zero or more"),
     ({"DSV41_PREFILL_EMPTY_CACHE_TOKENS": "lots"}, "DSV41_PREFILL_EMPTY_CACHE_TOKENS='lots': expected an integer"),
+    ({"DSV41_SIM_KV_POOL": "yes"}, "DSV41_SIM_KV_POOL='yes': expected an integer in [0, 1]"),
+    ({"DSV41_SIM_KV_POOL": "2"}, "DSV41_SIM_KV_POOL=2: outside the allowed range [0, 1]"),
 ])
 def test_bad_settings_are_named(env, fragment):
     with pytest.raises(ValueError) as exc:

@@ -5,6 +5,7 @@ import pytest
 
 from sim.allocator import SMALL_BUFFER, AnonymousMemory, CachingAllocator, CountedMemory, segment_size
 from sim.engine import Engine, EngineConfig, Phase, Rejected, plan_chunk
+from sim.kvpool import KvPool
 
 pytestmark = pytest.mark.unit
 
@@ -461,3 +462,40 @@ def test_the_engine_says_when_the_prefill_step_now_running_was_launched():
     assert engine.step_launched_at() == 100.5
     engine.end_chunk(batch, transients)
     assert engine.step_launched_at() is None
+
+
+def test_the_kv_pool_keeps_what_it_touched_and_reuses_freed_slots_for_kv_alone():
+    backing = CountedMemory()
+    pool = KvPool(backing, bytes_per_token=4096)
+    assert pool.take(512) == 512 and backing.mapped == 2 * MiB  # 2 MiB of slots: one page
+    pool.give_back(512)
+    assert pool.in_use == 0 and backing.mapped == 2 * MiB  # the pool is never freed
+    pool.take(200)  # the freed slots again: nothing new taken
+    assert backing.mapped == 2 * MiB
+    pool.take(400)  # past the high-water mark: one more page
+    assert backing.mapped == 4 * MiB and pool.touched_bytes == 4 * MiB and pool.in_use == 600
+
+
+def test_with_the_kv_pool_an_aborted_requests_kv_never_comes_back_and_serves_no_buffer():
+    clock, backing = Clock(), CountedMemory()
+    engine = Engine(EngineConfig(chunk_tokens=256, max_running=8, prefill_tokens_per_s=1000.0,
+                                 decode_tokens_per_s=1e6, bytes_per_token=64 * 1024, max_total_tokens=10000,
+                                 context_length=None, transient_bytes=16.0, empty_cache_tokens=512, kv_pool=True),
+                    on_fatal=lambda why: None, clock=clock, allocator=CachingAllocator(backing),
+                    kv_pool=KvPool(backing, 64 * 1024))
+    a = engine.submit("a", 1024)
+    for _ in range(2):
+        batch = engine.next_prefill()
+        engine.end_chunk(batch, engine.allocate_chunk(batch))
+    assert a.held_bytes == 512 * 64 * 1024 and engine.allocator.stats().reserved == 0  # the hook gave the buffers back
+    touched = backing.mapped
+    assert touched == engine.kv_pool.touched_bytes == 32 * MiB
+    engine.abort("a")
+    b = engine.submit("b", 600)
+    batch = engine.next_prefill()  # the boundary: a's slots go back to the pool, not to the node
+    assert a.phase is Phase.FINISHED and engine.kv_pool.in_use == 0 and backing.mapped == touched
+    transients = engine.allocate_chunk(batch)  # b's KV takes a's slots; its buffer is new memory all the same
+    assert engine.kv_pool.in_use == 256 and backing.mapped == touched + engine.allocator.stats().reserved
+    assert engine.allocator.stats().reserved > 0 and b.held_bytes == 256 * 64 * 1024
+    engine.end_chunk(batch, transients)  # the hook: the buffer goes back, the pool stays
+    assert backing.mapped == touched
