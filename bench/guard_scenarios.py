@@ -89,6 +89,7 @@ POOLED = replace(ENGINE, kv_pool=True)
 SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB,
                            cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS), rank0_node="node")
 GATED_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, admission_guard_bytes=SETTINGS.guard_bytes))
+POOL_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, kv_pool=True))  # the guard's model knowing the pool
 LATENCY_S = 0.002   # an action's HTTP call on the node's loopback
 CONFIRM_POLL_S = 0.05
 NOISE = 1 * MB      # sample noise, each way
@@ -379,9 +380,12 @@ def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings:
     return needless
 
 
-def judge(scenario: Scenario, seed: int, engine_config: EngineConfig = ENGINE, cold_waiting_hits: bool = False) -> Verdict:
-    """With the gated engine the guard's cost model knows the gate (as MEMORY_GUARD_ADMISSION=1 tells both)."""
-    settings = GATED_SETTINGS if engine_config.admission else SETTINGS
+def judge(scenario: Scenario, seed: int, engine_config: EngineConfig = ENGINE, cold_waiting_hits: bool = False,
+          settings: p.GuardSettings | None = None) -> Verdict:
+    """With the gated engine the guard's cost model knows the gate (as MEMORY_GUARD_ADMISSION=1 tells
+    both), unless `settings` says otherwise."""
+    if settings is None:
+        settings = GATED_SETTINGS if engine_config.admission else SETTINGS
     k, sets, unguarded = oracle(scenario, seed, engine_config)
     guarded = simulate(scenario, guarded=True, seed=seed, settings=settings, engine_config=engine_config,
                        cold_waiting_hits=cold_waiting_hits)
@@ -516,21 +520,24 @@ def report(count: int, seed: int, out=print) -> dict:
         f"adapter's match), as generated: the oracle would have kept {cold['kept_by_oracle']}, the same-moment "
         f"oracle {cold['needless']} (against {a['kept_by_oracle']} and {a['needless']} above), below the guard in "
         f"{cold['below_guard']} scenarios, lowest {cold['lowest_margin'] / MB:.0f} MB, abort_all {cold['abort_all']}")
-    pooled = summary([judge(s, seed * 100_003 + s.index, POOLED) for s in scenarios])
-    pooled_held = summary([judge(long_decodes(s), seed * 100_003 + s.index, POOLED) for s in scenarios])
-    pa, pb = pooled, pooled_held
-    out(f"with the engine's KV in a pool as SGLang keeps it (sim/kvpool.py: taken once, kept, reused by KV "
-        f"alone), the guard's cost model unchanged (it charges KV through the allocator), as generated / answers "
-        f"held: the oracle would have kept {pa['kept_by_oracle']} / {pb['kept_by_oracle']}, the same-moment oracle "
-        f"{pa['needless']} / {pb['needless']} (against {a['kept_by_oracle']} / {b['kept_by_oracle']} and "
-        f"{a['needless']} / {b['needless']} above), below the guard in {pa['below_guard']} / {pb['below_guard']} "
-        f"scenarios (nothing acting: {pa['below_guard_unguarded']} / {pb['below_guard_unguarded']}, the node ran "
-        f"out in {pa['ran_out_unguarded']} / {pb['ran_out_unguarded']}), lowest {pa['lowest_margin'] / MB:.0f} / "
-        f"{pb['lowest_margin'] / MB:.0f} MB, abort_all {pa['abort_all']} / {pb['abort_all']}")
+    pooled = {}
+    for model, settings in (("charging KV through the allocator", SETTINGS),
+                            ("knowing the pool (as it does with RANK_ENGINE=sglang)", POOL_SETTINGS)):
+        pa, pb = (summary([judge(x, seed * 100_003 + x.index, POOLED, settings=settings) for x in s])
+                  for s in (scenarios, [long_decodes(x) for x in scenarios]))
+        pooled[model] = (pa, pb)
+        out(f"with the engine's KV in a pool as SGLang keeps it (sim/kvpool.py: taken once, kept, reused by KV "
+            f"alone), the guard's cost model {model}, as generated / answers held: the oracle would have kept "
+            f"{pa['kept_by_oracle']} / {pb['kept_by_oracle']}, the same-moment oracle {pa['needless']} / "
+            f"{pb['needless']} (against {a['kept_by_oracle']} / {b['kept_by_oracle']} and {a['needless']} / "
+            f"{b['needless']} above), below the guard in {pa['below_guard']} / {pb['below_guard']} scenarios "
+            f"(nothing acting: {pa['below_guard_unguarded']} / {pb['below_guard_unguarded']}, the node ran out in "
+            f"{pa['ran_out_unguarded']} / {pb['ran_out_unguarded']}), lowest {pa['lowest_margin'] / MB:.0f} / "
+            f"{pb['lowest_margin'] / MB:.0f} MB, abort_all {pa['abort_all']} / {pb['abort_all']}")
     wrong = wrong_model(scenarios, seed, out)
     decision_cost(out)
     return {"wrong_model": wrong, "as_generated": a, "held": b, "gated": ga, "gated_held": gb, "cold_waiting_hits": cold,
-            "kv_pool": pa, "kv_pool_held": pb,
+            "kv_pool": pooled,
             "verdicts": as_generated, "held_verdicts": held, "gated_verdicts": gated}
 
 

@@ -249,7 +249,8 @@ KEYS: tuple[Key, ...] = (
     _k("MEMORY_GUARD_STOP_AFTER_S", v.real(0.05, 600.0), "1",
        "after abort_all, memory still falling this long (or running out within the lead): stop the ranks cleanly"),
     _k("MEMORY_GUARD_TOKEN_BYTES", v.optional(v.integer(0, 1 << 30)), "",
-       "what a prompt token costs each rank while its request lives (its KV), bytes: the guard charges memory to the "
+       "what a prompt token costs each rank while its request lives (its KV in SGLang's pool, taken the first time "
+       "the pool's slots are used and reused by later KV alone), bytes: the guard charges memory to the "
        "requests by it, aborts the fewest that keep the projected lowest point above the guard and a queued prompt "
        "that cannot fit before it starts. Empty: DSV41_SIM_BYTES_PER_TOKEN (16384) with RANK_ENGINE=sim, else 12000 "
        "(the head, rebuilt from the example configuration's notes); 0 with MEMORY_GUARD_TRANSIENT_BYTES=0: no cost "

@@ -4,7 +4,8 @@ Pure functions over rank 0's in-flight list (its scheduler's view: adapter/infli
 model of what a request costs, per rank (MEMORY_GUARD_TOKEN_BYTES, MEMORY_GUARD_TRANSIENT_BYTES,
 CHUNKED_PREFILL_SIZE, DSV41_PREFILL_EMPTY_CACHE_TOKENS):
 - a request's KV grows by token_bytes per prefilled token and is held until it ends; ended (or
-  aborted), it stays in the caching allocator, where the next allocations reuse it: aborting a
+  aborted), it stays with the process, where the next allocations reuse it (SGLang's KV pool: the
+  next requests' KV alone; the stand-in's caching allocator by default: anything): aborting a
   request stops its growth and leaves what it held to the others, it does not give memory back;
 - each prefill chunk of c tokens at prefix p (this chunk included) needs transient_bytes x c x p
   for the indexer's buffers. With the prefill_empty_cache hook (the prompt at least its
@@ -83,6 +84,9 @@ class CostModel:
     # The ranks' admission gate (MEMORY_GUARD_ADMISSION=1: adapter/admission_gate.py): a new
     # request's first step waits while it would leave less than this; 0: no gate.
     admission_guard_bytes: int = 0
+    # The KV in a pool of slots, as SGLang keeps it (projection.py): reused by later KV alone, its
+    # memory never given back; False: in the caching allocator (the stand-in's default).
+    kv_pool: bool = False
 
     @property
     def configured(self) -> bool:

@@ -8,6 +8,11 @@ sim/engine.py and sim/allocator.py, does the same):
   piece and the next prompt's first share a step;
 - each piece allocates its tokens' KV, which the request keeps, and the indexer's buffers
   (transient_bytes x tokens x prefix), freed when the step ends;
+- with `kv_pool` (SGLang's own layout: its KV lives in a pool of slots made at start, not in the
+  caching allocator) the KV takes the pool's free slots first and its memory grows only past the
+  slots ever used, in 2 MiB pages, as the stand-in's sim/kvpool.py: an ended or aborted request's
+  slots go back to the pool, serve later KV alone and never go back to the system; without it
+  the KV is allocated as the buffers are (the stand-in's default);
 - a freed block stays with the process and merges with the free blocks beside it in its
   segment; a later allocation is served from the smallest free block of its pool that fits, else
   from a new segment: requests of up to 1 MiB from the small pool (2 MiB segments, a block split
@@ -44,6 +49,7 @@ if TYPE_CHECKING:  # charge.py imports this module
     from .charge import CostModel, InflightRequest
 
 MiB = 1 << 20
+POOL_PAGE = 2 * MiB         # the KV pool's memory is taken in pages of this (sim/kvpool.GRANULE)
 SPLIT_REMAINDER = 1 * MiB   # kSmallSize: a large-pool block is split only when more than this is left
 SMALL_SIZE = 1 * MiB        # kSmallSize: requests of up to this are served from the small pool
 SMALL_BUFFER = 2 * MiB      # kSmallBuffer: the small pool's segment
@@ -88,6 +94,20 @@ class _Allocator:
         # (pool, size, seq, segment, block), sorted: the small pool's (0) before the large pool's (1)
         self._free: list[tuple[int, int, int, _Segment, list]] = []
         self._seq = 0
+        self.kv_in_use = 0  # the KV pool: bytes of slots requests hold
+        self.kv_pages = 0   # its pages ever used (what it holds from the system)
+
+    def kv_take(self, nbytes: int) -> None:
+        """KV slots from the pool: free ones first, then new pages from the system."""
+        self.kv_in_use += nbytes
+        pages = -(-self.kv_in_use // POOL_PAGE)
+        if pages > self.kv_pages:
+            self.available -= (pages - self.kv_pages) * POOL_PAGE
+            self.kv_pages = pages
+
+    def kv_give_back(self, nbytes: int) -> None:
+        """Slots back to the pool: free for later KV, still the process's."""
+        self.kv_in_use -= min(nbytes, self.kv_in_use)
 
     def free_bytes(self) -> int:
         return sum(f[1] for f in self._free)
@@ -177,6 +197,7 @@ class _Allocator:
                     blocks[id(old)] = new
         out = _Allocator(self.available)
         out._seq = self._seq
+        out.kv_in_use, out.kv_pages = self.kv_in_use, self.kv_pages
         out._free = [(pool, size, seq, copies[id(segment)], blocks[id(block)])
                      for pool, size, seq, segment, block in self._free]
         for segment, block in handles:
@@ -257,12 +278,17 @@ def _hooked(pieces: list, model: "CostModel") -> bool:
 def _allocate_batch(memory: _Allocator, pieces: list, model: "CostModel", kv: dict[str, list] | None) -> list:
     """One prefill step's memory, as the engine takes it: the hook's empty_cache() first when a
     prompt in the step is long enough, then each piece's KV (kept, and recorded in `kv` when
-    given) and its indexer buffers over its prefix; returns the buffers (freed when the step ends)."""
+    given: its allocator blocks, or with the KV pool its bytes) and its indexer buffers over its
+    prefix; returns the buffers (freed when the step ends)."""
     if _hooked(pieces, model):
         memory.empty_cache()
     buffers = []
     for r, start, take in pieces:
-        block = memory.malloc(model.token_bytes * take)
+        if model.kv_pool:
+            block = model.token_bytes * take
+            memory.kv_take(block)
+        else:
+            block = memory.malloc(model.token_bytes * take)
         if kv is not None:
             kv.setdefault(r.rid, []).append(block)
         buffers.append(memory.malloc(int(model.transient_bytes * take * (start + take))))
@@ -301,6 +327,8 @@ class Projection:
     def _start(self, kept: list["InflightRequest"], aborted: Iterable["InflightRequest"]) -> tuple[_Allocator, list[list]]:
         """The allocator at the next step boundary and the queue of prefills to come from there."""
         gone = [h for r in aborted for h in self._kv.get(r.rid, ()) if h is not None]
+        pooled = sum(gone) if self.model.kv_pool else 0
+        gone = [] if self.model.kv_pool else gone
         whole = [h[0].size for h in gone if len(h[0].blocks) == 1]  # a segment of its own: freed, wholly free
         gone = [h for h in gone if len(h[0].blocks) > 1]
         running = [h for h in self._running if h is not None]
@@ -311,6 +339,7 @@ class Projection:
         memory.add_free_segments(whole)
         for h in gone:
             memory.free(mapped[id(h[1])])
+        memory.kv_give_back(pooled)
         queue = []
         for r in prefill_order(kept):
             prefix = r.prefilled_tokens
@@ -395,18 +424,21 @@ def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) 
     once no free block is left that its KV or its buffers fit, each takes a new segment for both
     and gives the buffers' back: the lowest is at the last of them (exact). Without it, past
     UNHOOKED_EXACT_CHUNKS chunks each chunk's buffers are counted as a new segment that stays (the
-    allocator keeps them; it reuses some, which this errs low by). Advances entry's prefix past
-    them; returns the low so far."""
+    allocator keeps them; it reuses some, which this errs low by). With the KV pool the chunks'
+    KV is the pool's (its pages grow with it alone, exact). Advances entry's prefix past them;
+    returns the low so far."""
     r, prefix, until = entry
     chunk = model.chunk_tokens
     if chunk <= 0:
         return low
     n = (until - prefix - 1) // chunk
-    kv = round_size(model.token_bytes * chunk) if model.token_bytes else 0
+    pooled = n * chunk * model.token_bytes if model.kv_pool else 0
+    kv = round_size(model.token_bytes * chunk) if model.token_bytes and not model.kv_pool else 0
     end = prefix + n * chunk
     if not model.hooked(r):
         if n <= UNHOOKED_EXACT_CHUNKS:
             return low
+        memory.kv_take(pooled)
         memory.available -= n * (segment_size(kv) if kv else 0)
         memory.available -= sum(segment_size(round_size(int(model.transient_bytes * chunk * p)))
                                 for p in range(prefix + chunk, end + 1, chunk)) if model.transient_bytes else 0
@@ -415,11 +447,13 @@ def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) 
     buffers = model.transient_bytes > 0
     first = round_size(int(model.transient_bytes * chunk * (prefix + chunk))) if buffers else 0
     if n < 2 or (kv and (kv < MIN_LARGE_ALLOC or segment_size(kv) - kv > SPLIT_REMAINDER)) \
-            or (buffers and first < MIN_LARGE_ALLOC) or not (kv or buffers):
+            or (buffers and first < MIN_LARGE_ALLOC) or not (kv or buffers or pooled):
         return low
     memory.empty_cache()
-    if memory.largest_free() >= min(x for x in (kv, first) if x):
+    sizes = [x for x in (kv, first) if x]
+    if sizes and memory.largest_free() >= min(sizes):
         return low  # a free block would serve some of them: step them one by one
+    memory.kv_take(pooled)
     memory.available -= n * (segment_size(kv) if kv else 0)
     entry[1] = end
     last = segment_size(round_size(int(model.transient_bytes * chunk * end))) if buffers else 0

@@ -17,6 +17,7 @@ from coordinator.guard.engine import parse_inflight
 from sim.allocator import CachingAllocator, CountedMemory
 from adapter.admission_gate import GateSettings
 from sim.engine import Engine, EngineConfig
+from sim.kvpool import KvPool
 
 pytestmark = pytest.mark.unit
 
@@ -39,22 +40,27 @@ def cold_hits(items: list[dict]) -> list[dict]:
 
 
 def error_mb(rng: random.Random, mid_step: bool, ended: bool = False, hook: bool = True,
-             gate: int = 0, base: int = BASE, held: list | None = None, cold: bool = False) -> float:
+             gate: int = 0, base: int = BASE, held: list | None = None, cold: bool = False,
+             pool: bool = False) -> float:
     """A random queue on the stand-in engine, some chunks in; the projection from its listing
     minus the lowest point the engine then really reaches (MB; above 0: the projection was kind).
     `ended`: the requests done prefilling by then end (their clients stop reading), so what they
     leave in the allocator is in no listing. `hook` False: the prefill_empty_cache hook off.
     `gate`: the admission gate's level on the engine and in the model, on a node of `base`; the
     requests still waiting at the end are appended to `held`. `cold`: a waiting prefix-cache hit
-    listed as a cold prompt (cold_hits), not with its match."""
+    listed as a cold prompt (cold_hits), not with its match. `pool`: the KV in a pool as SGLang
+    keeps it, on the engine (sim/kvpool.py) and in the model."""
     config, model = (ENGINE, MODEL) if hook else (dataclasses.replace(ENGINE, empty_cache_tokens=0),
                                                   dataclasses.replace(MODEL, empty_cache_tokens=0))
     if gate:
         config = dataclasses.replace(config, admission=GateSettings(gate, config.bytes_per_token, config.transient_bytes))
         model = dataclasses.replace(model, admission_guard_bytes=gate)
+    if pool:
+        config, model = dataclasses.replace(config, kv_pool=True), dataclasses.replace(model, kv_pool=True)
     backing = CountedMemory()
     engine = Engine(config, on_fatal=lambda why: None, clock=lambda: 1.0, allocator=CachingAllocator(backing),
-                    node_room=lambda: base - backing.mapped)
+                    node_room=lambda: base - backing.mapped,
+                    kv_pool=KvPool(backing, config.bytes_per_token) if pool else None)
     for i in range(rng.randint(1, 4)):
         kind = rng.choice(("short", "long", "cached"))
         if kind == "short":
@@ -169,6 +175,45 @@ def test_what_ended_requests_left_is_not_known_and_the_projection_errs_low_by_it
     assert max(errors) <= projection.LARGE_BUFFER / MB + 0.01, sorted(errors)[-3:]
     assert sum(e > 1 for e in errors) <= 6, sorted(errors)[-8:]
     assert sum(e < -1 for e in errors) >= 20, sorted(errors)[:12]  # what is not known, it errs low by
+
+
+@pytest.mark.parametrize("mid_step", [False, True], ids=["between_steps", "a_step_running"])
+@pytest.mark.parametrize("hook", [True, False], ids=["hook", "no_hook"])
+def test_with_the_kv_pool_the_projection_follows_the_engine_to_the_byte(mid_step, hook):
+    # The same kind of queues with the KV in SGLang's kind of pool on both sides: the KV takes
+    # pool pages (never given back, reused by KV alone), the buffers the allocator's segments.
+    # Without the hook the long prompts' chunks past UNHOOKED_EXACT_CHUNKS are counted at once,
+    # as above: exact for the KV, low for the buffers.
+    rng = random.Random(7)
+    errors = [error_mb(rng, mid_step, hook=hook, pool=True) for _ in range(300)]
+    if hook:
+        assert max(abs(e) for e in errors) == 0, sorted(errors)[:3] + sorted(errors)[-3:]
+    else:
+        assert max(errors) <= 0 and statistics.median(errors) == 0, sorted(errors)[-3:]
+
+
+@pytest.mark.parametrize("mid_step", [False, True], ids=["between_steps", "a_step_running"])
+def test_with_the_kv_pool_what_ended_requests_left_makes_the_projection_err_low(mid_step):
+    # Their slots stay in the pool, free, and the next prompts' KV takes them at no cost: the
+    # projection, which does not know them, charges new pages and errs low (kinder only by the
+    # buffers of a last step shared with the next prompt's first piece, as with the allocator).
+    rng = random.Random(11)
+    errors = [error_mb(rng, mid_step, ended=True, pool=True) for _ in range(300)]
+    assert max(errors) <= projection.LARGE_BUFFER / MB + 0.01, sorted(errors)[-3:]
+    assert sum(e < -1 for e in errors) >= 20, sorted(errors)[:12]
+
+
+def test_with_the_kv_pool_an_aborted_requests_kv_serves_later_kv_but_no_buffer():
+    pooled = dataclasses.replace(MODEL, kv_pool=True)
+    held = InflightRequest("held", 50_000, 30_720, state="prefilling")  # 480 MiB of KV in the pool
+    short = waiting("short", 6_000)                                        # no hook: its buffers stay
+    base = 2_000 * MB
+    alone = charge.projected_low(base, [short], [], pooled)
+    freed = charge.projected_low(base, [short], [held], pooled)
+    # its 6000 tokens of KV come from the aborted request's slots: only its buffers take memory
+    buffers = base - freed
+    assert 0 < buffers < base - alone
+    assert base - alone == buffers + 6_000 * 16_384 + (-(6_000 * 16_384) % projection.POOL_PAGE)  # new pages, whole
 
 
 def test_without_the_hook_long_prompts_are_counted_at_once_and_never_kindly():
