@@ -21,7 +21,8 @@ Schema (the stand-in engine serves the same route with the same schema from its 
       ],
       "source": "scheduler",
       "scheduler_age_s": 0.012,
-      "step_launched_monotonic_s": 81234.567891
+      "step_launched_monotonic_s": 81234.567891,
+      "kv_pool_high_water_tokens": 412032
     }
 
     rid               str    SGLang's request id, the value POST /abort_request {"rid": ...} takes
@@ -45,7 +46,10 @@ the first four fields, prefilled_tokens being 0 until the first output token and
 after it. "scheduler_age_s" says how old the snapshot is; "step_launched_monotonic_s" when the
 step it lists was launched (`Scheduler.run_batch` returned, so its allocations are made), on rank
 0's host's CLOCK_MONOTONIC, null while it is not yet (a memory sample of that host taken later
-has the step's buffers in it); "scheduler_problem" why it could not be used, when it could not. If the server's request states cannot be read (still starting, or a
+has the step's buffers in it); "kv_pool_high_water_tokens" the most KV pool slots its requests
+held at once in the scheduler's iterations before the listed one (SGLang's allocator: its size
+less what is free), so slots whose memory the pool has touched, null when not known;
+"scheduler_problem" why it could not be used, when it could not. If the server's request states cannot be read (still starting, or a
 multi-tokenizer layout without them) the route answers 503 with {"error": "..."}. SGLang's
 --api-key middleware covers this route like every other: the caller sends the key.
 
@@ -258,7 +262,8 @@ class InflightRoute:
         age = round(max(0, self._monotonic_ns() - snap.written_ns) / 1e9, 3)
         launched = round(snap.launched_ns / 1e9, 6) if snap.launched_ns else None
         return 200, payload(merge(requests, snap.records), SCHEDULER_SOURCE, scheduler_age_s=age,
-                            step_launched_monotonic_s=launched)
+                            step_launched_monotonic_s=launched,
+                            kv_pool_high_water_tokens=snap.kv_high_water or None)
 
     def install(self, app: Any) -> None:
         from starlette.requests import Request

@@ -11,11 +11,15 @@ aarch64) the reader may see the sequence word's new value before all of the reco
 the header carries a CRC-32 of what it describes and of the records, and a read whose CRC does
 not match is retried like one that overlapped a write.
 
-Layout (little-endian, one mapping of SIZE bytes): a header of magic "DSV41RQ2", the sequence
+Layout (little-endian, one mapping of SIZE bytes): a header of magic "DSV41RQ4", the sequence
 word (odd while a write is under way), the snapshot's CLOCK_MONOTONIC ns, when the step it lists
 was launched (CLOCK_MONOTONIC ns once `Scheduler.run_batch` returned, its allocations made; 0
 before), the writer's pid, the number of records, the requests not listed (more than
-MAX_RECORDS), the CRC-32 of those four numbers and the records, then the records: state
+MAX_RECORDS), the CRC-32 of those four numbers, the next one and the records, the KV pool's
+high-water mark (the most token slots its requests held at once in the scheduler's iterations
+before this one, whose steps have run: the slots whose memory the pool has touched; the batch
+this snapshot lists has its slots already and may not have written them yet; 0: not known),
+then the records: state
 (0 waiting, 1 prefilling, 2 decoding), the rid's full length in bytes, prompt, prefilled, cached,
 chunk and output tokens, the rid's first RID_BYTES bytes (UTF-8), and for a rid longer than that
 an 8-byte BLAKE2b digest of the whole rid (zeros otherwise): two long rids that share their first
@@ -38,12 +42,12 @@ from adapter.progress import create_shared
 
 DIRECTORY = "/dev/shm"
 PREFIX = "dsv41-requests-tp"
-MAGIC = int.from_bytes(b"DSV41RQ3", "little")
+MAGIC = int.from_bytes(b"DSV41RQ4", "little")
 STATES = ("waiting", "prefilling", "decoding")
 RID_BYTES = 160
 MAX_RECORDS = 1024
-_HEADER = struct.Struct("<QQQQQIII4x")  # magic, seq, written_ns, launched_ns, pid, count, unlisted, crc
-_CHECKED = struct.Struct("<QQII")  # written_ns, launched_ns, count, unlisted: what the CRC covers with the records
+_HEADER = struct.Struct("<QQQQQIIII")  # magic, seq, written_ns, launched_ns, pid, count, unlisted, crc, kv high water
+_CHECKED = struct.Struct("<QQIII")  # written_ns, launched_ns, count, unlisted, kv high water: covered by the CRC
 _RECORD = struct.Struct(f"<BxH5I{RID_BYTES}s8s")  # state, rid length, 5 counts, rid, digest: 192 bytes
 DIGEST_BYTES = 8
 _NO_DIGEST = bytes(DIGEST_BYTES)
@@ -53,8 +57,8 @@ SIZE = _HEADER.size + MAX_RECORDS * _RECORD.size
 _U32 = (1 << 32) - 1
 
 
-def _crc(written_ns: int, launched_ns: int, count: int, unlisted: int, records_crc: int) -> int:
-    return zlib.crc32(_CHECKED.pack(written_ns, launched_ns, count, unlisted), records_crc)
+def _crc(written_ns: int, launched_ns: int, count: int, unlisted: int, kv_high_water: int, records_crc: int) -> int:
+    return zlib.crc32(_CHECKED.pack(written_ns, launched_ns, count, unlisted, kv_high_water), records_crc)
 
 
 def path_for(tp_rank: int, directory: str = DIRECTORY) -> str:
@@ -90,6 +94,7 @@ class Snapshot:
     pid: int
     unlisted: int = 0  # requests beyond MAX_RECORDS, not in `records`
     launched_ns: int = 0  # when the step listed was launched (0: not yet)
+    kv_high_water: int = 0  # the most KV pool slots (tokens) held at once so far (0: not known)
 
 
 def _encode(r: Record, digest_of: Callable[[str], bytes] = rid_digest) -> bytes:
@@ -123,13 +128,20 @@ class RequestsWriter:
         self._clock_ns = clock_ns
         self._seq = 0
         self._header = (0, 0, 0, 0)  # written_ns, launched_ns, count, unlisted of the last write
+        self._kv_high_water = 0  # over every snapshot so far
+        self._kv_published = 0   # over the snapshots before the last one
         self._records_crc = 0  # CRC-32 of the last write's records
         self._digests: dict[str, bytes] = {}  # rid -> rid_digest of the last write's long rids
         created = clock_ns()
         self._map = create_shared(self.path, SIZE, lambda m: _HEADER.pack_into(
-            m, 0, MAGIC, 0, created, 0, self.pid, 0, 0, _crc(created, 0, 0, 0, 0)))
+            m, 0, MAGIC, 0, created, 0, self.pid, 0, 0, _crc(created, 0, 0, 0, 0, 0), 0))
 
-    def write(self, records: list[Record]) -> None:
+    def write(self, records: list[Record], kv_in_use: int | None = None) -> None:
+        """The snapshot; `kv_in_use`: the KV pool's slots held now (tokens), the batch it lists
+        included, which raises the high-water mark the next snapshots publish."""
+        self._kv_published = self._kv_high_water
+        if kv_in_use is not None:
+            self._kv_high_water = max(self._kv_high_water, min(max(0, kv_in_use), _U32))
         listed = records[:MAX_RECORDS]
         previous, self._digests = self._digests, {}
 
@@ -158,8 +170,9 @@ class RequestsWriter:
 
     def _close(self, odd: int) -> None:
         written, launched, count, unlisted = self._header
+        high = self._kv_published
         _HEADER.pack_into(self._map, 0, MAGIC, odd, written, launched, self.pid, count, unlisted,
-                          _crc(written, launched, count, unlisted, self._records_crc))
+                          _crc(written, launched, count, unlisted, high, self._records_crc), high)
         _SEQ.pack_into(self._map, _SEQ_OFFSET, odd + 1)
 
     def close(self) -> None:
@@ -190,7 +203,7 @@ def read(path: str, allowed_uids: tuple[int, ...] | None = None, attempts: int =
         torn = 0
         for _ in range(attempts):
             header = os.pread(fd, _HEADER.size, 0)
-            magic, seq, written_ns, launched_ns, pid, count, unlisted, crc = _HEADER.unpack(header)
+            magic, seq, written_ns, launched_ns, pid, count, unlisted, crc, high = _HEADER.unpack(header)
             if magic != MAGIC:
                 raise Unreadable(f"{path}: not a request-state file")
             if seq % 2:
@@ -199,12 +212,12 @@ def read(path: str, allowed_uids: tuple[int, ...] | None = None, attempts: int =
             body = os.pread(fd, min(count, MAX_RECORDS) * _RECORD.size, _HEADER.size)
             if _SEQ.unpack(os.pread(fd, _SEQ.size, _SEQ_OFFSET))[0] != seq:
                 continue
-            if _crc(written_ns, launched_ns, count, unlisted, zlib.crc32(body)) != crc:
+            if _crc(written_ns, launched_ns, count, unlisted, high, zlib.crc32(body)) != crc:
                 torn += 1  # stores seen out of order (or a corrupt file): read again
                 time.sleep(0)
                 continue
             records = tuple(_decode(body[i:i + _RECORD.size]) for i in range(0, len(body), _RECORD.size))
-            return Snapshot(records, written_ns, pid, unlisted, launched_ns)
+            return Snapshot(records, written_ns, pid, unlisted, launched_ns, high)
         if torn == attempts:
             raise Unreadable(f"{path}: its checksum never matched in {attempts} reads (a corrupt file)")
         raise Unreadable(f"{path}: always being written")

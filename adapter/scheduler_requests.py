@@ -51,6 +51,16 @@ def _record(req: Any, state: str, prefilled: int, chunk: int = 0) -> Record:
                   len(getattr(req, "output_ids", None) or ()))
 
 
+def kv_in_use(scheduler: Any) -> int | None:
+    """The KV pool's token slots held now (SGLang's allocator: its size less what is free), or
+    None when the scheduler has no such allocator."""
+    pool = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    try:
+        return int(pool.size) - int(pool.available_size())
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def snapshot_records(batch: Any, chunked: Any, running: Iterable[Any], waiting: Iterable[Any],
                      matched: Callable[[Any], int] = lambda req: 0) -> list[Record]:
     """The requests in flight, the batch about to run first, then the chunked request, the
@@ -151,7 +161,7 @@ class SchedulerRequests:
         waiting = list(getattr(scheduler, "waiting_queue", None) or ())
         matched = self._matches.refresh(getattr(scheduler, "tree_cache", None), waiting)
         writer.write(snapshot_records(getattr(plan, "batch_to_run", None), getattr(scheduler, "chunked_req", None),
-                                      running, waiting, matched))
+                                      running, waiting, matched), kv_in_use(scheduler))
         self.snapshots += 1
         return None
 

@@ -204,7 +204,8 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
         items = engine.inflight()
         if cold_waiting_hits:
             items = [{**x, "prefilled_tokens": 0, "cached_tokens": 0} if x["state"] == "waiting" else x for x in items]
-        return parse_inflight({"requests": items, "step_launched_monotonic_s": engine.step_launched_at()})
+        return parse_inflight({"requests": items, "step_launched_monotonic_s": engine.step_launched_at(),
+                               "kv_pool_high_water_tokens": engine.kv_high_water()})
 
     def apply(d: p.Decision) -> None:
         if d.kind == p.ABORT:

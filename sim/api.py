@@ -31,7 +31,8 @@ _OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
 def inflight_body(engine: Engine) -> dict:
     """GET /dsv41/inflight; the adapter's route inside real SGLang serves the same schema."""
-    return {"requests": engine.inflight(), "source": "sim", "step_launched_monotonic_s": engine.step_launched_at()}
+    return {"requests": engine.inflight(), "source": "sim", "step_launched_monotonic_s": engine.step_launched_at(),
+            "kv_pool_high_water_tokens": engine.kv_high_water()}
 
 
 class ApiState:

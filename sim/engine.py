@@ -134,6 +134,7 @@ class Engine:
         self._requests: dict[str, Request] = {}  # in arrival order; finished ones are removed
         self._last_step_at = float("-inf")  # time.monotonic() when the last forward step completed
         self._launched_at: float | None = None  # when the prefill step now running was launched (its memory taken)
+        self._kv_high_water = 0  # the KV pool's high-water mark when the last step ended (kv_pool mode)
         self._accepting = True
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
@@ -268,6 +269,12 @@ class Engine:
                      "cached_tokens": r.cached, "state": STATES[r.phase], "chunk_tokens": r.chunk_tokens,
                      "output_tokens": r.generated, "age_s": round(now - r.created, 3)}
                     for r in self._requests.values()]
+
+    def kv_high_water(self) -> int | None:
+        """The KV pool's high-water mark (tokens) as of the last step that ended, as the adapter's
+        route lists it (the step now running not counted); None without the pool."""
+        with self._cond:
+            return self._kv_high_water if self.kv_pool is not None else None
 
     def loads(self) -> dict:
         with self._cond:
@@ -454,6 +461,8 @@ class Engine:
             self.allocator.free(block)
         with self._cond:
             self._launched_at = None
+            if self.kv_pool is not None:
+                self._kv_high_water = self.kv_pool.high_water
             for request, take in batch:
                 request.chunk_tokens = 0
                 if request.phase is Phase.PREFILL and not request.abort_requested:

@@ -35,6 +35,7 @@ class KvPool:
         self._lock = threading.Lock()
         self._pages: list[object] = []
         self.in_use = 0  # tokens whose slots requests hold now
+        self.high_water = 0  # the most tokens held at once so far
 
     @property
     def touched_bytes(self) -> int:
@@ -52,6 +53,7 @@ class KvPool:
             while len(self._pages) * self._granule < need:
                 self._pages.append(self._backing.map(self._granule))  # the OOM-prone step
             self.in_use += tokens
+            self.high_water = max(self.high_water, self.in_use)
         return tokens
 
     def give_back(self, tokens: int) -> None:

@@ -41,7 +41,8 @@ def account(node: str, at: float, level: int, inflight: InflightList, model: Cos
     """The account of this listing (None when it has no scheduler view)."""
     if inflight.unavailable or not inflight.scheduler_view:
         return None
-    return Account(node, at, level, Projection(level, inflight.requests, model, running_in_level).taken)
+    return Account(node, at, level, Projection(level, inflight.requests, model, running_in_level,
+                                               inflight.kv_high_water_tokens).taken)
 
 
 def explains(before: Account | None, now: Account | None) -> tuple[bool, str]:

@@ -68,6 +68,9 @@ class InflightList:
     # When the step it lists was launched (its memory taken), on rank 0's host's CLOCK_MONOTONIC;
     # None while it is not, or when the route does not say.
     step_launched_at: float | None = None
+    # The most KV pool slots (tokens) rank 0's requests have held at once so far: the pool's
+    # memory covers them, ended requests' slots included; None when the route does not say.
+    kv_high_water_tokens: int | None = None
 
     @property
     def scheduler_view(self) -> bool:
@@ -177,7 +180,7 @@ def held_by_gate(inflight: InflightList, level: int, model: CostModel, exclude: 
     skip = set(exclude)
     live = [r for r in inflight.requests if r.rid not in skip]
     gone = [r for r in inflight.requests if r.rid in skip]
-    return Projection(level, inflight.requests, model, running_in_level).held_at_next_step(live, gone)
+    return Projection(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens).held_at_next_step(live, gone)
 
 
 def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostModel,
@@ -200,7 +203,7 @@ def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostMode
     skipped = tuple((rid, f"/abort_request {rid!r} would also end {', '.join(o.rid for o in others)}")
                     for rid, others in sorted(conflicts.items()))
     grow = {r.rid for r in growing(live)}
-    projection = Projection(level, inflight.requests, model, running_in_level)  # replayed once, for every set
+    projection = Projection(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens)  # replayed once, for every set
     keep_all = projection.low(live, gone)
 
     def expanded(chosen: tuple[InflightRequest, ...]) -> tuple[InflightRequest, ...]:
@@ -256,7 +259,7 @@ def growing_choice(inflight: InflightList, level: int, model: CostModel, exclude
     now = [r for r in grow if r not in later] + [o for r in later for o in conflicts[r.rid] if o not in grow]
     gone = [r for r in inflight.requests if r.rid in skip]
     kept = [r for r in live if r not in now and r not in later]
-    projection = Projection(level, inflight.requests, model, running_in_level)
+    projection = Projection(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens)
     low = projection.low(kept, gone + now + list(later))
     return Choice(victims_of(now, {r.rid for r in grow}, model, blockers=conflicts, later=later), low,
                   projection.low(live, gone), (), needed=False, explained=False,

@@ -88,7 +88,8 @@ class EngineApi:
 def parse_inflight(body: object) -> InflightList:
     """The route's JSON (adapter/inflight.py): {"requests": [{"rid", "prompt_tokens", "prefilled_tokens",
     "age_s", and from rank 0's scheduler "state", "cached_tokens", "chunk_tokens", "output_tokens"}],
-    "step_launched_monotonic_s": when the step it lists was launched, or null, ...}."""
+    "step_launched_monotonic_s": when the step it lists was launched, or null,
+    "kv_pool_high_water_tokens": the most KV pool slots held at once so far, or null, ...}."""
     if not isinstance(body, dict) or not isinstance(body.get("requests"), list):
         raise ValueError("expected an object with a list under 'requests'")
     requests = []
@@ -105,4 +106,8 @@ def parse_inflight(body: object) -> InflightList:
     launched = body.get("step_launched_monotonic_s")
     if launched is not None and (isinstance(launched, bool) or not isinstance(launched, (int, float))):
         raise ValueError(f"step_launched_monotonic_s {launched!r} is not a number")
-    return InflightList(tuple(requests), step_launched_at=None if launched is None else float(launched))
+    high = body.get("kv_pool_high_water_tokens")
+    if high is not None and (isinstance(high, bool) or not isinstance(high, int) or high < 0):
+        raise ValueError(f"kv_pool_high_water_tokens {high!r} is not a whole number of tokens")
+    return InflightList(tuple(requests), step_launched_at=None if launched is None else float(launched),
+                        kv_high_water_tokens=high)

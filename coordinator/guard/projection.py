@@ -307,7 +307,7 @@ class Projection:
     split of them into kept and aborted (charge.choose asks for many)."""
 
     def __init__(self, level: int, requests: Iterable["InflightRequest"], model: "CostModel",
-                 running_in_level: bool = False) -> None:
+                 running_in_level: bool = False, kv_high_water_tokens: int | None = None) -> None:
         self.level, self.model, self.running_in_level = level, model, running_in_level
         requests = list(requests)
         self._memory = _Allocator(level)
@@ -322,6 +322,11 @@ class Projection:
             self._running = _allocate_batch(self._memory, pieces, model, self._kv)
             self._running_hooked = _hooked(pieces, model)
         self.taken = level - self._memory.available  # what the model says they hold from the system now
+        if model.kv_pool and kv_high_water_tokens:
+            # the pool's pages cover every slot ever held, ended requests' too: their free slots
+            # serve the next KV at no cost (already in the level, so nothing is taken here)
+            self._memory.kv_pages = max(self._memory.kv_pages,
+                                        -(-kv_high_water_tokens * model.token_bytes // POOL_PAGE))
         self._memory.available = level  # the level sampled holds all of it
 
     def _start(self, kept: list["InflightRequest"], aborted: Iterable["InflightRequest"]) -> tuple[_Allocator, list[list]]:
@@ -461,9 +466,10 @@ def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) 
 
 
 def projected_low(level: int, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"],
-                  model: "CostModel", running_in_level: bool = False) -> int:
+                  model: "CostModel", running_in_level: bool = False, kv_high_water_tokens: int | None = None) -> int:
     """The lowest available memory ahead if `kept` run to the end of their prefill and `aborted`
     leave what they hold in the allocator for them. `running_in_level`: the level was sampled
-    after the step now running was launched, so it holds that step's KV and buffers."""
+    after the step now running was launched, so it holds that step's KV and buffers.
+    `kv_high_water_tokens`: the KV pool's high-water mark as rank 0 lists it."""
     kept, aborted = list(kept), list(aborted)
-    return Projection(level, kept + aborted, model, running_in_level).low(kept, aborted)
+    return Projection(level, kept + aborted, model, running_in_level, kv_high_water_tokens).low(kept, aborted)

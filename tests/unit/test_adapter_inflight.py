@@ -12,7 +12,7 @@ import os
 
 from adapter import reqstate
 from adapter.inflight import InflightRoute, SchedulerSnapshot, merge, payload, record_prompt_length, snapshot
-from adapter.scheduler_requests import SchedulerRequests, WaitingMatches, prefix_match, snapshot_records
+from adapter.scheduler_requests import SchedulerRequests, WaitingMatches, kv_in_use, prefix_match, snapshot_records
 
 pytestmark = pytest.mark.unit
 
@@ -177,6 +177,31 @@ def test_a_snapshot_says_when_its_step_was_launched_and_the_next_one_starts_unla
     assert reqstate.read(writer.path).launched_ns == 0
 
 
+def test_the_kv_pools_high_water_mark_covers_the_iterations_before_the_one_listed(tmp_path) -> None:
+    writer = reqstate.RequestsWriter(0, str(tmp_path))
+    record = reqstate.Record("a", "prefilling", 100, 50, 0, 25, 0)
+    assert reqstate.read(writer.path).kv_high_water == 0  # nothing known yet
+    writer.write([record], kv_in_use=800)
+    # the batch listed has its slots already but may not have written them: not counted yet
+    assert reqstate.read(writer.path).kv_high_water == 0
+    writer.mark_launched()
+    assert reqstate.read(writer.path).kv_high_water == 0
+    writer.write([record], kv_in_use=300)  # slots given back: the mark stays
+    assert reqstate.read(writer.path).kv_high_water == 800
+    writer.write([record], kv_in_use=None)  # a scheduler without the allocator's figures
+    assert reqstate.read(writer.path).kv_high_water == 800
+    writer.write([record], kv_in_use=1500)
+    writer.write([record])
+    assert reqstate.read(writer.path).kv_high_water == 1500
+
+
+def test_the_kv_in_use_is_the_allocators_size_less_what_is_free() -> None:
+    pool = SimpleNamespace(size=750_000, available_size=lambda: 749_000)
+    assert kv_in_use(SimpleNamespace(token_to_kv_pool_allocator=pool)) == 1000
+    assert kv_in_use(SimpleNamespace()) is None  # an older scheduler without one: not known
+    assert kv_in_use(SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(size=None))) is None
+
+
 def test_a_write_under_way_is_never_read_half_done(tmp_path) -> None:
     writer = reqstate.RequestsWriter(0, str(tmp_path))
     writer.write([reqstate.Record("a", "waiting", 1, 0, 0, 0, 0)])
@@ -225,6 +250,8 @@ def test_the_route_joins_the_tokenizer_view_with_the_scheduler_snapshot(tmp_path
     plan = SimpleNamespace(batch_to_run=SimpleNamespace(forward_mode=Mode(True), reqs=[growing]),
                            running_batch=SimpleNamespace(reqs=[req("dec", 900, prefix_len=900, output=3)]))
     tracker.after_next_batch(plan, scheduler, None, None)
+    scheduler.token_to_kv_pool_allocator = SimpleNamespace(size=10_000, available_size=lambda: 2_956)
+    tracker.after_next_batch(plan, scheduler, None, None)  # 7044 slots held: listed from the next snapshot on
     states = {"dec": state(created=10.0, recorded=900, out=True), "grow": state(created=20.0, recorded=30_000),
               "wait": state(created=30.0, recorded=20_000), "new": state(created=39.0, recorded=5)}
     route = InflightRoute(states=lambda: states, clock=lambda: 40.0, scheduler=SchedulerSnapshot(str(tmp_path)),
@@ -232,6 +259,10 @@ def test_the_route_joins_the_tokenizer_view_with_the_scheduler_snapshot(tmp_path
     status, body = route.body()
     assert status == 200 and body["source"] == "scheduler" and body["scheduler_age_s"] == 0.012
     assert body["step_launched_monotonic_s"] is None  # run_batch has not returned yet
+    assert body["kv_pool_high_water_tokens"] is None  # the first snapshot with it lists its own step
+    tracker.after_next_batch(plan, scheduler, None, None)
+    status, body = route.body()
+    assert body["kv_pool_high_water_tokens"] == 7044
     tracker.after_run_batch(None, scheduler, plan.batch_to_run)
     launched = reqstate.read(str(tmp_path / "dsv41-requests-tp0")).launched_ns
     assert launched > 0 and route.body()[1]["step_launched_monotonic_s"] == round(launched / 1e9, 6)

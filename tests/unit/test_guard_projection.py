@@ -41,7 +41,7 @@ def cold_hits(items: list[dict]) -> list[dict]:
 
 def error_mb(rng: random.Random, mid_step: bool, ended: bool = False, hook: bool = True,
              gate: int = 0, base: int = BASE, held: list | None = None, cold: bool = False,
-             pool: bool = False) -> float:
+             pool: bool = False, high_water: bool = True) -> float:
     """A random queue on the stand-in engine, some chunks in; the projection from its listing
     minus the lowest point the engine then really reaches (MB; above 0: the projection was kind).
     `ended`: the requests done prefilling by then end (their clients stop reading), so what they
@@ -49,7 +49,8 @@ def error_mb(rng: random.Random, mid_step: bool, ended: bool = False, hook: bool
     `gate`: the admission gate's level on the engine and in the model, on a node of `base`; the
     requests still waiting at the end are appended to `held`. `cold`: a waiting prefix-cache hit
     listed as a cold prompt (cold_hits), not with its match. `pool`: the KV in a pool as SGLang
-    keeps it, on the engine (sim/kvpool.py) and in the model."""
+    keeps it, on the engine (sim/kvpool.py) and in the model; `high_water` False: its listing without
+    the pool's high-water mark."""
     config, model = (ENGINE, MODEL) if hook else (dataclasses.replace(ENGINE, empty_cache_tokens=0),
                                                   dataclasses.replace(MODEL, empty_cache_tokens=0))
     if gate:
@@ -83,9 +84,11 @@ def error_mb(rng: random.Random, mid_step: bool, ended: bool = False, hook: bool
     transients = engine.allocate_chunk(batch) if batch is not None else None
     level = base - backing.mapped
     items = cold_hits(engine.inflight()) if cold else engine.inflight()
-    listing = parse_inflight({"requests": items, "step_launched_monotonic_s": engine.step_launched_at()})
+    listing = parse_inflight({"requests": items, "step_launched_monotonic_s": engine.step_launched_at(),
+                              "kv_pool_high_water_tokens": engine.kv_high_water() if high_water else None})
     projected = charge.projected_low(level, listing.requests, [], model,
-                                     running_in_level=listing.step_launched_at is not None)
+                                     running_in_level=listing.step_launched_at is not None,
+                                     kv_high_water_tokens=listing.kv_high_water_tokens)
     low = level
     if batch is not None:
         engine.end_chunk(batch, transients)
@@ -193,14 +196,19 @@ def test_with_the_kv_pool_the_projection_follows_the_engine_to_the_byte(mid_step
 
 
 @pytest.mark.parametrize("mid_step", [False, True], ids=["between_steps", "a_step_running"])
-def test_with_the_kv_pool_what_ended_requests_left_makes_the_projection_err_low(mid_step):
-    # Their slots stay in the pool, free, and the next prompts' KV takes them at no cost: the
-    # projection, which does not know them, charges new pages and errs low (kinder only by the
-    # buffers of a last step shared with the next prompt's first piece, as with the allocator).
+def test_with_the_kv_pool_ended_requests_slots_are_known_from_the_pools_high_water_mark(mid_step):
+    # Their slots stay in the pool, free, and the next prompts' KV takes them at no cost. Without
+    # the route's kv_pool_high_water_tokens the projection, which does not know them, charges new
+    # pages and errs low; with it, it knows the pages are there. Either way kinder only by the
+    # buffers of a last step shared with the next prompt's first piece (one LARGE_BUFFER at most),
+    # as with the allocator.
     rng = random.Random(11)
-    errors = [error_mb(rng, mid_step, ended=True, pool=True) for _ in range(300)]
-    assert max(errors) <= projection.LARGE_BUFFER / MB + 0.01, sorted(errors)[-3:]
-    assert sum(e < -1 for e in errors) >= 20, sorted(errors)[:12]
+    blind = [error_mb(rng, mid_step, ended=True, pool=True, high_water=False) for _ in range(300)]
+    assert max(blind) <= 0 and sum(e < -1 for e in blind) >= 60, sorted(blind)[:12]  # 95 and 91, to -308 MB
+    rng = random.Random(11)
+    known = [error_mb(rng, mid_step, ended=True, pool=True) for _ in range(300)]
+    assert max(known) <= projection.LARGE_BUFFER / MB + 0.01, sorted(known)[-3:]
+    assert sum(abs(e) > 1 for e in known) <= 4, sorted(known)[:3] + sorted(known)[-3:]  # 3 and 1
 
 
 def test_with_the_kv_pool_an_aborted_requests_kv_serves_later_kv_but_no_buffer():
@@ -214,6 +222,24 @@ def test_with_the_kv_pool_an_aborted_requests_kv_serves_later_kv_but_no_buffer()
     buffers = base - freed
     assert 0 < buffers < base - alone
     assert base - alone == buffers + 6_000 * 16_384 + (-(6_000 * 16_384) % projection.POOL_PAGE)  # new pages, whole
+
+
+def test_the_pools_high_water_mark_covers_later_kv_and_is_not_taken_again():
+    pooled = dataclasses.replace(MODEL, kv_pool=True)
+    short = waiting("short", 6_000)
+    level = 2_000 * MB
+    blind = level - charge.projected_low(level, [short], [], pooled)
+    # 20000 tokens once held (requests that ended since): the short prompt's KV fits in those pages
+    known = level - charge.projected_low(level, [short], [], pooled, kv_high_water_tokens=20_000)
+    assert blind - known == 6_000 * 16_384 + (-(6_000 * 16_384) % projection.POOL_PAGE)
+    # what the listed requests hold is in the level already: the mark takes nothing from it
+    decoding = InflightRequest("done", 9_000, 9_000, state="decoding")
+    plain = projection.Projection(level, [decoding], pooled)
+    marked = projection.Projection(level, [decoding], pooled, kv_high_water_tokens=50_000)
+    assert plain.taken == marked.taken > 0
+    # the allocator's model has no pool: the mark means nothing to it
+    assert charge.projected_low(level, [short], [], MODEL, kv_high_water_tokens=20_000) == \
+        charge.projected_low(level, [short], [], MODEL)
 
 
 def test_without_the_hook_long_prompts_are_counted_at_once_and_never_kindly():

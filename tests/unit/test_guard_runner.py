@@ -378,6 +378,12 @@ def test_parse_inflight_rejects_what_is_not_the_schema():
     for wrong in ("81234.5", True, [1]):
         with pytest.raises(ValueError, match="step_launched_monotonic_s"):
             parse_inflight({"requests": [], "step_launched_monotonic_s": wrong})
+    # the KV pool's high-water mark: whole tokens, or null
+    assert parse_inflight({"requests": [], "kv_pool_high_water_tokens": 412032}).kv_high_water_tokens == 412032
+    assert parse_inflight({"requests": [], "kv_pool_high_water_tokens": None}).kv_high_water_tokens is None
+    for wrong in (-1, 1.5, "7", True):
+        with pytest.raises(ValueError, match="kv_pool_high_water_tokens"):
+            parse_inflight({"requests": [], "kv_pool_high_water_tokens": wrong})
 
 
 def test_engine_api_refuses_what_is_not_plain_http():
