@@ -167,7 +167,9 @@ def test_abort_of_a_long_prefill_by_rid_returns_finish_abort_and_inflight_shows_
         if entries and entries[0]["prefilled_tokens"] >= 512:
             break
         time.sleep(0.02)
-    assert status == 200 and set(inflight) == {"requests", "source", "step_launched_monotonic_s"}
+    assert status == 200 and set(inflight) == {"requests", "source", "step_launched_monotonic_s",
+                                               "kv_pool_high_water_tokens"}
+    assert inflight["kv_pool_high_water_tokens"] is None  # its KV in its allocator: no pool to say
     assert inflight["source"] == "sim"
     launched = inflight["step_launched_monotonic_s"]  # the stand-in prefills on: a step is running, or just ended
     assert launched is None or 0 < time.monotonic() - launched < 5
@@ -186,7 +188,8 @@ def test_abort_of_a_long_prefill_by_rid_returns_finish_abort_and_inflight_shows_
     worker.join(10)
     assert result["status"] == 200 and result["body"]["id"] == "long-7"
     assert result["body"]["choices"][0]["finish_reason"] == "abort"
-    assert call(port, "GET", "/dsv41/inflight")[1] == {"requests": [], "source": "sim", "step_launched_monotonic_s": None}
+    assert call(port, "GET", "/dsv41/inflight")[1] == {"requests": [], "source": "sim", "step_launched_monotonic_s": None,
+                                                       "kv_pool_high_water_tokens": None}
     loads = state.engine.loads()
     assert loads["memory_bytes"] == 0 and loads["memory_reserved_bytes"] > 0  # the allocator keeps it
 
