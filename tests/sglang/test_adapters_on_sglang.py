@@ -315,6 +315,8 @@ def test_the_scheduler_publishes_its_requests_from_the_real_get_next_batch_to_ru
     assert armed["records"] == [["job-1", "prefilling", 30_000, 6144, 768], ["job-10", "waiting", 20_000, 12_000, 0],
                                 ["job-11", "waiting", 6000, 5000, 0], ["job-12", "waiting", 3000, 0, 0]]
     assert armed["cached"] == [0, 12_000, 5000, 0]
+    # the KV pool's slots in use from SGLang's own allocators: 7044 taken, 1000 freed; a fresh paged one
+    assert armed["kv_in_use"] == [7044, 6044, 0]
     assert armed["waiting_prefix_lens"] == [0, 0, 0] and armed["tree_still_matches"] == 12_000
     assert "prefix-cache match failed" not in err
     # listed before its launch; marked launched once SGLang's run_batch returned

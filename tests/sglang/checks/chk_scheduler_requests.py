@@ -118,6 +118,20 @@ except Exception as exc:  # noqa: BLE001 - reported, the test says what failed
     launch_error = f"{type(exc).__name__}: {exc}"
 inst = installer()
 snap = reqstate.read(path) if os.path.exists(path) else None
+
+# The KV pool's slots in use, as the hook reads them from SGLang's own allocators (CPU tensors).
+import torch  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
+from adapter.scheduler_requests import kv_in_use  # noqa: E402
+
+slots = TokenToKVPoolAllocator(10_000, torch.float16, "cpu", None, False)
+held = slots.alloc(7044)
+in_use = [kv_in_use(SimpleNamespace(token_to_kv_pool_allocator=slots))]
+slots.free(held[:1000])
+in_use.append(kv_in_use(SimpleNamespace(token_to_kv_pool_allocator=slots)))
+paged = PagedTokenToKVPoolAllocator(8192, 64, torch.float16, "cpu", None, False)
+in_use.append(kv_in_use(SimpleNamespace(token_to_kv_pool_allocator=paged)))
 emit({
     "launch_error": launch_error,
     "launched_before_run_batch": bool(listed and listed.launched_ns),
@@ -135,4 +149,5 @@ emit({
                                             .MatchPrefixParams(key=RadixKey(token_ids=array("q", range(12_000)))))
     .device_prefix_len,
     "writer_is_this_process": bool(snap and snap.pid == os.getpid()),
+    "kv_in_use": in_use,
 })
