@@ -38,10 +38,12 @@ when it builds its first step. `cold_waiting_hits` runs the guard on the listing
 would give (as rank 0 gives where the adapter's match fails): a waiting hit looks like a cold
 prompt, charged a cold prompt's KV, which measures what that match is worth.
 
-The engine with its KV in a pool as SGLang keeps it (POOLED, sim/kvpool.py): the KV's memory
-taken once, never given back, reused by later requests' KV alone, while the guard's cost model
-still charges KV through the allocator (where an aborted request's blocks serve anything and the
-hook may return them): what that simplification of the model costs.
+The engine keeps its KV in a pool as SGLang does (sim/kvpool.py, the stand-in's default): the
+KV's memory taken once, never given back, reused by later requests' KV alone; the guard's cost
+model knows it, and rank 0's listing gives the pool's high-water mark. Two rows compare: the
+guard's model charging KV through the allocator as it did before (where an aborted request's
+blocks serve anything and the hook may give them back), and the stand-in with its KV in its
+allocator (DSV41_SIM_KV_POOL=0) with the model charging it there (kinder than SGLang).
 
 The guard with a wrong model (wrong_model): its cost model charging a fraction of what the engine
 takes, the engine unchanged; what the guard's distrust of its model keeps of the node.
@@ -79,17 +81,18 @@ CHUNK = 768
 HOOK_TOKENS = 8192
 ENGINE = EngineConfig(chunk_tokens=CHUNK, max_running=64, prefill_tokens_per_s=20_000.0, decode_tokens_per_s=10.0,
                       bytes_per_token=TOKEN_BYTES, max_total_tokens=0, context_length=None,
-                      transient_bytes=TRANSIENT_BYTES, empty_cache_tokens=HOOK_TOKENS)
+                      transient_bytes=TRANSIENT_BYTES, empty_cache_tokens=HOOK_TOKENS, kv_pool=True)
 # The same engine with the admission gate (adapter/admission_gate.py, MEMORY_GUARD_ADMISSION=1): the
 # coordinator passes the guard's level and cost model to the rank.
 GATED = replace(ENGINE, admission=GateSettings(150 * MB, TOKEN_BYTES, TRANSIENT_BYTES))
-# The same engine with its KV in a pool as SGLang's (sim/kvpool.py): taken once, kept, reused by KV
-# alone; the guard's cost model unchanged (it charges KV through the allocator).
-POOLED = replace(ENGINE, kv_pool=True)
+# The same engine with its KV in its caching allocator (DSV41_SIM_KV_POOL=0: kinder than SGLang).
+ALLOCATOR = replace(ENGINE, kv_pool=False)
 SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB,
-                           cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS), rank0_node="node")
+                           cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS, kv_pool=True),
+                           rank0_node="node")
 GATED_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, admission_guard_bytes=SETTINGS.guard_bytes))
-POOL_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, kv_pool=True))  # the guard's model knowing the pool
+# The guard's model charging the KV through the allocator.
+ALLOCATOR_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, kv_pool=False))
 LATENCY_S = 0.002   # an action's HTTP call on the node's loopback
 CONFIRM_POLL_S = 0.05
 NOISE = 1 * MB      # sample noise, each way
@@ -466,7 +469,8 @@ def report(count: int, seed: int, out=print) -> dict:
     a, b, ga, gb = summary(as_generated), summary(held), summary(gated), summary(gated_held)
     g = SETTINGS.guard_bytes
     out(f"scenarios: {count} randomized workloads (seed {seed}), {a['requests']} requests, on the stand-in's engine "
-        f"model (sim/engine.py + sim/allocator.py) on a simulated clock, with the real policy and cost model "
+        f"model (sim/engine.py, its KV in a pool as SGLang's, sim/kvpool.py, its buffers through sim/allocator.py) "
+        f"on a simulated clock, with the real policy and cost model "
         f"(guard {g / MB:.0f} MB, lead {SETTINGS.lead_s:g} s, envelope {SETTINGS.envelope_s:g} s, "
         f"{SETTINGS.interval_ms} ms samples through the agent's send filter)")
     out(f"{'':58s}{'as generated':>14s}{'answers held':>14s}   with the admission gate (rank side):")
@@ -522,13 +526,15 @@ def report(count: int, seed: int, out=print) -> dict:
         f"oracle {cold['needless']} (against {a['kept_by_oracle']} and {a['needless']} above), below the guard in "
         f"{cold['below_guard']} scenarios, lowest {cold['lowest_margin'] / MB:.0f} MB, abort_all {cold['abort_all']}")
     pooled = {}
-    for model, settings in (("charging KV through the allocator", SETTINGS),
-                            ("knowing the pool (as it does with RANK_ENGINE=sglang)", POOL_SETTINGS)):
-        pa, pb = (summary([judge(x, seed * 100_003 + x.index, POOLED, settings=settings) for x in s])
+    for what, engine, settings in (
+            ("the engine's KV in its pool, the guard's cost model charging it through the allocator", ENGINE,
+             ALLOCATOR_SETTINGS),
+            ("the engine's KV in its allocator (DSV41_SIM_KV_POOL=0), the guard's cost model charging it there",
+             ALLOCATOR, ALLOCATOR_SETTINGS)):
+        pa, pb = (summary([judge(x, seed * 100_003 + x.index, engine, settings=settings) for x in s])
                   for s in (scenarios, [long_decodes(x) for x in scenarios]))
-        pooled[model] = (pa, pb)
-        out(f"with the engine's KV in a pool as SGLang keeps it (sim/kvpool.py: taken once, kept, reused by KV "
-            f"alone), the guard's cost model {model}, as generated / answers held: the oracle would have kept "
+        pooled[what] = (pa, pb)
+        out(f"with {what}, as generated / answers held: the oracle would have kept "
             f"{pa['kept_by_oracle']} / {pb['kept_by_oracle']}, the same-moment oracle {pa['needless']} / "
             f"{pb['needless']} (against {a['kept_by_oracle']} / {b['kept_by_oracle']} and {a['needless']} / "
             f"{b['needless']} above), below the guard in {pa['below_guard']} / {pb['below_guard']} scenarios "
