@@ -38,12 +38,13 @@ when it builds its first step. `cold_waiting_hits` runs the guard on the listing
 would give (as rank 0 gives where the adapter's match fails): a waiting hit looks like a cold
 prompt, charged a cold prompt's KV, which measures what that match is worth.
 
-The engine keeps its KV in a pool as SGLang does (sim/kvpool.py, the stand-in's default): the
-KV's memory taken once, never given back, reused by later requests' KV alone; the guard's cost
-model knows it, and rank 0's listing gives the pool's high-water mark. Two rows compare: the
-guard's model charging KV through the allocator as it did before (where an aborted request's
-blocks serve anything and the hook may give them back), and the stand-in with its KV in its
-allocator (DSV41_SIM_KV_POOL=0) with the model charging it there (kinder than SGLang).
+The engine with its KV in a pool as SGLang keeps it (POOLED, sim/kvpool.py): the KV's memory taken
+once, never given back, reused by later requests' KV alone. Rows: the guard's cost model charging
+the KV through the allocator (where an aborted request's blocks serve anything and the hook may
+give them back), and knowing the pool (as with RANK_ENGINE=sglang; rank 0's listing gives the
+pool's high-water mark), without and with the admission gate. The pool here has no size limit
+(SGLang's --max-total-tokens, which a deployment sizes to fit the node), so the memory its first
+requests touch never comes back to later ones.
 
 The guard with a wrong model (wrong_model): its cost model charging a fraction of what the engine
 takes, the engine unchanged; what the guard's distrust of its model keeps of the node.
@@ -81,18 +82,19 @@ CHUNK = 768
 HOOK_TOKENS = 8192
 ENGINE = EngineConfig(chunk_tokens=CHUNK, max_running=64, prefill_tokens_per_s=20_000.0, decode_tokens_per_s=10.0,
                       bytes_per_token=TOKEN_BYTES, max_total_tokens=0, context_length=None,
-                      transient_bytes=TRANSIENT_BYTES, empty_cache_tokens=HOOK_TOKENS, kv_pool=True)
+                      transient_bytes=TRANSIENT_BYTES, empty_cache_tokens=HOOK_TOKENS)
 # The same engine with the admission gate (adapter/admission_gate.py, MEMORY_GUARD_ADMISSION=1): the
 # coordinator passes the guard's level and cost model to the rank.
 GATED = replace(ENGINE, admission=GateSettings(150 * MB, TOKEN_BYTES, TRANSIENT_BYTES))
-# The same engine with its KV in its caching allocator (DSV41_SIM_KV_POOL=0: kinder than SGLang).
-ALLOCATOR = replace(ENGINE, kv_pool=False)
+# The same engine with its KV in a pool as SGLang's (sim/kvpool.py, DSV41_SIM_KV_POOL=1).
+POOLED = replace(ENGINE, kv_pool=True)
+POOLED_GATED = replace(GATED, kv_pool=True)
 SETTINGS = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB,
-                           cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS, kv_pool=True),
-                           rank0_node="node")
+                           cost=CostModel(TOKEN_BYTES, TRANSIENT_BYTES, CHUNK, HOOK_TOKENS), rank0_node="node")
 GATED_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, admission_guard_bytes=SETTINGS.guard_bytes))
-# The guard's model charging the KV through the allocator.
-ALLOCATOR_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, kv_pool=False))
+# The guard's model knowing the pool (as with RANK_ENGINE=sglang), without and with the gate.
+POOL_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, kv_pool=True))
+POOL_GATED_SETTINGS = replace(GATED_SETTINGS, cost=replace(GATED_SETTINGS.cost, kv_pool=True))
 LATENCY_S = 0.002   # an action's HTTP call on the node's loopback
 CONFIRM_POLL_S = 0.05
 NOISE = 1 * MB      # sample noise, each way
@@ -469,8 +471,7 @@ def report(count: int, seed: int, out=print) -> dict:
     a, b, ga, gb = summary(as_generated), summary(held), summary(gated), summary(gated_held)
     g = SETTINGS.guard_bytes
     out(f"scenarios: {count} randomized workloads (seed {seed}), {a['requests']} requests, on the stand-in's engine "
-        f"model (sim/engine.py, its KV in a pool as SGLang's, sim/kvpool.py, its buffers through sim/allocator.py) "
-        f"on a simulated clock, with the real policy and cost model "
+        f"model (sim/engine.py + sim/allocator.py) on a simulated clock, with the real policy and cost model "
         f"(guard {g / MB:.0f} MB, lead {SETTINGS.lead_s:g} s, envelope {SETTINGS.envelope_s:g} s, "
         f"{SETTINGS.interval_ms} ms samples through the agent's send filter)")
     out(f"{'':58s}{'as generated':>14s}{'answers held':>14s}   with the admission gate (rank side):")
@@ -527,10 +528,10 @@ def report(count: int, seed: int, out=print) -> dict:
         f"{cold['below_guard']} scenarios, lowest {cold['lowest_margin'] / MB:.0f} MB, abort_all {cold['abort_all']}")
     pooled = {}
     for what, engine, settings in (
-            ("the engine's KV in its pool, the guard's cost model charging it through the allocator", ENGINE,
-             ALLOCATOR_SETTINGS),
-            ("the engine's KV in its allocator (DSV41_SIM_KV_POOL=0), the guard's cost model charging it there",
-             ALLOCATOR, ALLOCATOR_SETTINGS)):
+            ("the engine's KV in a pool as SGLang's, the guard's cost model charging it through the allocator",
+             POOLED, SETTINGS),
+            ("the engine's KV in a pool as SGLang's, the guard's cost model knowing the pool", POOLED, POOL_SETTINGS),
+            ("the same and the admission gate", POOLED_GATED, POOL_GATED_SETTINGS)):
         pa, pb = (summary([judge(x, seed * 100_003 + x.index, engine, settings=settings) for x in s])
                   for s in (scenarios, [long_decodes(x) for x in scenarios]))
         pooled[what] = (pa, pb)

@@ -43,8 +43,9 @@ prefill_empty_cache hook). Environment (defaults in brackets):
   DSV41_SIM_TRANSIENT_BYTES       indexer buffer bytes per (chunk token, prefix token) [4]
   DSV41_SIM_KV_POOL               1: the KV in a pool as SGLang keeps it: its memory taken the
                                   first time its slots are used, never given back, reused by
-                                  later requests' KV alone; 0: in the caching allocator with
-                                  the indexer's buffers (kinder than SGLang) [1]
+                                  later requests' KV alone (a pool without a size limit); 0: in
+                                  the caching allocator with the indexer's buffers, where it
+                                  serves any buffer once freed (kinder than SGLang) [0]
   DSV41_PREFILL_EMPTY_CACHE_TOKENS  the hook's threshold; 0: the cache is never emptied [8192]
   DSV41_SIM_DECODE_TOKENS_PER_S   output rate per request [200]
   DSV41_SIM_LOAD_S                "model load" after the group forms; /health is 503 meanwhile [0]
