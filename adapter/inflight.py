@@ -49,9 +49,10 @@ step it lists was launched (`Scheduler.run_batch` returned, so its allocations a
 has the step's buffers in it); "kv_pool_high_water_tokens" the most KV pool slots its requests
 held at once in the scheduler's iterations before the listed one (SGLang's allocator: its size
 less what is free), so slots whose memory the pool has touched, null when not known;
-"scheduler_problem" why it could not be used, when it could not. If the server's request states cannot be read (still starting, or a
-multi-tokenizer layout without them) the route answers 503 with {"error": "..."}. SGLang's
---api-key middleware covers this route like every other: the caller sends the key.
+"scheduler_problem" why it could not be used, when it could not. If the server's request states
+cannot be read (still starting, or a multi-tokenizer layout without them) the route answers 503
+with {"error": "..."}. SGLang's --api-key middleware covers this route like every other: the
+caller sends the key.
 
 Installed when SGLang imports `sglang.srt.entrypoints.http_server` (its FastAPI `app`); the
 prompt length is recorded on each request state in `TokenizerManager._send_one_request` /

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .charge import CostModel, InflightList
-from .projection import Projection
+from .charge import CostModel, InflightList, projection_of
 
 # How much further than the model's account a node may fall and the account still explain it:
 # samples are noisy by a few MB, and a model off by a quarter or more is not one to trust.
@@ -41,8 +40,7 @@ def account(node: str, at: float, level: int, inflight: InflightList, model: Cos
     """The account of this listing (None when it has no scheduler view)."""
     if inflight.unavailable or not inflight.scheduler_view:
         return None
-    return Account(node, at, level, Projection(level, inflight.requests, model, running_in_level,
-                                               inflight.kv_high_water_tokens).taken)
+    return Account(node, at, level, projection_of(inflight, level, model, running_in_level).taken)
 
 
 def explains(before: Account | None, now: Account | None) -> tuple[bool, str]:

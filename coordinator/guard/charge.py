@@ -171,6 +171,12 @@ def growing(requests: Iterable[InflightRequest]) -> list[InflightRequest]:
     return [r for r in reqs if r.prefilling]
 
 
+def projection_of(inflight: InflightList, level: int, model: CostModel, running_in_level: bool) -> Projection:
+    """The listed requests' allocator and KV pool replayed from the listing (with the pool's
+    high-water mark it gives), to project from."""
+    return Projection(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens)
+
+
 def held_by_gate(inflight: InflightList, level: int, model: CostModel, exclude: Iterable[str] = (),
                  running_in_level: bool = False) -> set[str]:
     """The waiting requests the ranks' admission gate holds back at the next step (none without a
@@ -180,7 +186,7 @@ def held_by_gate(inflight: InflightList, level: int, model: CostModel, exclude: 
     skip = set(exclude)
     live = [r for r in inflight.requests if r.rid not in skip]
     gone = [r for r in inflight.requests if r.rid in skip]
-    return Projection(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens).held_at_next_step(live, gone)
+    return projection_of(inflight, level, model, running_in_level).held_at_next_step(live, gone)
 
 
 def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostModel,
@@ -203,7 +209,7 @@ def choose(inflight: InflightList, level: int, guard_bytes: int, model: CostMode
     skipped = tuple((rid, f"/abort_request {rid!r} would also end {', '.join(o.rid for o in others)}")
                     for rid, others in sorted(conflicts.items()))
     grow = {r.rid for r in growing(live)}
-    projection = Projection(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens)  # replayed once, for every set
+    projection = projection_of(inflight, level, model, running_in_level)  # replayed once, for every set
     keep_all = projection.low(live, gone)
 
     def expanded(chosen: tuple[InflightRequest, ...]) -> tuple[InflightRequest, ...]:
@@ -259,7 +265,7 @@ def growing_choice(inflight: InflightList, level: int, model: CostModel, exclude
     now = [r for r in grow if r not in later] + [o for r in later for o in conflicts[r.rid] if o not in grow]
     gone = [r for r in inflight.requests if r.rid in skip]
     kept = [r for r in live if r not in now and r not in later]
-    projection = Projection(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens)
+    projection = projection_of(inflight, level, model, running_in_level)
     low = projection.low(kept, gone + now + list(later))
     return Choice(victims_of(now, {r.rid for r in grow}, model, blockers=conflicts, later=later), low,
                   projection.low(live, gone), (), needed=False, explained=False,

@@ -118,7 +118,8 @@ class _Allocator:
 
     def _index(self, segment: _Segment, block: list) -> None:
         self._seq += 1
-        bisect.insort(self._free, (int(not segment.small), block[0], self._seq, segment, block), key=lambda f: f[:3])
+        bisect.insort(self._free, (int(not segment.small), block[0], self._seq, segment, block),
+                      key=lambda f: f[:3])
 
     def _unindex(self, segment: _Segment, block: list) -> None:
         i = bisect.bisect_left(self._free, (int(not segment.small), block[0]), key=lambda f: f[:2])
