@@ -258,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     log(f"dsv41-sim-rank (a stand-in for SGLang: no model, no GPU) rank {args.rank} of {args.nnodes}, "
         f"pid {os.getpid()}")
+    # The watchdog ends the rank with SIGQUIT whatever it inherited: SGLang's launcher installs its
+    # own SIGQUIT handler, and a shell's background job starts with SIGQUIT ignored.
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     if args.rank == 0:
         return run_head(args, settings, log)
     return run_worker(args, settings, log)

@@ -324,10 +324,17 @@ def test_a_stopped_worker_stalls_generation_and_health_while_the_http_side_answe
     assert g.call("GET", "/health")[0] == 200
 
 
-def test_the_watchdog_ends_a_step_that_never_completes_and_the_group_goes_down(group_factory):
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["sigquit_default", "sigquit_ignored"])
+def test_the_watchdog_ends_a_step_that_never_completes_and_the_group_goes_down(group_factory, inherited):
+    # SIG_IGN: started as a shell's background job is (SIGQUIT ignored, and exec keeps that); the
+    # rank still dies of SIGQUIT, as SGLang's launcher, with a SIGQUIT handler of its own, does.
     g = group_factory()
-    for rank in (1, 0, 2):
-        g.start(rank, **{"--watchdog-timeout": "2"})
+    previous = signal.signal(signal.SIGQUIT, inherited)
+    try:
+        for rank in (1, 0, 2):
+            g.start(rank, **{"--watchdog-timeout": "2"})
+    finally:
+        signal.signal(signal.SIGQUIT, previous)
     g.ranks[0].wait_line("serving dsv on http://127.0.0.1")
     g.ranks[1].proc.send_signal(signal.SIGSTOP)
     result: dict = {}
