@@ -187,7 +187,8 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
         return scenario.base - backing.mapped
     engine = Engine(engine_config, on_fatal=lambda why: None, clock=lambda: clock[0],
                     allocator=allocator_of(backing), node_room=available,
-                    kv_pool=KvPool(backing, engine_config.bytes_per_token) if engine_config.kv_pool else None)
+                    kv_pool=KvPool(backing, engine_config.bytes_per_token, capacity=engine_config.max_total_tokens)
+                    if engine_config.kv_pool else None)
     run = Run(lowest=available())
     arrivals = [s for s in scenario.requests]
     requests = {}

@@ -84,7 +84,7 @@ class EngineConfig:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     bytes_per_token: int
-    max_total_tokens: int  # only reported (/v1/loads)
+    max_total_tokens: int  # the KV pool's slots (kv_pool mode; 0: no limit); refuses longer prompts
     context_length: int | None
     transient_bytes: float = 0.0  # per chunk token and prefix token, for the chunk's duration
     empty_cache_tokens: int = 0  # the prefill_empty_cache hook's threshold (0: off)
@@ -92,19 +92,53 @@ class EngineConfig:
     kv_pool: bool = False  # KV in SGLang's pool (sim/kvpool.py), not in the caching allocator
 
 
-def plan_chunk(pending: list[tuple[str, int]], budget: int) -> list[tuple[str, int]]:
+def plan_chunk(pending: list[tuple[str, int]], budget: int, free_slots: int | None = None,
+               chunked: bool = False) -> list[tuple[str, int]]:
     """One prefill batch: FCFS over (rid, tokens still to prefill), at most `budget` tokens in all
-    (budget < 0: unlimited); the last request taken may be cut (chunked)."""
+    (budget < 0: unlimited); the last request taken may be cut (chunked).
+
+    With the KV pool's `free_slots` (None: no limit), SGLang 0.5.23's PrefillAdder: a request not
+    yet started goes in only while the free slots, less what this batch already takes, exceed its
+    whole rest (PrefillBudget.check_prefill: `total_tokens < remaining_total`); the first one that
+    does not, and every one after it, waits. The request being chunk-prefilled (`chunked`: the
+    first of `pending`) always goes on: its piece is cut to the free slots while any are left
+    (available_chunk_tokens: "single-pool continuation must make progress"), else it asks for a
+    whole chunk, and the allocation fails as SGLang's does. SGLang also reserves each request's
+    expected output (up to 4096 tokens, less for running ones); the stand-in's decode takes no
+    slots and reserves none, so it admits a little more than SGLang: harder on memory, not
+    kinder."""
     batch = []
-    for rid, remaining in pending:
+    room = free_slots
+    for i, (rid, remaining) in enumerate(pending):
         if budget == 0:
             break
         take = remaining if budget < 0 else min(remaining, budget)
+        if room is not None:
+            if i == 0 and chunked:
+                take = min(take, room) if room > 0 else take
+            elif remaining >= room:
+                break
+            room -= take
         if take > 0:
             batch.append((rid, take))
             if budget > 0:
                 budget -= take
     return batch
+
+
+def input_refusal(prompt_tokens: int, context_length: int | None, max_total_tokens: int) -> str | None:
+    """Why SGLang 0.5.23 refuses a prompt of this length, None when it takes it: the tokenizer's
+    check against the context length (TokenizerManager._validate_one_request: `>=`), then the
+    scheduler's against what one request may hold, the KV pool less one slot and 5 more
+    (TpModelWorker: max_req_input_len = min(context_len - 1, pool - 1) - 5; validate_input_length:
+    `>=`, finished as an abort with status 400)."""
+    if context_length is not None and prompt_tokens >= context_length:
+        return f"The input ({prompt_tokens} tokens) is longer than the model's context length ({context_length} tokens)."
+    limits = [n - 1 for n in (context_length, max_total_tokens) if n]
+    if limits and prompt_tokens >= min(limits) - 5:
+        return (f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length ({min(limits) - 5} tokens). "
+                "Use a shorter input or enable --allow-auto-truncate.")
+    return None
 
 
 def empties_cache(prompt_lengths: list[int], threshold: int) -> bool:
@@ -129,7 +163,8 @@ class Engine:
         self._begin_step = begin_step
         self.allocator = allocator or CachingAllocator(AnonymousMemory())
         self.kv_pool = kv_pool if kv_pool is not None else \
-            KvPool(AnonymousMemory(), config.bytes_per_token) if config.kv_pool else None
+            KvPool(AnonymousMemory(), config.bytes_per_token, capacity=config.max_total_tokens) \
+            if config.kv_pool else None
         self._cond = threading.Condition()
         self._requests: dict[str, Request] = {}  # in arrival order; finished ones are removed
         self._last_step_at = float("-inf")  # time.monotonic() when the last forward step completed
@@ -154,10 +189,9 @@ class Engine:
         counted as prefilled from the start, with no KV of their own (the cache holds it), while
         every chunk's indexer buffers still span the whole prefix. The HTTP side has no prefix
         cache (0); the guard's scenario benchmark uses it."""
-        limit = self.config.context_length
-        if limit is not None and prompt_tokens > limit:
-            raise Rejected(400, f"The input ({prompt_tokens} tokens) is longer than the model's context "
-                                f"length ({limit} tokens).")
+        refusal = input_refusal(prompt_tokens, self.config.context_length, self.config.max_total_tokens)
+        if refusal:
+            raise Rejected(400, refusal)
         with self._cond:
             if not self._accepting:
                 raise Rejected(503, "The server is shutting down; not accepting new requests.")
@@ -328,7 +362,8 @@ class Engine:
         waiting = [r for r in self._requests.values() if r.phase is Phase.WAITING][:admissible]
         pending = {r.rid: r for r in chunked + waiting}
         batch = plan_chunk([(rid, r.prompt_tokens - r.prefilled) for rid, r in pending.items()],
-                           self.config.chunk_tokens)
+                           self.config.chunk_tokens, self.kv_pool.free_slots() if self.kv_pool else None,
+                           bool(chunked))
         planned = self._admitted([(pending[rid], take) for rid, take in batch], bool(chunked))
         for request, take in planned:
             request.phase = Phase.PREFILL

@@ -90,6 +90,9 @@ class CostModel:
     # The KV in a pool of slots, as SGLang keeps it (projection.py): reused by later KV alone, its
     # memory never given back; False: in the caching allocator (the stand-in's default).
     kv_pool: bool = False
+    # Its slots (MAX_TOTAL_TOKENS, --max-total-tokens; 0: no limit): a request not yet started
+    # waits while its rest would not fit in the free ones (projection.py, SGLang's PrefillAdder).
+    kv_pool_tokens: int = 0
 
     @property
     def configured(self) -> bool:

@@ -12,7 +12,10 @@ sim/engine.py and sim/allocator.py, does the same):
   caching allocator) the KV takes the pool's free slots first and its memory grows only past the
   slots ever used, in 2 MiB pages, as the stand-in's sim/kvpool.py: an ended or aborted request's
   slots go back to the pool, serve later KV alone and never go back to the system; without it
-  the KV is allocated as the buffers are (the stand-in's default);
+  the KV is allocated as the buffers are (the stand-in's default); a pool of `kv_pool_tokens`
+  slots admits a request not yet started only while the free slots, less what the step already
+  takes, exceed its whole rest (SGLang's PrefillAdder): it waits, and those behind it with it,
+  until requests end, which the projection does not see;
 - a freed block stays with the process and merges with the free blocks beside it in its
   segment; a later allocation is served from the smallest free block of its pool that fits, else
   from a new segment: requests of up to 1 MiB from the small pool (2 MiB segments, a block split
@@ -377,9 +380,12 @@ class Projection:
         gated = _gated(kept, memory, model)
         in_flight = any(not r.waiting for r in kept)
         while queue:
+            if _first_without_slots(memory, queue[:1], budget, model) == 0:
+                break  # the head waits for KV pool slots, which requests ending give back
             if queue[0][0].rid not in gated:  # a request the gate let in: its middle chunks at once
                 low = _run_at_once(memory, queue[0], model, low)
             held = len(queue) if not gated else _first_held(memory, queue, budget, model, gated, in_flight)
+            held = min(held, _first_without_slots(memory, queue, budget, model))
             if held == 0:
                 break  # the head of the queue waits for requests to end, which the projection does not see
             admitted, waiting = queue[:held], queue[held:]
@@ -422,6 +428,31 @@ def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model
             if left == 0:
                 break
     return len(queue)
+
+
+def _first_without_slots(memory: _Allocator, queue: list[list], budget: int | None, model: "CostModel") -> int:
+    """The index in the queue of the first request not yet started that waits for KV pool slots
+    this step (len(queue): none, or the pool has no limit): its rest is not below the slots left
+    once the pieces before it are taken. The request being chunk-prefilled always goes on."""
+    if not model.kv_pool or model.kv_pool_tokens <= 0 or model.token_bytes <= 0:
+        return len(queue)
+    room = model.kv_pool_tokens - memory.kv_in_use // model.token_bytes
+    left = budget
+    for i, (r, prefix, end) in enumerate(queue):
+        if not started(r, prefix) and end - prefix >= room:
+            return i
+        take = end - prefix if left is None else min(left, end - prefix)
+        room -= take
+        if left is not None:
+            left -= take
+            if left == 0:
+                break
+    return len(queue)
+
+
+def started(r: "InflightRequest", prefix: int) -> bool:
+    """Whether the request has taken a step (listed so, or one projected since the listing)."""
+    return not r.waiting or prefix > r.prefilled_tokens
 
 
 def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) -> int:

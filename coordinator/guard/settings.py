@@ -33,6 +33,7 @@ def cost_model(cfg: Mapping[str, object], passthrough: Mapping[str, str] | None 
     # DSV41_SIM_KV_POOL=1 (sim/kvpool.py), else in its allocator.
     pool = passthrough.get("DSV41_SIM_KV_POOL", "").strip() == "1" if sim else True
     return CostModel(token_bytes=int(token), transient_bytes=float(transient), kv_pool=pool,
+                     kv_pool_tokens=int(cfg["MAX_TOTAL_TOKENS"] or 0) if pool else 0,
                      chunk_tokens=int(cfg["CHUNKED_PREFILL_SIZE"]),
                      empty_cache_tokens=int(cfg["DSV41_PREFILL_EMPTY_CACHE_TOKENS"]),
                      admission_guard_bytes=int(float(cfg["MEMORY_GUARD_GB"]) * GB) if gate else 0)

@@ -15,15 +15,16 @@ from sim.tokens import count_tokens
 pytestmark = pytest.mark.unit
 
 ARGV = ["--model-path", "/models/dsv", "--served-model-name", "dsv", "--enable-cache-report", "--context-length",
-        "100000", "--tp-size", "3", "--max-total-tokens", "50000", "--max-running-requests", "4",
+        "100000", "--tp-size", "3", "--max-total-tokens", "200000", "--max-running-requests", "4",
         "--enable-metrics"]
 
 
 def start(argv=ARGV):
     args = parse(argv)
     engine = Engine(EngineConfig(chunk_tokens=256, max_running=4, prefill_tokens_per_s=20000.0,
-                                 decode_tokens_per_s=5000.0, bytes_per_token=1024, max_total_tokens=50000,
-                                 context_length=args.context_length), on_fatal=pytest.fail)
+                                 decode_tokens_per_s=5000.0, bytes_per_token=1024,
+                                 max_total_tokens=args.max_total_tokens, context_length=args.context_length),
+                    on_fatal=pytest.fail)
     engine.start()
     state = ApiState(args, engine, log=lambda line: None)
     server = serve(state, "127.0.0.1", 0)
@@ -204,7 +205,7 @@ def test_server_info_loads_and_metrics(api):
     assert loads["num_accelerators"] == 3
     core = {"num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens", "token_usage"}
     assert core <= set(load)
-    assert load["max_total_num_tokens"] == 50000 and load["max_running_requests"] == 4
+    assert load["max_total_num_tokens"] == 200000 and load["max_running_requests"] == 4
     status, metrics = call(port, "GET", "/metrics")
     assert status == 200 and b'sglang:num_running_reqs{model_name="dsv"}' in metrics
 

@@ -4,7 +4,7 @@ import threading
 import pytest
 
 from sim.allocator import SMALL_BUFFER, AnonymousMemory, CachingAllocator, CountedMemory, segment_size
-from sim.engine import Engine, EngineConfig, Phase, Rejected, plan_chunk
+from sim.engine import Engine, EngineConfig, Phase, Rejected, input_refusal, plan_chunk
 from sim.kvpool import KvPool
 
 pytestmark = pytest.mark.unit
@@ -50,7 +50,7 @@ def make(chunk=256, max_running=8, bytes_per_token=4096, context_length=None, tr
          empty_cache_tokens=0, backing=None):
     steps, clock, fatal = SchedulerSteps(), Clock(), []
     engine = Engine(EngineConfig(chunk_tokens=chunk, max_running=max_running, prefill_tokens_per_s=1000.0,
-                                 decode_tokens_per_s=1e6, bytes_per_token=bytes_per_token, max_total_tokens=10000,
+                                 decode_tokens_per_s=1e6, bytes_per_token=bytes_per_token, max_total_tokens=100000,
                                  context_length=context_length, transient_bytes=transient_bytes,
                                  empty_cache_tokens=empty_cache_tokens),
                     on_fatal=fatal.append, clock=clock, sleep=steps,
@@ -68,6 +68,37 @@ def make(chunk=256, max_running=8, bytes_per_token=4096, context_length=None, tr
 ])
 def test_plan_chunk_is_fcfs_within_the_budget(pending, budget, batch):
     assert plan_chunk(pending, budget) == batch
+
+
+@pytest.mark.parametrize("pending, budget, free, chunked, batch", [
+    # a new request goes in only while the free slots exceed its whole rest (not just its chunk)
+    ([("a", 1000)], 768, 1001, False, [("a", 768)]),
+    ([("a", 1000)], 768, 1000, False, []),
+    ([("a", 100), ("b", 1000)], 768, 1200, False, [("a", 100), ("b", 668)]),
+    ([("a", 100), ("b", 1000)], 768, 1100, False, [("a", 100)]),  # b's 1000 is not < 1000 left
+    ([("a", 2000), ("b", 10)], 768, 1500, False, []),  # FCFS: b waits behind a
+    # the chunked request goes on, cut to the free slots, or a whole chunk when none is free
+    ([("a", 1000), ("b", 10)], 768, 500, True, [("a", 500)]),
+    ([("a", 1000)], 768, 0, True, [("a", 768)]),
+    ([("a", 1000)], 768, None, False, [("a", 768)]),  # no limit
+])
+def test_plan_chunk_with_the_kv_pool_admits_as_sglangs_prefill_adder(pending, budget, free, chunked, batch):
+    assert plan_chunk(pending, budget, free, chunked) == batch
+
+
+@pytest.mark.parametrize("prompt, context, pool, refused", [
+    (99, 100, 0, "maximum allowed length (94 tokens)"),
+    (100, 100, 0, "longer than the model's context length (100 tokens)"),  # the tokenizer's >=
+    (93, 100, 0, None),  # context - 1 - 5 = 94
+    (94, 100, 0, "exceeds the maximum allowed length (94 tokens)"),
+    (993, None, 1000, None),
+    (994, None, 1000, "exceeds the maximum allowed length (994 tokens)"),  # the pool - 1 - 5
+    (994, 2000, 1000, "Use a shorter input or enable --allow-auto-truncate"),
+    (10**9, None, 0, None),  # no limits given
+])
+def test_input_refusal_follows_sglangs_two_length_checks(prompt, context, pool, refused):
+    got = input_refusal(prompt, context, pool)
+    assert got is None if refused is None else (got is not None and refused in got)
 
 
 def test_prefill_runs_in_chunks_at_the_rate_and_holds_memory_per_token():
@@ -242,11 +273,11 @@ def test_admission_is_bounded_by_max_running_and_loads_report_it():
     steps.next_chunk()
     load = engine.loads()
     assert (load["num_running_reqs"], load["num_waiting_reqs"], load["num_waiting_uncached_tokens"]) == (1, 1, 300)
-    assert load["max_running_requests"] == 1 and load["max_total_num_tokens"] == 10000
+    assert load["max_running_requests"] == 1 and load["max_total_num_tokens"] == 100000
     steps.finish()
     steps.next_chunk()
     load = engine.loads()
-    assert load["num_used_tokens"] == 256 and load["token_usage"] == pytest.approx(0.0256)
+    assert load["num_used_tokens"] == 256 and load["token_usage"] == pytest.approx(0.00256)
     assert load["memory_bytes"] == 512 * 4096  # the second chunk's KV is allocated as it starts
     assert load["memory_reserved_bytes"] == SMALL_BUFFER  # two 1 MiB chunks in one small-pool segment
     engine.abort("", abort_all=True)
@@ -273,7 +304,7 @@ def test_inflight_lists_rid_prompt_tokens_progress_and_age():
 def test_rejections():
     engine, steps, _, _ = make(context_length=100)
     with pytest.raises(Rejected) as too_long:
-        engine.submit("big", 101)
+        engine.submit("big", 100)
     assert too_long.value.status == 400 and "longer than the model's context length (100 tokens)" in str(too_long.value)
     engine.submit("r", 10)
     steps.next_chunk()
@@ -499,3 +530,50 @@ def test_with_the_kv_pool_an_aborted_requests_kv_never_comes_back_and_serves_no_
     assert engine.allocator.stats().reserved > 0 and b.held_bytes == 256 * 64 * 1024
     engine.end_chunk(batch, transients)  # the hook: the buffer goes back, the pool stays
     assert backing.mapped == touched
+
+
+def pooled(capacity, bytes_per_token=1024):
+    clock, backing = Clock(), CountedMemory()
+    engine = Engine(EngineConfig(chunk_tokens=256, max_running=8, prefill_tokens_per_s=1000.0,
+                                 decode_tokens_per_s=1e6, bytes_per_token=bytes_per_token, max_total_tokens=capacity,
+                                 context_length=None, kv_pool=True),
+                    on_fatal=lambda why: None, clock=clock, allocator=CachingAllocator(backing),
+                    kv_pool=KvPool(backing, bytes_per_token, capacity=capacity))
+    return engine, backing
+
+
+def step(engine):
+    batch = engine.next_prefill()
+    if batch is not None:
+        engine.end_chunk(batch, engine.allocate_chunk(batch))
+    return [(r.rid, take) for r, take in batch or []]
+
+
+def test_with_a_sized_kv_pool_a_request_waits_until_its_whole_prompt_fits_then_takes_the_freed_slots():
+    engine, backing = pooled(capacity=1000)
+    assert engine.kv_pool.capacity == 1000
+    with pytest.raises(Rejected) as refused:
+        engine.submit("huge", 994)  # SGLang's scheduler refuses what the pool can never hold
+    assert refused.value.status == 400 and "maximum allowed length (994 tokens)" in str(refused.value)
+    a = engine.submit("a", 600)
+    b = engine.submit("b", 500)
+    assert step(engine) == [("a", 256)] and step(engine) == [("a", 256)]
+    assert step(engine) == [("a", 88)]  # b's 500 does not fit in the 400 slots a leaves: b waits
+    assert b.phase is Phase.WAITING and a.phase is Phase.DECODE and engine.kv_pool.in_use == 600
+    assert step(engine) == [] and b.phase is Phase.WAITING  # still waiting while a holds its slots
+    engine.finish(a, "stop")
+    assert step(engine) == [("b", 256)]  # a's slots are free again: b goes in and takes them
+    assert engine.kv_pool.in_use == 256 and engine.kv_pool.high_water == 600
+    assert backing.mapped == engine.kv_pool.touched_bytes  # nothing new touched: a's pages serve b
+
+
+def test_with_a_sized_kv_pool_a_step_that_wants_more_slots_than_are_free_ends_the_rank():
+    engine, _ = pooled(capacity=1000)
+    a = engine.submit("a", 900)
+    step(engine)  # a: 256 of 900, chunk-prefilled on
+    engine.kv_pool.take(744)  # the rest of the pool taken behind the scheduler's back
+    batch = engine.next_prefill()  # a must make progress: a whole chunk is asked for
+    assert [(r.rid, take) for r, take in batch] == [("a", 256)]
+    with pytest.raises(MemoryError, match="Prefill out of memory: 256 KV slots asked for, 0 of 1000 free"):
+        engine.allocate_chunk(batch)
+    assert a.phase is Phase.PREFILL
