@@ -402,11 +402,18 @@ class Projection:
 
 def _gated(kept: list["InflightRequest"], memory: _Allocator, model: "CostModel") -> set[str]:
     """The waiting requests the admission gate applies to (none without a gate): those that could
-    fit were every other request's KV given back (the others end before it, at worst)."""
+    fit were every other request's KV given back (the others end before it, at worst). With the
+    KV pool what they give back stays the pool's: it serves the request's KV (every page the pool
+    has is free then), never its buffers."""
     if model.admission_guard_bytes <= 0:
         return set()
-    room = memory.available + memory.free_bytes() + sum(model.held(r) for r in kept) - model.admission_guard_bytes
-    return {r.rid for r in kept if r.waiting and model.kv_to_come(r) + model.transient_peak(r) <= room}
+    room = memory.available + memory.free_bytes() - model.admission_guard_bytes
+    if not model.kv_pool:
+        room += sum(model.held(r) for r in kept)
+        return {r.rid for r in kept if r.waiting and model.kv_to_come(r) + model.transient_peak(r) <= room}
+    pages = memory.kv_pages * POOL_PAGE
+    return {r.rid for r in kept
+            if r.waiting and max(0, model.kv_to_come(r) - pages) + model.transient_peak(r) <= room}
 
 
 def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model: "CostModel",

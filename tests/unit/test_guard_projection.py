@@ -168,6 +168,25 @@ def test_with_the_gate_a_request_that_fits_once_others_end_is_held_and_one_that_
     assert charge.projected_low(level, [running, never], [], gated) < 0  # counted as starting: the guard aborts it
 
 
+def test_with_the_gate_and_the_kv_pool_what_others_give_back_serves_kv_but_never_buffers():
+    # A decoding request holds 30000 tokens of KV (480 MiB). The waiting hit's first piece needs
+    # ~190 MB of buffers over its 60k-token prefix: not now. In the caching allocator the
+    # decoding request's blocks come back when it ends, so the gate holds the hit until then. In
+    # SGLang's pool they stay the pool's and serve KV alone: holding the hit gets it nothing, so
+    # it counts as starting, below the guard, and the guard aborts it. With room for its buffers
+    # it is held with the pool too.
+    decoding = InflightRequest("decoding", 30_000, 30_000, state="decoding")
+    hit = waiting("hit", 61_000, 60_000)
+    for pool in (False, True):
+        model = dataclasses.replace(MODEL, admission_guard_bytes=150 * MB, kv_pool=pool)
+        assert charge.projected_low(200 * MB, [decoding], [], model) == 200 * MB  # nothing more to prefill
+        low = charge.projected_low(200 * MB, [decoding, hit], [], model)
+        assert low == 200 * MB if not pool else low < 150 * MB, (pool, low)
+        # 190 MB above the gate: its 187 MB of buffers fit, its 1000 tokens of KV in the pages the
+        # decoding request leaves (or its blocks); its first piece (199 MB) waits for that
+        assert charge.projected_low(340 * MB, [decoding, hit], [], model) == 340 * MB, pool
+
+
 @pytest.mark.parametrize("mid_step", [False, True], ids=["between_steps", "a_step_running"])
 def test_what_ended_requests_left_is_not_known_and_the_projection_errs_low_by_it(mid_step):
     # Their KV and buffers stay cached and the next prompts reuse them: the projection, which
