@@ -11,16 +11,25 @@ other refusal does (the request and those behind it stay queued, in their order)
     headroom - what this step already takes - the candidate's first piece < the guard
 
 and something else is in flight (a step planned, a chunked request, decoding requests): memory
-comes back when they end. With nothing in flight waiting would change nothing, so it is admitted
-and the guard and the node's floor act as before. A request already being chunk-prefilled is never
-held (SGLang's own rule: it keeps its slot across chunks).
+comes back when they end. With nothing in flight it waits too, though nothing will come back for
+it: for the coordinator's guard, which looks at the waiting requests every few hundred ms, to
+abort it before its first step takes the node below the guard at once (a prefix-cache hit's first
+step spans its whole cached prefix). So that no request waits forever on a guard that is not
+running, one alone waits at most LONE_WAIT_S, then goes in. A request already being
+chunk-prefilled is never held (SGLang's own rule: it keeps its slot across chunks).
+
+With SGLang's KV pool (the scheduler's token_to_kv_pool_allocator) a piece's KV costs nothing
+while the pool has slots that were used before and are free now: their pages are the process's
+already (the pool never gives memory back). The gate counts those free slots as the high-water
+mark of the slots in use it saw at each pass less the slots in use now, and charges KV only
+beyond them.
 
 Headroom is what the process can still take: the tighter of MemAvailable and the memory cgroup's
 room (on GB10 host memory is GPU memory; on a discrete GPU the device's free memory), plus what
 PyTorch's caching allocator holds free (reserved - allocated), taken as the minimum over the TP
-group with one all-reduce on its CPU group, so that every rank makes the same decision: the ranks
-must schedule the same batch. One measurement per scheduling pass, only when a request is up for
-admission. What a piece costs is the guard's own cost model (MEMORY_GUARD_TOKEN_BYTES and
+group with one all-reduce on its CPU group (with it, whether a lone request's wait is over on any
+rank), so that every rank makes the same decision: the ranks must schedule the same batch. One
+measurement per scheduling pass, only when a request is up for admission. What a piece costs is the guard's own cost model (MEMORY_GUARD_TOKEN_BYTES and
 MEMORY_GUARD_TRANSIENT_BYTES, or their defaults), passed by the coordinator with the guard level as
 DSV41_ADMISSION_* when MEMORY_GUARD_ADMISSION=1; the stand-in (sim/engine.py) applies the same rule.
 """
@@ -29,12 +38,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from adapter.log import AdapterLog
 from adapter.patching import AROUND, AdapterSpec, Patch
+from adapter.scheduler_requests import kv_in_use as scheduler_kv_in_use
 from adapter.settings import SettingError, env_int
 
 NAME = "admission_gate"
@@ -43,20 +54,34 @@ SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 POLICY_MODULE = "sglang.srt.managers.schedule_policy"
 MAXIMUM_BYTES = 1 << 50
 UNLIMITED = 1 << 62  # a cgroup without a limit, and a measurement that failed
+# The most a request waits with nothing else in flight (for the guard's look to abort it) before it
+# goes in all the same: the guard looks every 0.2 s, and may not be running at all.
+LONE_WAIT_S = 5.0
 
 
-def step_bytes(take: int, prefix: int, token_bytes: int, transient_bytes: float) -> int:
-    """What a prefill piece of `take` tokens after `prefix` tokens allocates: its tokens' cost and
-    the indexer's buffers [take, prefix + take] (coordinator/guard/charge.py charges the same)."""
+def step_bytes(take: int, prefix: int, token_bytes: int, transient_bytes: float, kv_free_tokens: int = 0) -> int:
+    """What a prefill piece of `take` tokens after `prefix` tokens allocates: its tokens' cost (past
+    `kv_free_tokens` free KV pool slots whose pages are there) and the indexer's buffers
+    [take, prefix + take] (coordinator/guard/charge.py charges the same)."""
     if take <= 0:
         return 0
-    return take * token_bytes + int(transient_bytes * take * (prefix + take))
+    return max(0, take - kv_free_tokens) * token_bytes + int(transient_bytes * take * (prefix + take))
 
 
-def admits(headroom: int, planned: int, need: int, guard: int, busy: bool) -> bool:
-    """Whether a request's first piece (`need`) goes into the step: always when nothing else is in
-    flight, else only when the step (`planned` already, then it) leaves at least `guard`."""
-    return not busy or headroom - planned - need >= guard
+def admits(headroom: int, planned: int, need: int, guard: int) -> bool:
+    """Whether a request's first piece (`need`) goes into the step: when the step (`planned`
+    already, then it) leaves at least `guard`."""
+    return headroom - planned - need >= guard
+
+
+def pieces_bytes(pieces: list[tuple[int, int]], s: "GateSettings", kv_free_tokens: int) -> tuple[list[int], int]:
+    """Each (take, prefix) piece's step_bytes in order, the free KV pool slots taken by the pieces
+    before it; and the free slots left after them."""
+    out = []
+    for take, prefix in pieces:
+        out.append(step_bytes(take, prefix, s.token_bytes, s.transient_bytes, kv_free_tokens))
+        kv_free_tokens = max(0, kv_free_tokens - take)
+    return out, kv_free_tokens
 
 
 @dataclass(frozen=True)
@@ -152,17 +177,18 @@ def torch_headroom(node_room: Callable[[], int]) -> int:
     return room + _allocator_free(torch, device)
 
 
-def torch_group_min(scheduler: Any, value: int) -> int:
-    """The smallest `value` over the scheduler's TP group (its gloo CPU group): every rank calls
-    this at the same point of the same pass, since they schedule the same queue."""
+def torch_group_min(scheduler: Any, values: tuple[int, ...]) -> tuple[int, ...]:
+    """Each of `values` at its smallest over the scheduler's TP group (its gloo CPU group), in one
+    all-reduce: every rank calls this at the same point of the same pass, since they schedule the
+    same queue."""
     if int(getattr(scheduler, "tp_size", 1) or 1) <= 1:
-        return value
+        return tuple(values)
     import torch
     import torch.distributed as dist
 
-    tensor = torch.tensor([value], dtype=torch.int64)
+    tensor = torch.tensor(list(values), dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=scheduler.tp_cpu_group)
-    return int(tensor.item())
+    return tuple(int(x) for x in tensor.tolist())
 
 
 def _piece(req: Any, rem_chunk_tokens: int | None) -> tuple[int, int]:
@@ -200,22 +226,26 @@ class HoldReport:
         """Whether `rid` is the request whose wait was reported (its admission is to be reported)."""
         return self._held_rid == rid
 
-    def held(self, rid: str, take: int, prefix: int, need: int, planned: int, headroom: int, guard: int) -> None:
+    def held(self, rid: str, take: int, prefix: int, need: int, planned: int, headroom: int, guard: int,
+             alone: bool = False) -> None:
         if self._held_rid == rid:
             return
         self._held_rid = rid
+        then = (f"nothing else is in flight, so nothing will come back for it: it waits for the guard to abort "
+                f"it, at most {LONE_WAIT_S:g} s") if alone else "it goes in when memory comes back"
         self._line(f"{NAME}: request {rid} waits: its first step ({take} tokens over a {prefix}-token prefix, "
                    f"{need // 1_000_000} MB) with this step's {planned // 1_000_000} MB would leave "
                    f"{(headroom - planned - need) // 1_000_000} MB of {headroom // 1_000_000} MB, "
-                   f"below the guard's {guard // 1_000_000} MB; it goes in when memory comes back "
-                   f"or nothing else is in flight")
+                   f"below the guard's {guard // 1_000_000} MB; {then}")
 
-    def admitted(self, rid: str, headroom: int | None, step: int) -> None:
+    def admitted(self, rid: str, headroom: int, step: int, waited_alone: bool = False) -> None:
         if self._held_rid != rid:
             return
         self._held_rid = None
-        room = "nothing else in flight" if headroom is None else f"headroom {headroom // 1_000_000} MB"
-        self._line(f"{NAME}: request {rid} admitted after waiting ({room}, this step {step // 1_000_000} MB)")
+        why = (f"waited {LONE_WAIT_S:g} s with nothing else in flight and was not aborted" if waited_alone
+               else "after waiting")
+        self._line(f"{NAME}: request {rid} admitted {why} (headroom {headroom // 1_000_000} MB, "
+                   f"this step {step // 1_000_000} MB)")
 
 
 class AdmissionGate:
@@ -224,8 +254,10 @@ class AdmissionGate:
 
     def __init__(self, settings: GateSettings, log: AdapterLog,
                  headroom: Callable[[], int] | None = None,
-                 group_min: Callable[[Any, int], int] = torch_group_min,
-                 refused: Callable[[], Any] | None = None) -> None:
+                 group_min: Callable[[Any, tuple[int, ...]], tuple[int, ...]] = torch_group_min,
+                 refused: Callable[[], Any] | None = None,
+                 kv_in_use: Callable[[Any], int | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         if headroom is None:
             room = NodeRoom()
@@ -233,48 +265,60 @@ class AdmissionGate:
         self._headroom = headroom
         self._group_min = group_min
         self._refused = refused or _add_req_result_other
+        self._kv_in_use = kv_in_use or scheduler_kv_in_use
+        self._clock = clock
         self._pass = threading.local()
         self._report = HoldReport(log.line)
+        self._kv_high = 0  # the most KV pool slots in use seen at a pass
+        self._alone: tuple[str, float] | None = None  # the request waiting with nothing else in flight, since
         self.refusals = 0
         self.measurements = 0
 
     def around_prefill(self, original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-        self._pass.scheduler, self._pass.headroom = scheduler, None
+        in_use = self._kv_in_use(scheduler)
+        if in_use is not None:
+            self._kv_high = max(self._kv_high, in_use)
+        self._pass.scheduler, self._pass.measured = scheduler, None
+        self._pass.kv_free = max(0, self._kv_high - in_use) if in_use is not None else 0
         try:
             return original(scheduler, *args, **kwargs)
         finally:
-            self._pass.scheduler = self._pass.headroom = None
+            self._pass.scheduler = self._pass.measured = None
 
     def around_add_one_req(self, original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
         scheduler = getattr(self._pass, "scheduler", None)
         if scheduler is None:
             return original(adder, req, *args, **kwargs)
-        if not _busy(scheduler, adder):
-            rid = str(getattr(req, "rid", ""))
-            if self._report.waits(rid):  # the step is sized for the line only: idle passes stay cheap
-                take, prefix = _piece(req, getattr(adder, "rem_chunk_tokens", None))
-                self._report.admitted(rid, None, step_bytes(take, prefix, self.settings.token_bytes,
-                                                            self.settings.transient_bytes))
-            return original(adder, req, *args, **kwargs)
         s = self.settings
-        if self._pass.headroom is None:
+        rid = str(getattr(req, "rid", ""))
+        alone = not _busy(scheduler, adder)
+        if self._pass.measured is None:
             try:
                 local = int(self._headroom())
             except Exception:  # never skip the collective below: the other ranks wait in it
                 local = UNLIMITED
-            self._pass.headroom = self._group_min(scheduler, local)
+            waited = self._alone is not None and self._alone[0] == rid and \
+                self._clock() - self._alone[1] >= LONE_WAIT_S
+            # (headroom, 0 once a lone request's wait is over on this rank): the minimum of each
+            self._pass.measured = self._group_min(scheduler, (local, 0 if alone and waited else 1))
             self.measurements += 1
+        headroom, over = self._pass.measured[0], self._pass.measured[1] == 0
         rem = getattr(adder, "rem_chunk_tokens", None)
-        planned = sum(step_bytes(*_piece(r, None), s.token_bytes, s.transient_bytes)
-                      for r in getattr(adder, "can_run_list", None) or ())
+        planned, kv_free = pieces_bytes([_piece(r, None) for r in getattr(adder, "can_run_list", None) or ()], s,
+                                        self._pass.kv_free)
         take, prefix = _piece(req, rem)
-        need = step_bytes(take, prefix, s.token_bytes, s.transient_bytes)
-        rid = str(getattr(req, "rid", ""))
-        if admits(self._pass.headroom, planned, need, s.guard_bytes, True):
-            self._report.admitted(rid, self._pass.headroom, planned + need)
+        need = step_bytes(take, prefix, s.token_bytes, s.transient_bytes, kv_free)
+        step = sum(planned) + need
+        if admits(headroom, sum(planned), need, s.guard_bytes) or (alone and over):
+            self._report.admitted(rid, headroom, step, waited_alone=not admits(headroom, sum(planned), need,
+                                                                                s.guard_bytes))
+            if self._alone is not None and self._alone[0] == rid:
+                self._alone = None
             return original(adder, req, *args, **kwargs)
+        if alone and (self._alone is None or self._alone[0] != rid):
+            self._alone = (rid, self._clock())
         self.refusals += 1
-        self._report.held(rid, take, prefix, need, planned, self._pass.headroom, s.guard_bytes)
+        self._report.held(rid, take, prefix, need, sum(planned), headroom, s.guard_bytes, alone=alone)
         return self._refused()
 
 

@@ -97,6 +97,7 @@ POOL_SETTINGS = replace(SETTINGS, cost=replace(SETTINGS.cost, kv_pool=True))
 POOL_GATED_SETTINGS = replace(GATED_SETTINGS, cost=replace(GATED_SETTINGS.cost, kv_pool=True))
 LATENCY_S = 0.002   # an action's HTTP call on the node's loopback
 CONFIRM_POLL_S = 0.05
+LOOK_S = 0.2        # the runner's look at the in-flight list while serving (MemoryGuard's poll)
 NOISE = 1 * MB      # sample noise, each way
 SETTLE_S = 2.0      # simulated after the last request ended
 
@@ -154,6 +155,7 @@ class Run:
     t_end: float = 0.0
     lowest_at_first_chunk: bool = False  # the lowest point came with a request's first chunk
     live: set[str] = field(default_factory=set)  # with a fork: the requests in flight at it
+    idle_lowest: int | None = None  # the lowest available with no request in flight (None: never idle)
 
     def kinds(self, kind: str) -> int:
         return sum(1 for _, d in self.decisions if d.kind == kind)
@@ -204,6 +206,7 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
     next_sample = rng.uniform(0.0, step) if guarded else math.inf
     actions: list[tuple[float, p.Decision]] = []
     next_poll = math.inf
+    next_look = rng.uniform(0.0, LOOK_S) if guarded else math.inf
     last_arrival = max(s.arrival for s in arrivals)
 
     def listing() -> p.InflightList:
@@ -248,12 +251,14 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
 
     while True:
         unfinished = [r for r in requests.values() if r.phase is not Phase.FINISHED]
+        if not unfinished and batch is None and requests:
+            run.idle_lowest = available() if run.idle_lowest is None else min(run.idle_lowest, available())
         if run.stopped:
             break
         if not arrivals and not unfinished and batch is None and not actions:
             if clock[0] >= max(last_arrival, run.t_end) + SETTLE_S or not guarded:
                 break
-        t = min([chunk_end, next_sample, next_poll] + [a.arrival for a in arrivals[:1]] + [x[0] for x in actions]
+        t = min([chunk_end, next_sample, next_poll, next_look] + [a.arrival for a in arrivals[:1]] + [x[0] for x in actions]
                 + list(decode_until.values()) + [max(last_arrival, clock[0]) + SETTLE_S])
         if t > 600:
             raise RuntimeError(f"scenario {scenario.index} did not end")
@@ -302,13 +307,18 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
                     decode_until.pop(r.rid, None)
                 continue
         if forked[0]:
-            next_sample = next_poll = math.inf
+            next_sample = next_poll = next_look = math.inf
             continue
         if guard is not None and t >= next_sample:
             level = available() + rng.randint(-NOISE, NOISE)
             for sample in gate.offer(Sample(t, 0, level, 0, 0, level, NO_PRESSURE, NO_PRESSURE, 0)):
                 decide(guard.observe("node", sample.at_monotonic_s, sample.available, t, listing), t)
             next_sample = t + step * (1 + rng.uniform(-0.1, 0.1))
+            if guard.state.pending and next_poll == math.inf:
+                next_poll = t + CONFIRM_POLL_S
+        if guard is not None and t >= next_look:
+            decide(guard.look(listing(), t), t)
+            next_look = t + LOOK_S
             if guard.state.pending and next_poll == math.inf:
                 next_poll = t + CONFIRM_POLL_S
         if guard is not None and t >= next_poll:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from adapter.admission_gate import GateSettings, HoldReport, NodeRoom, admits, step_bytes
+from adapter.admission_gate import LONE_WAIT_S, GateSettings, HoldReport, NodeRoom, admits, pieces_bytes
 
 from .allocator import AnonymousMemory, Block, CachingAllocator
 from .kvpool import KvPool
@@ -170,6 +170,7 @@ class Engine:
         self._last_step_at = float("-inf")  # time.monotonic() when the last forward step completed
         self._launched_at: float | None = None  # when the prefill step now running was launched (its memory taken)
         self._kv_high_water = 0  # the KV pool's high-water mark when the last step ended (kv_pool mode)
+        self._alone: tuple[str, float] | None = None  # the gate's request waiting with nothing else in flight, since
         self._accepting = True
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
@@ -372,25 +373,34 @@ class Engine:
 
     def _admitted(self, planned: list[tuple[Request, int]], chunked: bool) -> list[tuple[Request, int]]:
         """The planned batch as the admission gate lets it go (adapter/admission_gate.py): the first
-        waiting request whose first piece would take the node below the guard while something else
-        is in flight, and those after it, stay waiting. Headroom as the rank measures it: the
-        node's room plus what the allocator holds free (one rank: no all-reduce)."""
+        waiting request whose first piece would take the node below the guard, and those after it,
+        stay waiting; one with nothing else in flight at most LONE_WAIT_S (for the guard to abort
+        it). Headroom as the rank measures it: the node's room plus what the allocator holds free
+        (one rank: no all-reduce); KV pool slots used before and free now cost nothing."""
         gate = self.config.admission
-        if gate is None:
+        if gate is None or not any(r.phase is Phase.WAITING for r, _ in planned):
             return planned
-        busy = chunked or any(r.phase is Phase.DECODE for r in self._requests.values())
-        headroom, spent = None, 0
-        for i, (request, take) in enumerate(planned):
-            need = step_bytes(take, request.prefilled, gate.token_bytes, gate.transient_bytes)
+        alone = not chunked and not any(r.phase is Phase.DECODE for r in self._requests.values())
+        stats = self.allocator.stats()
+        headroom = self._node_room() + stats.reserved - stats.allocated
+        kv_free = self.kv_pool.high_water - self.kv_pool.in_use if self.kv_pool is not None else 0
+        needs, _ = pieces_bytes([(take, r.prefilled) for r, take in planned], gate, kv_free)
+        spent = 0
+        for i, ((request, take), need) in enumerate(zip(planned, needs)):
             if request.phase is Phase.WAITING:
-                if busy or i > 0:
-                    if headroom is None:
-                        stats = self.allocator.stats()
-                        headroom = self._node_room() + stats.reserved - stats.allocated
-                    if not admits(headroom, spent, need, gate.guard_bytes, True):
-                        self._holds.held(request.rid, take, request.prefilled, need, spent, headroom, gate.guard_bytes)
-                        return planned[:i]
-                self._holds.admitted(request.rid, headroom, spent + need)
+                first = alone and i == 0
+                fits = admits(headroom, spent, need, gate.guard_bytes)
+                waited = first and self._alone is not None and self._alone[0] == request.rid \
+                    and self._clock() - self._alone[1] >= LONE_WAIT_S
+                if not fits and not waited:
+                    if first and (self._alone is None or self._alone[0] != request.rid):
+                        self._alone = (request.rid, self._clock())
+                    self._holds.held(request.rid, take, request.prefilled, need, spent, headroom, gate.guard_bytes,
+                                     alone=first)
+                    return planned[:i]
+                if self._alone is not None and self._alone[0] == request.rid:
+                    self._alone = None
+                self._holds.admitted(request.rid, headroom, spent + need, waited_alone=not fits)
             spent += need
         return planned
 

@@ -366,6 +366,8 @@ class GuardState:
     # Per node, the model's account of the last listing given with a sample (account.py): the
     # next one's tells whether the fall in between is what the model charges.
     accounts: tuple[account.Account, ...] = ()
+    # The waiting requests the last look found (look): a look is taken when others wait.
+    looked_waiting: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -446,22 +448,27 @@ def running_in_level(s: GuardSettings, a: Assessment, inflight: InflightList) ->
 
 
 def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
-           inflight: InflightList | None = None, serving: bool = True) -> tuple[Decision, GuardState]:
+           inflight: InflightList | None = None, serving: bool = True,
+           looking: bool = False) -> tuple[Decision, GuardState]:
     """The next action after one node's sample. `inflight` None means not fetched yet: an action
     that needs the list then answers NEED_INFLIGHT with the state unchanged, and the caller asks
     again with it. `serving` False during launch, health and smoke: what cannot be aborted is
-    stopped (abort_all there would only end the health or smoke request)."""
+    stopped (abort_all there would only end the health or smoke request). `looking`: not a new
+    sample but a look at a fresh list with the node's last one (Guard.look): only a waiting
+    request that cannot fit is acted on."""
     marks = dict(state.marks)
     prev = marks.get(a.node, NodeMark())
-    mark = NodeMark(prev.streak + 1 if a.danger else 0, a.level, a.danger)
+    mark = prev if looking else NodeMark(prev.streak + 1 if a.danger else 0, a.level, a.danger)
     marks[a.node] = mark
     armed_levels = dict(state.armed_levels)
     if a.node in armed_levels:
         armed_levels[a.node] = max(armed_levels[a.node], a.level)
     st = replace(state, marks=tuple(sorted(marks.items())), armed_levels=tuple(sorted(armed_levels.items())),
-                 last_danger_at=now if a.danger else state.last_danger_at)
+                 last_danger_at=now if a.danger and not looking else state.last_danger_at)
     accounted = None  # (the node's last account, this listing's)
-    if inflight is not None:
+    if inflight is not None and looking:
+        st = replace(forget_reused(st, inflight), sightings=progress.track(st.sightings, inflight, now))
+    elif inflight is not None:
         st = replace(forget_reused(st, inflight), sightings=progress.track(st.sightings, inflight, now))
         if s.cost.configured:
             mine = account.account(a.node, now, a.level, inflight, s.cost, running_in_level(s, a, inflight))
@@ -604,6 +611,30 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
                f"{_gb(choice.projected_low_keeping_all)}")
         return abort(why, choice, looked, basis="model")
 
+    def look(at: GuardState) -> tuple[Decision, GuardState]:
+        """A request arrived that waits (for a step, for slots, for the admission gate): memory has
+        not moved for it, so no fall makes the guard look, and once it starts its first step takes
+        its share at once. When keeping it would take the node below the guard and aborting the
+        waiting requests alone keeps it above, they go before they start."""
+        waiting = tuple(r.rid for r in inflight.requests if r.waiting and r.rid not in at.aborted) \
+            if inflight is not None and not inflight.unavailable else ()
+        new = set(waiting) - set(at.looked_waiting)
+        at = replace(at, looked_waiting=waiting)
+        if not new or at.phase != ARMED or at.pending or at.queued or not s.cost.configured or at.model_failed \
+                or not inflight.scheduler_view:
+            return decision(NONE), at
+        choice = charge.choose(inflight, a.level, s.guard_bytes, s.cost, exclude=at.aborted,
+                               running_in_level=running_in_level(s, a, inflight))
+        if not (choice.needed and choice.explained and choice.victims
+                and all(v.request.waiting for v in choice.victims) and not choice.then):
+            return decision(NONE), at
+        why = (f"{a.node}: available {_gb(a.level)}, guard {_gb(s.guard_bytes)}: with "
+               f"{', '.join(sorted(new))} arrived, the requests in flight would take it to "
+               f"{_gb(choice.projected_low_keeping_all)}")
+        return abort(why, choice, at, basis="look")
+
+    if looking:
+        return look(st)
     if st.phase == STOPPED:
         return decision(NONE), st
     if st.phase == ARMED:
@@ -845,6 +876,7 @@ class Guard:
     settings: GuardSettings
     state: GuardState = field(default_factory=GuardState)
     trends: dict = field(default_factory=dict)
+    last: dict = field(default_factory=dict)  # node -> its last sample's Assessment
 
     def observe(self, node: str, at_node: float, available: int, now: float,
                 inflight: Callable[[], InflightList], serving: bool = True) -> Decision:
@@ -854,6 +886,7 @@ class Guard:
         if trend is None:
             trend = self.trends[node] = Trend(self.settings)
         a = assess(node, trend.add(at_node, available), self.settings)
+        self.last[node] = a
         d, st = decide(self.settings, self.state, a, now, serving=serving)
         if d.kind == NEED_INFLIGHT:
             d, st = decide(self.settings, self.state, a, now, inflight(), serving=serving)
@@ -861,6 +894,16 @@ class Guard:
         if d.kind == REARM:
             for t in self.trends.values():
                 t.forget_lows()
+        return d
+
+    def look(self, inflight: InflightList, now: float, serving: bool = True) -> Decision:
+        """A fresh in-flight list between samples (the runner asks every LOOK_S while serving): a
+        waiting request that arrived and cannot fit is aborted before it starts (decide's look),
+        judged at the lowest node's last sample."""
+        if not self.last:
+            return Decision(NONE)
+        a = min(self.last.values(), key=lambda x: x.level)
+        d, self.state = decide(self.settings, self.state, a, now, inflight, serving=serving, looking=True)
         return d
 
     def note_listing(self, inflight: InflightList, now: float, node: str = "",

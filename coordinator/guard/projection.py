@@ -99,10 +99,12 @@ class _Allocator:
         self._seq = 0
         self.kv_in_use = 0  # the KV pool: bytes of slots requests hold
         self.kv_pages = 0   # its pages ever used (what it holds from the system)
+        self.kv_high = 0    # the most bytes of slots held at once (the ranks' gate counts from it)
 
     def kv_take(self, nbytes: int) -> None:
         """KV slots from the pool: free ones first, then new pages from the system."""
         self.kv_in_use += nbytes
+        self.kv_high = max(self.kv_high, self.kv_in_use)
         pages = -(-self.kv_in_use // POOL_PAGE)
         if pages > self.kv_pages:
             self.available -= (pages - self.kv_pages) * POOL_PAGE
@@ -201,7 +203,7 @@ class _Allocator:
                     blocks[id(old)] = new
         out = _Allocator(self.available)
         out._seq = self._seq
-        out.kv_in_use, out.kv_pages = self.kv_in_use, self.kv_pages
+        out.kv_in_use, out.kv_pages, out.kv_high = self.kv_in_use, self.kv_pages, self.kv_high
         out._free = [(pool, size, seq, copies[id(segment)], blocks[id(block)])
                      for pool, size, seq, segment, block in self._free]
         for segment, block in handles:
@@ -331,6 +333,7 @@ class Projection:
             # serve the next KV at no cost (already in the level, so nothing is taken here)
             self._memory.kv_pages = max(self._memory.kv_pages,
                                         -(-kv_high_water_tokens * model.token_bytes // POOL_PAGE))
+            self._memory.kv_high = max(self._memory.kv_high, kv_high_water_tokens * model.token_bytes)
         self._memory.available = level  # the level sampled holds all of it
 
     def _start(self, kept: list["InflightRequest"], aborted: Iterable["InflightRequest"]) -> tuple[_Allocator, list[list]]:
@@ -366,7 +369,7 @@ class Projection:
         if not gated:
             return set()
         budget = self.model.chunk_tokens if self.model.chunk_tokens > 0 else None
-        held = _first_held(memory, queue, budget, self.model, gated, any(not r.waiting for r in kept))
+        held = _first_held(memory, queue, budget, self.model, gated)
         return {e[0].rid for e in queue[held:]}
 
     def low(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> int:
@@ -378,13 +381,12 @@ class Projection:
         low = self.level
         budget = model.chunk_tokens if model.chunk_tokens > 0 else None
         gated = _gated(kept, memory, model)
-        in_flight = any(not r.waiting for r in kept)
         while queue:
             if _first_without_slots(memory, queue[:1], budget, model) == 0:
                 break  # the head waits for KV pool slots, which requests ending give back
             if queue[0][0].rid not in gated:  # a request the gate let in: its middle chunks at once
                 low = _run_at_once(memory, queue[0], model, low)
-            held = len(queue) if not gated else _first_held(memory, queue, budget, model, gated, in_flight)
+            held = len(queue) if not gated else _first_held(memory, queue, budget, model, gated)
             held = min(held, _first_without_slots(memory, queue, budget, model))
             if held == 0:
                 break  # the head of the queue waits for requests to end, which the projection does not see
@@ -393,7 +395,6 @@ class Projection:
             queue[:] = admitted + waiting
             for r, _, _ in pieces:
                 gated.discard(r.rid)
-            in_flight = True
             buffers = _allocate_batch(memory, pieces, model, None)
             low = min(low, memory.available)
             _end_batch(memory, _hooked(pieces, model), buffers)
@@ -417,17 +418,22 @@ def _gated(kept: list["InflightRequest"], memory: _Allocator, model: "CostModel"
 
 
 def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model: "CostModel",
-                gated: set[str], in_flight: bool) -> int:
+                gated: set[str]) -> int:
     """The index in the queue of the first entry the admission gate holds this step (len(queue):
     none), by the step the scheduler would plan: the gate's rule (admission_gate.admits) over the
     pieces in order (the rank's own rule and count: adapter/admission_gate.py), the headroom being
-    available memory plus the allocator's free blocks."""
+    available memory plus the allocator's free blocks, KV pool slots used before and free now
+    costing nothing. Only `gated` requests are held: one that could not fit even once the others
+    end is counted as starting (the gate holds it alone for the guard to abort)."""
     headroom = memory.available + memory.free_bytes()
     left, spent = budget, 0
+    kv_free = max(0, memory.kv_high - memory.kv_in_use) // model.token_bytes \
+        if model.kv_pool and model.token_bytes > 0 else 0
     for i, (r, prefix, end) in enumerate(queue):
         take = end - prefix if left is None else min(left, end - prefix)
-        need = step_bytes(take, prefix, model.token_bytes, model.transient_bytes)
-        if r.rid in gated and not admits(headroom, spent, need, model.admission_guard_bytes, in_flight or i > 0):
+        need = step_bytes(take, prefix, model.token_bytes, model.transient_bytes, kv_free)
+        kv_free = max(0, kv_free - take)
+        if r.rid in gated and not admits(headroom, spent, need, model.admission_guard_bytes):
             return i
         spent += need
         if left is not None:

@@ -96,21 +96,21 @@ def test_prefill_empty_cache_and_autotune_on_the_scheduler(sglang: Sglang) -> No
 
 
 def test_admission_gate_refuses_with_sglangs_own_result_on_the_real_prefill_adder(sglang: Sglang) -> None:
-    # a guard no node can keep: every first step is held while something else is in flight
+    # a guard no node can keep: every first step is held, alone too until its wait is over
     gate = {"DSV41_ADMISSION_GUARD_BYTES": str(1 << 50), "DSV41_ADMISSION_TOKEN_BYTES": "16384",
             "DSV41_ADMISSION_TRANSIENT_BYTES": "4"}
     armed, err = sglang.check("chk_admission_gate", env=gate)
     assert armed["marked_prefill"] == ["admission_gate"] and armed["marked_add_one_req"] == ["admission_gate"]
-    assert (armed["busy"], armed["idle"], armed["refusals"]) == ("OTHER", "SGLang's body", 1)
+    assert (armed["busy"], armed["idle"], armed["waited"], armed["refusals"]) == ("OTHER", "OTHER", "SGLang's body", 2)
     # the step sized from SGLang's own Req fields: the chunk's 768 of the 1000 tokens past the cached prefix
     assert "admission_gate: request hit waits: its first step (768 tokens over a 60000-token prefix" in err
     plain, _ = sglang.check("chk_admission_gate")  # not asked for: SGLang's body both times
-    assert plain["marked_add_one_req"] == [] and (plain["busy"], plain["idle"]) == ("SGLang's body", "SGLang's body")
+    assert plain["marked_add_one_req"] == [] and (plain["busy"], plain["idle"], plain["waited"]) == ("SGLang's body",) * 3
 
 
 def test_admission_gate_ranks_agree_on_the_smallest_headroom_over_a_real_gloo_group(sglang: Sglang) -> None:
     result, _ = sglang.check("chk_admission_collective")
-    assert result["minimum"] == [150_000_001] * 3 and result["single"] == 42
+    assert result["minimum"] == [[150_000_001, 0]] * 3 and result["single"] == [42, 1]
 
 
 def test_forward_progress_counts_every_run_batch_of_the_real_scheduler(sglang: Sglang, tmp_path: Path) -> None:

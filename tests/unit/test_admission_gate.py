@@ -30,11 +30,16 @@ def test_a_piece_costs_its_tokens_and_the_indexer_buffers_over_its_prefix() -> N
     assert ag.step_bytes(0, 60_000, 16_384, 4.0) == 0
 
 
-def test_the_rule_holds_back_only_while_something_else_is_in_flight() -> None:
-    assert ag.admits(400 * MB, 100 * MB, 150 * MB, 150 * MB, busy=True)  # leaves exactly the guard
-    assert not ag.admits(400 * MB, 100 * MB, 150 * MB + 1, 150 * MB, busy=True)
-    # nothing in flight: waiting would change nothing, so it goes in (the guard and the floor act)
-    assert ag.admits(0, 0, 10**12, 150 * MB, busy=False)
+def test_the_rule_admits_a_piece_that_leaves_at_least_the_guard() -> None:
+    assert ag.admits(400 * MB, 100 * MB, 150 * MB, 150 * MB)  # leaves exactly the guard
+    assert not ag.admits(400 * MB, 100 * MB, 150 * MB + 1, 150 * MB)
+
+
+def test_kv_pool_slots_used_before_and_free_now_cost_nothing_and_are_taken_in_order() -> None:
+    # 1000 free slots: the first piece's 768 tokens take 768 of them, the second's 500 the 232 left
+    needs, left = ag.pieces_bytes([(768, 0), (500, 10_000)], SETTINGS, 1000)
+    assert needs == [4 * 768 * 768, 268 * 16_384 + 4 * 500 * 10_500] and left == 0
+    assert ag.step_bytes(768, 0, 16_384, 4.0, kv_free_tokens=100) == 668 * 16_384 + 4 * 768 * 768
 
 
 def test_settings_are_off_unless_the_guard_level_is_given_and_bad_values_say_what_is_allowed() -> None:
@@ -116,16 +121,19 @@ class Harness:
     """The two hooks as SGLang calls them: a scheduling pass (around _get_new_batch_prefill_raw)
     in which the PrefillAdder is offered the waiting requests one by one."""
 
-    def __init__(self, headroom, settings: ag.GateSettings = SETTINGS, tp_size: int = 1) -> None:
+    def __init__(self, headroom, settings: ag.GateSettings = SETTINGS, tp_size: int = 1,
+                 kv: tuple[int, int] | None = None) -> None:
         self.out = io.StringIO()
-        self.collectives: list[int] = []
+        self.collectives: list[tuple[int, ...]] = []
+        self.now = 100.0
+        self.kv = kv  # the scheduler's KV pool: (size, available), or none
         self.gate = ag.AdmissionGate(settings, AdapterLog(self.out), headroom=headroom,
-                                     group_min=self.group_min, refused=lambda: REFUSED)
+                                     group_min=self.group_min, refused=lambda: REFUSED, clock=lambda: self.now)
         self.scheduler = SimpleNamespace(tp_size=tp_size, chunked_req=None)
 
-    def group_min(self, scheduler, value: int) -> int:
-        self.collectives.append(value)
-        return value
+    def group_min(self, scheduler, values: tuple[int, ...]) -> tuple[int, ...]:
+        self.collectives.append(values)
+        return values
 
     def run_pass(self, adder, candidates) -> list:
         results = []
@@ -137,6 +145,9 @@ class Harness:
                 if res != "CONTINUE":
                     break
             return results
+        if self.kv is not None:  # SGLang's allocator, as adapter/scheduler_requests.kv_in_use reads it
+            size, available = self.kv
+            self.scheduler.token_to_kv_pool_allocator = SimpleNamespace(size=size, available_size=lambda: available)
         return self.gate.around_prefill(body, self.scheduler)
 
     @staticmethod
@@ -171,22 +182,52 @@ def test_a_prefix_cache_hit_waits_while_a_chunk_is_running_and_those_behind_it_w
     assert "request hit admitted after waiting" in h.out.getvalue()
 
 
-def test_a_held_request_that_goes_in_once_nothing_else_is_in_flight_says_so() -> None:
+def test_a_request_alone_that_does_not_fit_waits_for_the_guard_at_most_lone_wait_s() -> None:
     h = Harness(headroom=lambda: 160 * MB)
     assert h.run_pass(adder(running=1), [req("b", 2_000, 10_000)]) == [REFUSED]
-    assert h.run_pass(adder(), [req("b", 2_000, 10_000)]) == ["CONTINUE"]  # the others ended
+    # the others ended, and memory did not come back: nothing will come back for it now, so it
+    # waits for the guard's look to abort it, not into a first step that takes the node below
+    assert h.run_pass(adder(), [req("b", 2_000, 10_000)]) == [REFUSED]
+    assert h.collectives[-1] == (160 * MB, 1)
+    h.now += ag.LONE_WAIT_S - 0.1
+    assert h.run_pass(adder(), [req("b", 2_000, 10_000)]) == [REFUSED]
+    h.now += 0.1  # the guard did not abort it (it may not be running): it goes in
+    assert h.run_pass(adder(), [req("b", 2_000, 10_000)]) == ["CONTINUE"]
+    assert h.collectives[-1] == (160 * MB, 0)  # the wait was over on this rank: told to the others
     lines = h.out.getvalue().splitlines()
     assert len(lines) == 2 and "request b waits: its first step (768 tokens over a 10000-token prefix, 45 MB)" in lines[0]
-    assert lines[1].endswith("admission_gate: request b admitted after waiting (nothing else in flight, "
-                             "this step 45 MB)")
+    assert lines[0].endswith("it goes in when memory comes back")  # reported once, while others were in flight
+    assert lines[1].endswith("admission_gate: request b admitted waited 5 s with nothing else in flight and was not "
+                             "aborted (headroom 160 MB, this step 45 MB)")
 
 
-def test_nothing_in_flight_admits_without_measuring() -> None:
-    calls = []
-    h = Harness(headroom=lambda: calls.append(1) or 0)
-    a = adder()
-    assert h.run_pass(a, [req("huge", 768, 900_000)]) == ["CONTINUE"]
-    assert calls == [] and h.collectives == []
+def test_a_request_alone_goes_in_at_once_when_it_fits_and_its_wait_alone_says_why() -> None:
+    h = Harness(headroom=lambda: 400 * MB)
+    assert h.run_pass(adder(), [req("fits", 768, 1_000)]) == ["CONTINUE"]
+    assert h.out.getvalue() == ""
+    h = Harness(headroom=lambda: 160 * MB)
+    assert h.run_pass(adder(), [req("hit", 768, 60_000)]) == [REFUSED]
+    assert "nothing else is in flight, so nothing will come back for it: it waits for the guard to abort it, " \
+           "at most 5 s" in h.out.getvalue()
+
+
+def test_another_ranks_wait_being_over_decides_for_every_rank() -> None:
+    h = Harness(headroom=lambda: 160 * MB, tp_size=3)
+    h.gate._group_min = lambda scheduler, values: (values[0], 0)  # another rank's clock: its wait is over
+    assert h.run_pass(adder(), [req("hit", 768, 60_000)]) == ["CONTINUE"]
+    # with others in flight, a wait over elsewhere changes nothing: memory comes back when they end
+    assert h.run_pass(adder(running=1), [req("hit2", 768, 60_000)]) == [REFUSED]
+
+
+def test_with_the_kv_pool_the_slots_used_before_and_free_now_are_not_charged() -> None:
+    # 20000 slots ever in use (seen at a pass), 18000 of them free now: a 768-token cold piece's KV
+    # is in pages the pool has, only its 2.4 MB of buffers count
+    h = Harness(headroom=lambda: 155 * MB, kv=(100_000, 80_000))
+    assert h.run_pass(adder(running=1), []) == []  # a pass that sees 20000 slots in use
+    h.kv = (100_000, 98_000)
+    assert h.run_pass(adder(running=1), [req("cold", 768)]) == ["CONTINUE"]
+    h = Harness(headroom=lambda: 155 * MB, kv=(100_000, 98_000))  # never more in use: 12.6 MB of new pages
+    assert h.run_pass(adder(running=1), [req("cold", 768)]) == [REFUSED]
 
 
 def test_decoding_requests_count_as_in_flight_and_one_measurement_serves_the_pass() -> None:
@@ -195,7 +236,7 @@ def test_decoding_requests_count_as_in_flight_and_one_measurement_serves_the_pas
     a = adder(running=2)
     # the first fits (13 MB + 2 MB), the second would leave 200 - 15 - 40 < 150: held
     assert h.run_pass(a, [req("a", 768), req("b", 2_000, 10_000)]) == ["CONTINUE", REFUSED]
-    assert calls == [1] and h.collectives == [200 * MB]
+    assert calls == [1] and h.collectives == [(200 * MB, 1)]
     assert h.run_pass(adder(running=2), [req("a2", 768)]) == ["CONTINUE"]
     assert calls == [1, 1]  # a new pass measures again
 
@@ -205,12 +246,12 @@ def test_a_failed_measurement_still_takes_part_in_the_collective_and_admits() ->
         raise OSError("no /proc")
     h = Harness(headroom=broken, tp_size=3)
     assert h.run_pass(adder(running=1), [req("a", 768, 500_000)]) == ["CONTINUE"]
-    assert h.collectives == [ag.UNLIMITED]
+    assert h.collectives == [(ag.UNLIMITED, 1)]
 
 
 def test_the_group_minimum_decides_so_every_rank_schedules_the_same_batch() -> None:
     h = Harness(headroom=lambda: 10**12, tp_size=3)
-    h.gate._group_min = lambda scheduler, value: min(value, 160 * MB)  # another rank is tight
+    h.gate._group_min = lambda scheduler, values: (min(values[0], 160 * MB), values[1])  # another rank is tight
     assert h.run_pass(adder(running=1), [req("a", 768)]) == [REFUSED]
 
 
@@ -292,3 +333,24 @@ def test_the_allocators_free_cache_from_the_nested_statistics_or_the_public_ones
     flat = {"reserved_bytes.all.current": 50, "allocated_bytes.all.current": 80}  # never negative
     public = SimpleNamespace(_C=SimpleNamespace(), cuda=SimpleNamespace(memory_stats=lambda device: flat))
     assert ag._allocator_free(public, 0) == 0
+
+
+def test_the_stand_in_holds_a_request_alone_that_does_not_fit_until_the_guard_aborts_it_or_its_wait_is_over() -> None:
+    lines: list[str] = []
+    now = [10.0]
+    backing = CountedMemory()
+    config = EngineConfig(chunk_tokens=768, max_running=8, prefill_tokens_per_s=20_000.0, decode_tokens_per_s=10.0,
+                          bytes_per_token=16_384, max_total_tokens=0, context_length=None, transient_bytes=4.0,
+                          empty_cache_tokens=8192, admission=SETTINGS)
+    eng = Engine(config, on_fatal=lambda why: None, allocator=CachingAllocator(backing), clock=lambda: now[0],
+                 node_room=lambda: 300 * MB - backing.mapped, log=lines.append)
+    hit = eng.submit("hit", 61_000, 60_000)  # its first piece: 199 MB, on a node with 300 MB
+    assert eng.next_prefill() is None and hit.phase is Phase.WAITING
+    assert "nothing else is in flight" in lines[0]
+    eng.abort("hit")  # the guard's look: it never took a byte
+    assert hit.phase is Phase.FINISHED and backing.mapped == 0
+    late = eng.submit("late", 61_000, 60_000)
+    assert eng.next_prefill() is None
+    now[0] += ag.LONE_WAIT_S  # no guard came: it goes in
+    assert [r.rid for r, _ in eng.next_prefill()] == ["late"] and late.phase is Phase.PREFILL
+    assert lines[-1].startswith("admission_gate: request late admitted waited 5 s with nothing else in flight")

@@ -1,5 +1,6 @@
 """admission_gate.torch_group_min on a real gloo group of three processes: every rank gets the smallest
-headroom, so that every rank makes the same decision."""
+headroom, and whether a lone request's wait is over on any rank, so that every rank makes the same
+decision."""
 
 import os
 import socket
@@ -20,7 +21,7 @@ def worker(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
     group = dist.new_group(list(range(RANKS)), backend="gloo")
     scheduler = type("Scheduler", (), {"tp_size": RANKS, "tp_cpu_group": group})()
-    out.put((rank, torch_group_min(scheduler, [7_000_000_000, 150_000_001, 1 << 61][rank])))
+    out.put((rank, torch_group_min(scheduler, ([7_000_000_000, 150_000_001, 1 << 61][rank], [1, 0, 1][rank]))))
     dist.destroy_process_group()
 
 
@@ -36,5 +37,5 @@ if __name__ == "__main__":
     got = dict(out.get(timeout=120) for _ in range(RANKS))
     for p in procs:
         p.join(30)
-    single = torch_group_min(type("Scheduler", (), {"tp_size": 1})(), 42)  # one rank: no collective
+    single = torch_group_min(type("Scheduler", (), {"tp_size": 1})(), (42, 1))  # one rank: no collective
     emit({"minimum": [got[r] for r in range(RANKS)], "single": single, "pid": os.getpid()})

@@ -1,9 +1,10 @@
 """admission_gate on the real Scheduler._get_new_batch_prefill_raw and PrefillAdder.add_one_req: inside a
-scheduling pass a request whose first piece would leave less than the guard, while something else is in
-flight, gets SGLang's own AddReqResult.OTHER and SGLang's body never runs; with nothing in flight the body
-runs (here its ignore_eos branch, on a stand-in adder)."""
+scheduling pass a request whose first piece would leave less than the guard gets SGLang's own
+AddReqResult.OTHER and SGLang's body never runs, with something else in flight and alone; alone, once it
+has waited LONE_WAIT_S, the body runs (here its ignore_eos branch, on a stand-in adder)."""
 
 import sys
+import time
 from array import array
 from types import SimpleNamespace
 
@@ -55,10 +56,17 @@ def offer(running):
 
 
 busy, idle = offer(2), offer(0)
+if spec is not None:
+    from adapter.admission_gate import LONE_WAIT_S
+
+    later = time.monotonic() + LONE_WAIT_S
+    spec.state._clock = lambda: later  # the lone request's wait is over
+waited = offer(0)
 emit({
     "marked_prefill": marks(Scheduler._get_new_batch_prefill_raw),
     "marked_add_one_req": marks(PrefillAdder.add_one_req),
     "busy": busy.name if isinstance(busy, AddReqResult) else busy,
     "idle": idle.name if isinstance(idle, AddReqResult) else idle,
+    "waited": waited.name if isinstance(waited, AddReqResult) else waited,
     "refusals": spec.state.refusals if spec else None,
 })
