@@ -8,7 +8,9 @@ guarded too) and `stopping` (rank 0 drains what is in flight for up to RANK_STOP
 prefill that grows meanwhile is aborted like one served; a stop is not asked twice); each run of
 the ranks (a bring-up, a re-adoption) starts with a fresh policy. After an abort a checker reads
 the in-flight list every CONFIRM_POLL_S until the victims are gone (or overdue), journals which,
-and sends an abort that had to wait for them. The guard never restarts anything itself: a stop
+and sends an abort that had to wait for them. While serving, with a cost model, a looker reads it
+every LOOK_S: a request that arrives and waits moves no memory, so no sample shows it, and one
+that cannot fit is aborted before it starts (Guard.look). The guard never restarts anything itself: a stop
 goes through the runtime's own supervisor like an operator's, so it cannot race the restart logic.
 """
 
@@ -28,6 +30,7 @@ from .events import confirmation_events, events_of
 from .policy import ABORT, ABORT_ALL, ACTIONS, HOLD, REARM, STOP, Decision, Guard, GuardSettings
 
 CONFIRM_POLL_S = 0.05
+LOOK_S = 0.2  # the in-flight list read between samples while serving
 # Phases in which ranks run, and whether requests are served in them.
 GUARDED_PHASES = {"launch": False, "health": False, "smoke": False, "serving": True, "stopping": True}
 
@@ -160,6 +163,9 @@ class MemoryGuard:
             thread = threading.Thread(target=self._read, args=(session, node, source), name=f"guard-{node}",
                                       daemon=True)
             session.threads.append(thread)
+        if self.settings.cost.configured:
+            session.threads.append(threading.Thread(target=self._look, args=(session,), name="guard-look",
+                                                    daemon=True))
         self._session = session
         for thread in session.threads:
             thread.start()
@@ -214,6 +220,19 @@ class MemoryGuard:
             d = session.guard.observe(node, sample.at_monotonic_s, int(sample.available_bytes), self._monotonic(),
                                       self._engine.inflight, serving=session.serving)
             self._carry_out(session, d)
+
+    def _look(self, session: _Session) -> None:
+        while not session.stopped.wait(LOOK_S):
+            if not session.serving:
+                continue
+            try:
+                listing = self._engine.inflight()
+                with session.lock:
+                    if session.stopped.is_set():
+                        return
+                    self._carry_out(session, session.guard.look(listing, self._monotonic(), serving=True))
+            except Exception as exc:  # a bug in one look must not end the looks
+                self._log.error("memory_guard_error", f"memory guard's look: {exc!r}")
 
     def _carry_out(self, session: _Session, d: Decision) -> None:
         """Under the session's lock."""

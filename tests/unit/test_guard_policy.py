@@ -968,3 +968,23 @@ def test_a_listing_asked_for_before_a_victim_was_chosen_does_not_confirm_it_gone
     back = p.forget_reused(dataclasses.replace(after, aborted=("old", "new")),
                            p.InflightList((p.InflightRequest("old", 5_000, 100),)))
     assert back.aborted == ("new",) and back.gone == ("new",)
+
+
+def test_a_look_aborts_an_arrived_waiting_request_that_cannot_fit_once_and_never_a_running_one():
+    s = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB, cost=COST)
+    guard = p.Guard(s)
+    assert guard.look(charge.InflightList(), 1.0).kind == p.NONE  # no sample yet: no level to judge by
+    guard.observe("n", 0.0, 400 * MB, 0.0, lambda: charge.InflightList())
+    decoding = charge.InflightRequest("chat", 1_000, 1_000, state="decoding")
+    small = charge.InflightRequest("small", 2_000, 0, state="waiting")  # 20 MB: fits in 250
+    huge = charge.InflightRequest("huge", 60_000, 0, state="waiting")  # 614 MB: cannot
+    assert guard.look(charge.InflightList((decoding, small)), 1.0).kind == p.NONE
+    d = guard.look(charge.InflightList((decoding, small, huge)), 1.2)
+    assert d.kind == p.ABORT and [v.request.rid for v in d.victims] == ["huge"] and d.basis == "look"
+    assert d.victims[0].why == "cannot_fit" and "with huge arrived" in d.reason
+    assert guard.look(charge.InflightList((decoding, small, huge)), 1.4).kind == p.NONE  # pending: not again
+    # a prefill that grows past the guard is the samples' to judge, not the look's
+    fresh = p.Guard(s)
+    fresh.observe("n", 0.0, 400 * MB, 0.0, lambda: charge.InflightList())
+    growing = charge.InflightRequest("grows", 60_000, 10_000, state="prefilling", chunk_tokens=1024)
+    assert fresh.look(charge.InflightList((growing, small)), 1.0).kind == p.NONE

@@ -397,3 +397,20 @@ def test_an_observed_stop_is_a_warning_and_a_real_stop_critical():
     assert act.kind == "memory_stop" and act.priority == "crit"
     assert observe.kind == "memory_stop_observed" and observe.priority == "warning"
     assert observe.fields["predicted_crossing_s"] == 0.0 and "would be stopping the ranks" in observe.message
+
+
+def test_a_request_that_arrives_and_cannot_fit_is_aborted_by_the_look_before_any_sample_moves(rig):
+    # memory is flat (one sample): no fall makes the guard look, the looker reads the list
+    fits = {"rid": "fits", "prompt_tokens": 2_000, "prefilled_tokens": 0, "state": "waiting", "age_s": 0.1}
+    guard, rank0, source, journal, stops, _ = rig([fits], settings=WITH_COST)
+    assert source.opened.wait(2)
+    source.streams[-1].q.put(pb.MemorySample(at_monotonic_s=0.0, available_bytes=400 * MB))
+    time.sleep(0.6)  # looks with a request that fits (33 MB of 250): nothing to do
+    assert rank0.aborts == [] and "memory_abort" not in journal.kinds()
+    rank0.inflight = [fits, {"rid": "huge", "prompt_tokens": 60_000, "prefilled_tokens": 0, "state": "waiting",
+                             "age_s": 0.0}]  # 983 MB of KV on a node with 250 MB above the guard
+    assert rank0.arrived.wait(2)
+    assert rank0.aborts == [{"rid": "huge", "abort_all": False}]
+    event = journal.wait_for("memory_abort")
+    assert event["DSV41_BASIS"] == "look" and event["DSV41_VICTIM_WHY"] == "cannot_fit"
+    assert "with huge arrived" in event["MESSAGE"] and stops == []
