@@ -95,6 +95,8 @@ class GuardSettings:
     cost: CostModel = field(default_factory=CostModel)
     # The node rank 0 runs on (the head): its samples and rank 0's scheduler share a clock.
     rank0_node: str = ""
+    # The longest prompt the ranks take (CONTEXT_LENGTH; 0: not known): the KV pool's check (poolfit).
+    context_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

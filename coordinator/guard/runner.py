@@ -28,6 +28,7 @@ from dsv41.journal import EventLog
 from .engine import EngineApi
 from .events import confirmation_events, events_of
 from .policy import ABORT, ABORT_ALL, ACTIONS, HOLD, REARM, STOP, Decision, Guard, GuardSettings
+from .poolfit import pool_fit
 
 CONFIRM_POLL_S = 0.05
 LOOK_S = 0.2  # the in-flight list read between samples while serving
@@ -53,6 +54,7 @@ class _Session:
     streams: dict = field(default_factory=dict)
     threads: list = field(default_factory=list)
     checker: threading.Thread | None = None
+    pool_checked: set = field(default_factory=set)  # the nodes whose KV pool was checked against the guard
 
 
 @dataclass
@@ -217,6 +219,14 @@ class MemoryGuard:
             self.stats.samples += 1
             for listener in self._sample_listeners:
                 listener(node, int(sample.available_bytes))
+            if session.serving and node not in session.pool_checked:
+                session.pool_checked.add(node)
+                misfit = pool_fit(node, int(sample.available_bytes), self.settings.guard_bytes, self.settings.cost,
+                                  self.settings.context_tokens)
+                if misfit is not None:
+                    self._log.warning("kv_pool_too_large", misfit.message(), node_name=node,
+                                      kv_pool_tokens=misfit.pool_tokens, kv_pool_bytes=misfit.pool_bytes,
+                                      room_bytes=misfit.room_bytes, kv_pool_fits_tokens=misfit.fits_tokens)
             d = session.guard.observe(node, sample.at_monotonic_s, int(sample.available_bytes), self._monotonic(),
                                       self._engine.inflight, serving=session.serving)
             self._carry_out(session, d)

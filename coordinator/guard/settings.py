@@ -54,4 +54,5 @@ def from_config(cfg: Mapping[str, object]) -> GuardSettings:
         window_s=int(cfg["MEMORY_GUARD_WINDOW_SAMPLES"]) * interval_ms / 1000,
         cost=cost_model(cfg, getattr(cfg, "passthrough", None)),
         rank0_node=str(getattr(getattr(cfg, "head", None), "name", "") or ""),
+        context_tokens=int(cfg["CONTEXT_LENGTH"] or 0),
     )
