@@ -60,7 +60,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from adapter.admission_gate import GateSettings
+from adapter.admission_gate import LONE_WAIT_S, GateSettings
 from agent.memory import NO_PRESSURE, ChangeFilter, Sample, SendPolicy
 from coordinator.guard import charge
 from coordinator.guard import policy as p
@@ -206,7 +206,7 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
     next_sample = rng.uniform(0.0, step) if guarded else math.inf
     actions: list[tuple[float, p.Decision]] = []
     next_poll = math.inf
-    next_look = rng.uniform(0.0, LOOK_S) if guarded else math.inf
+    next_look = LOOK_S / 2 if guarded else math.inf  # (not from rng: the samples keep their noise)
     last_arrival = max(s.arrival for s in arrivals)
 
     def listing() -> p.InflightList:
@@ -298,7 +298,13 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
             elif forked[0] and not actions:
                 held = [r for r in requests.values() if r.phase is Phase.WAITING and not r.abort_requested]
                 decoding = [r for r in requests.values() if r.phase is Phase.DECODE]
-                if not (held and decoding):
+                if held and not decoding:
+                    # The gate holds it alone for the guard, which acts no more here: it goes in once
+                    # its wait is over.
+                    clock[0] += LONE_WAIT_S
+                    next_sample = next_poll = next_look = math.inf
+                    continue
+                if not held:
                     break  # nothing left to prefill, nothing to act: memory no longer changes
                 # The admission gate holds these until memory comes back: a fork keeps them only if
                 # they fit then, so the others' clients end here and what they held goes back.

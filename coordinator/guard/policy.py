@@ -468,9 +468,7 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
     st = replace(state, marks=tuple(sorted(marks.items())), armed_levels=tuple(sorted(armed_levels.items())),
                  last_danger_at=now if a.danger and not looking else state.last_danger_at)
     accounted = None  # (the node's last account, this listing's)
-    if inflight is not None and looking:
-        st = replace(forget_reused(st, inflight), sightings=progress.track(st.sightings, inflight, now))
-    elif inflight is not None:
+    if inflight is not None and not looking:  # (a look changes nothing of what samples judge by)
         st = replace(forget_reused(st, inflight), sightings=progress.track(st.sightings, inflight, now))
         if s.cost.configured:
             mine = account.account(a.node, now, a.level, inflight, s.cost, running_in_level(s, a, inflight))
@@ -625,6 +623,10 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
         if not new or at.phase != ARMED or at.pending or at.queued or not s.cost.configured or at.model_failed \
                 or not inflight.scheduler_view:
             return decision(NONE), at
+        if a.node == s.rank0_node and inflight.step_launched_at is not None and a.at < inflight.step_launched_at:
+            # The sample came before the step now running was launched: it may hold the buffers of
+            # the step before, which the projection would count again with this one. The next look.
+            return decision(NONE), replace(at, looked_waiting=tuple(r for r in at.looked_waiting if r not in new))
         choice = charge.choose(inflight, a.level, s.guard_bytes, s.cost, exclude=at.aborted,
                                running_in_level=running_in_level(s, a, inflight))
         if not (choice.needed and choice.explained and choice.victims
@@ -901,10 +903,11 @@ class Guard:
     def look(self, inflight: InflightList, now: float, serving: bool = True) -> Decision:
         """A fresh in-flight list between samples (the runner asks every LOOK_S while serving): a
         waiting request that arrived and cannot fit is aborted before it starts (decide's look),
-        judged at the lowest node's last sample."""
+        judged at rank 0's node's last sample (else the lowest node's)."""
         if not self.last:
             return Decision(NONE)
-        a = min(self.last.values(), key=lambda x: x.level)
+        # rank 0's node where it is known: its samples and the list share a clock
+        a = self.last.get(self.settings.rank0_node) or min(self.last.values(), key=lambda x: x.level)
         d, self.state = decide(self.settings, self.state, a, now, inflight, serving=serving, looking=True)
         return d
 
