@@ -33,19 +33,20 @@ other prompts with a short fixed-form text.
 
 Prompt tokens are ceil(UTF-8 bytes / 4) of the messages' text. One request at a time is
 chunk-prefilled in chunks of --chunked-prefill-size, as SGLang schedules. Memory is real (mmap,
-every page touched) and goes through a model of PyTorch's caching allocator: each chunk allocates
-its tokens' KV, held until the request ends, and for its duration the indexer's [chunk, prefix]
-buffer; what a finished or aborted request held stays cached in the process, and is given back
+every page touched). Each chunk's tokens take KV slots in a pool of --max-total-tokens slots,
+held until the request ends; the pool's memory is taken the first time a slot is used and never
+given back, and a request waits while its prompt does not fit in the free slots (a prompt the
+pool can never hold is refused). For the chunk's duration the indexer's [chunk, prefix] buffer
+goes through a model of PyTorch's caching allocator, which keeps what is freed and gives it back
 to the OS only after a chunk of a prompt of at least DSV41_PREFILL_EMPTY_CACHE_TOKENS (the
 prefill_empty_cache hook). Environment (defaults in brackets):
   DSV41_SIM_PREFILL_TOKENS_PER_S  prefill rate [20000]
   DSV41_SIM_BYTES_PER_TOKEN       KV memory per prefilled token [16384]
   DSV41_SIM_TRANSIENT_BYTES       indexer buffer bytes per (chunk token, prefix token) [4]
-  DSV41_SIM_KV_POOL               1: the KV in a pool as SGLang keeps it: its memory taken the
-                                  first time its slots are used, never given back, reused by
-                                  later requests' KV alone (a pool without a size limit); 0: in
-                                  the caching allocator with the indexer's buffers, where it
-                                  serves any buffer once freed (kinder than SGLang) [0]
+  DSV41_SIM_KV_POOL               1: the KV in a pool as SGLang keeps it (above); 0: in the
+                                  caching allocator with the indexer's buffers, where it serves
+                                  any buffer once freed and the hook gives it back (kinder than
+                                  SGLang) [1]
   DSV41_PREFILL_EMPTY_CACHE_TOKENS  the hook's threshold; 0: the cache is never emptied [8192]
   DSV41_SIM_DECODE_TOKENS_PER_S   output rate per request [200]
   DSV41_SIM_LOAD_S                "model load" after the group forms; /health is 503 meanwhile [0]

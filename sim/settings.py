@@ -27,11 +27,10 @@ class Settings:
     empty_cache_tokens: int = prefill_empty_cache.DEFAULT
     # The admission gate, as the adapter reads it inside SGLang (DSV41_ADMISSION_*; None: off).
     admission: GateSettings | None = None
-    # KV in a pool as SGLang keeps it (sim/kvpool.py: taken once, kept, reused by KV alone); False:
-    # in the caching allocator, where an ended request's blocks serve anything and empty_cache()
-    # may give them back (kinder than SGLang). Off by default: the pool has no size here (SGLang's
-    # --max-total-tokens, which a deployment sizes to fit the node), so it grows past any node.
-    kv_pool: bool = False
+    # KV in a pool as SGLang keeps it (sim/kvpool.py: taken once, kept, reused by KV alone, of
+    # --max-total-tokens slots); False: in the caching allocator, where an ended request's blocks
+    # serve anything and empty_cache() may give them back (kinder than SGLang).
+    kv_pool: bool = True
     drain_timeout_s: float = 60.0
     rendezvous_timeout_s: float = 600.0
     # None: a silent peer is waited for, as NCCL does (the engine's watchdog ends a step that hangs);
@@ -77,7 +76,7 @@ def from_env(env: Mapping[str, str], dist_timeout_s: int | None = None) -> Setti
         values["empty_cache_tokens"] = env_int(env, "DSV41_PREFILL_EMPTY_CACHE_TOKENS", prefill_empty_cache.DEFAULT,
                                                0, prefill_empty_cache.MAXIMUM)
         values["admission"] = admission_gate.settings_from_env(env)
-        values["kv_pool"] = bool(env_int(env, "DSV41_SIM_KV_POOL", 0, 0, 1))
+        values["kv_pool"] = bool(env_int(env, "DSV41_SIM_KV_POOL", 1, 0, 1))
     except SettingError as exc:
         raise ValueError(str(exc)) from None
     settings = Settings(**values)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ SGLANG_TOKEN_BYTES, SGLANG_TRANSIENT_BYTES = 12_000, 20.0
 def cost_model(cfg: Mapping[str, object], passthrough: Mapping[str, str] | None = None) -> CostModel:
     """The requests' cost per rank. With RANK_ENGINE=sim and the keys empty, the stand-in's own
     DSV41_SIM_BYTES_PER_TOKEN / DSV41_SIM_TRANSIENT_BYTES (what it really allocates), and its KV
-    where DSV41_SIM_KV_POOL puts it (its allocator, unless 1)."""
+    where DSV41_SIM_KV_POOL puts it (its pool, unless 0)."""
     passthrough = passthrough or {}
     sim = cfg["RANK_ENGINE"] == "sim"
     token = cfg["MEMORY_GUARD_TOKEN_BYTES"]
@@ -29,9 +29,9 @@ def cost_model(cfg: Mapping[str, object], passthrough: Mapping[str, str] | None 
         transient = float(passthrough.get("DSV41_SIM_TRANSIENT_BYTES") or SIM_TRANSIENT_BYTES) if sim \
             else SGLANG_TRANSIENT_BYTES
     gate = bool(cfg["MEMORY_GUARD_ADMISSION"]) and cfg["MEMORY_GUARD"] != "off"
-    # SGLang keeps the KV in its pool, never in the caching allocator; the stand-in does with
-    # DSV41_SIM_KV_POOL=1 (sim/kvpool.py), else in its allocator.
-    pool = passthrough.get("DSV41_SIM_KV_POOL", "").strip() == "1" if sim else True
+    # SGLang keeps the KV in its pool, never in the caching allocator; so does the stand-in
+    # (sim/kvpool.py) unless DSV41_SIM_KV_POOL=0 puts it in its allocator.
+    pool = passthrough.get("DSV41_SIM_KV_POOL", "").strip() != "0" if sim else True
     return CostModel(token_bytes=int(token), transient_bytes=float(transient), kv_pool=pool,
                      kv_pool_tokens=int(cfg["MAX_TOTAL_TOKENS"] or 0) if pool else 0,
                      chunk_tokens=int(cfg["CHUNKED_PREFILL_SIZE"]),

@@ -149,9 +149,9 @@ def serving_with_the_head_limited(c: Coordinator, head) -> tuple[HeadMemory, int
 
 def predicted(event: dict) -> bool:
     """The abort came before the crossing: by the requests' cost (the projected low with every
-    request kept below the guard, memory still above it) or by the trend (a fall, a crossing
-    ahead)."""
-    if event["DSV41_BASIS"] == "model":
+    request kept below the guard, memory still above it: on a fall, or at a look at the requests
+    that arrived) or by the trend (a fall, a crossing ahead)."""
+    if event["DSV41_BASIS"] in ("model", "look"):
         return int(event["DSV41_PROJECTED_LOW_KEPT_BYTES"]) < GUARD_BYTES < int(event["DSV41_AVAILABLE_BYTES"])
     return int(event["DSV41_SLOPE_BYTES_PER_S"]) < 0 and float(event["DSV41_PREDICTED_CROSSING_S"]) > 0
 

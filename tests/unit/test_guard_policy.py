@@ -817,10 +817,11 @@ def test_the_cost_model_comes_from_cluster_env_and_for_the_stand_in_from_its_own
     assert head == CostModel(12_000, 20.0, 768, 8192, kv_pool=True, kv_pool_tokens=750_000)
     sim = gs.from_config(load(RANK_ENGINE="sim", RANK_RUNTIME="host", DSV41_SIM_BYTES_PER_TOKEN="4096",
                               DSV41_SIM_TRANSIENT_BYTES="0.5", CHUNKED_PREFILL_SIZE="512")).cost
-    assert sim == CostModel(4096, 0.5, 512, 8192)  # the stand-in's KV in its allocator, unless told
-    pooled = gs.from_config(load(RANK_ENGINE="sim", RANK_RUNTIME="host", DSV41_SIM_KV_POOL="1",
-                                 MAX_TOTAL_TOKENS="300000")).cost
+    assert sim == CostModel(4096, 0.5, 512, 8192, kv_pool=True, kv_pool_tokens=750_000)  # the stand-in's pool too
+    pooled = gs.from_config(load(RANK_ENGINE="sim", RANK_RUNTIME="host", MAX_TOTAL_TOKENS="300000")).cost
     assert pooled.kv_pool and pooled.kv_pool_tokens == 300_000
+    unpooled = gs.from_config(load(RANK_ENGINE="sim", RANK_RUNTIME="host", DSV41_SIM_KV_POOL="0")).cost
+    assert not unpooled.kv_pool and unpooled.kv_pool_tokens == 0  # its KV in its allocator, as told
     # the stand-in's defaults are what it allocates when its knobs are unset
     assert (gs.SIM_TOKEN_BYTES, gs.SIM_TRANSIENT_BYTES) == (sim_settings.Settings().bytes_per_token,
                                                             sim_settings.Settings().transient_bytes)

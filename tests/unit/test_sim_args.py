@@ -139,7 +139,7 @@ def test_settings_from_the_environment():
     assert (s.transient_bytes, s.load_bytes, s.empty_cache_tokens) == (0.5, 1 << 20, 0)
     # the hook's threshold is the adapter's default, read as the adapter reads it
     assert settings.Settings().empty_cache_tokens == 8192 and settings.Settings().transient_bytes == 4.0
-    assert settings.from_env({"DSV41_SIM_KV_POOL": "1"}).kv_pool and not settings.Settings().kv_pool
+    assert settings.Settings().kv_pool and not settings.from_env({"DSV41_SIM_KV_POOL": "0"}).kv_pool
 
 
 @pytest.mark.parametrize("env, fragment", [
