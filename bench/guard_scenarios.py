@@ -16,8 +16,8 @@ The guard is the real policy (coordinator.guard.policy.Guard with charge.py's co
 stand-in's own cost per token and per chunk-prefix token), fed what the runner feeds it: a sample
 every interval (with jitter and noise) through the agent's send filter (agent.memory.ChangeFilter,
 the send policy the runner asks for), the in-flight list parsed by the runner's own parser when a
-decision needs it, the runner's confirmation check every 50 ms, its actions reaching the engine
-2 ms later.
+decision needs it, the runner's confirmation check every 50 ms and its look every 0.2 s (a
+waiting request that arrived and cannot fit), its actions reaching the engine 2 ms later.
 
 The oracle knows every request's true peak: it replays the scenario without the guard for every
 set of requests aborted on arrival, smallest sets first, and keeps the first size at which the
@@ -43,8 +43,8 @@ once, never given back, reused by later requests' KV alone. Rows: the guard's co
 the KV through the allocator (where an aborted request's blocks serve anything and the hook may
 give them back), and knowing the pool (as with RANK_ENGINE=sglang; rank 0's listing gives the
 pool's high-water mark), without and with the admission gate. The pool here has no size limit
-(SGLang's --max-total-tokens, which a deployment sizes to fit the node), so the memory its first
-requests touch never comes back to later ones.
+(SGLang's --max-total-tokens; the guard's kv_pool_too_large says what fits), so the memory its
+first requests touch never comes back to later ones.
 
 The guard with a wrong model (wrong_model): its cost model charging a fraction of what the engine
 takes, the engine unchanged; what the guard's distrust of its model keeps of the node.
@@ -66,8 +66,9 @@ from coordinator.guard import charge
 from coordinator.guard import policy as p
 from coordinator.guard.charge import CostModel
 from coordinator.guard.engine import parse_inflight
+from coordinator.guard.poolfit import largest_fit
 from sim.allocator import CachingAllocator, CountedMemory
-from sim.engine import Engine, EngineConfig, Phase
+from sim.engine import Engine, EngineConfig, Phase, Rejected
 from sim.kvpool import KvPool
 
 MB = 1_000_000
@@ -156,6 +157,7 @@ class Run:
     lowest_at_first_chunk: bool = False  # the lowest point came with a request's first chunk
     live: set[str] = field(default_factory=set)  # with a fork: the requests in flight at it
     idle_lowest: int | None = None  # the lowest available with no request in flight (None: never idle)
+    refused: set[str] = field(default_factory=set)  # refused by the engine (longer than its KV pool takes)
 
     def kinds(self, kind: str) -> int:
         return sum(1 for _, d in self.decisions if d.kind == kind)
@@ -265,7 +267,11 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
         clock[0] = t
         while arrivals and arrivals[0].arrival <= t:
             s = arrivals.pop(0)
-            requests[s.rid] = r = engine.submit(s.rid, s.prompt, s.cached)
+            try:
+                requests[s.rid] = r = engine.submit(s.rid, s.prompt, s.cached)
+            except Rejected:
+                run.refused.add(s.rid)
+                continue
             if s.rid in skip:
                 engine.abort(s.rid)
         if batch is not None and t >= chunk_end:
@@ -360,8 +366,8 @@ class Verdict:
 def oracle(scenario: Scenario, seed: int, engine_config: EngineConfig = ENGINE) -> tuple[int, list[frozenset[str]], Run]:
     """The fewest requests aborted on arrival that keep the lowest point at or above the guard,
     and every set of that size that does."""
-    rids = [s.rid for s in scenario.requests]
     unguarded = simulate(scenario, guarded=False, seed=seed, engine_config=engine_config)
+    rids = [s.rid for s in scenario.requests if s.rid not in unguarded.refused]
     if unguarded.lowest >= SETTINGS.guard_bytes:
         return 0, [frozenset()], unguarded
     for k in range(1, len(rids) + 1):
@@ -457,6 +463,7 @@ def summary(verdicts: list[Verdict]) -> dict:
         "abort_all": sum(v.guard.kinds(p.ABORT_ALL) for v in verdicts),
         "stops": sum(v.guard.kinds(p.STOP) for v in verdicts),
         "lowest_margin": min(v.guard.lowest - g for v in verdicts),
+        "refused": sum(len(v.guard.refused) for v in verdicts),
     }
 
 
@@ -466,6 +473,15 @@ def extra_aborts(v: Verdict) -> list[tuple[float, p.Decision, list[str]]]:
             for t, d in v.guard.decisions
             if d.kind in p.ACTIONS and (any(x.request.rid in v.kept_by_oracle for x in d.victims)
                                         or (d.kind != p.ABORT and v.kept_by_oracle))]
+
+
+def sized_pool(s: Scenario, engine: EngineConfig, settings: p.GuardSettings) -> tuple[EngineConfig, p.GuardSettings]:
+    """The engine and the guard with the KV pool as large as fits the scenario's node above the
+    guard with its longest prompt's last-chunk buffers (what the guard's kv_pool_too_large says;
+    prompts as long as the pool): SGLang then refuses every longer prompt at once."""
+    tokens = largest_fit(s.base - SETTINGS.guard_bytes, replace(settings.cost, kv_pool=True), 1 << 30)
+    return (replace(engine, kv_pool=True, max_total_tokens=tokens),
+            replace(settings, cost=replace(settings.cost, kv_pool=True, kv_pool_tokens=tokens)))
 
 
 def long_decodes(s: Scenario) -> Scenario:
@@ -559,10 +575,23 @@ def report(count: int, seed: int, out=print) -> dict:
             f"(nothing acting: {pa['below_guard_unguarded']} / {pb['below_guard_unguarded']}, the node ran out in "
             f"{pa['ran_out_unguarded']} / {pb['ran_out_unguarded']}), lowest {pa['lowest_margin'] / MB:.0f} / "
             f"{pb['lowest_margin'] / MB:.0f} MB, abort_all {pa['abort_all']} / {pb['abort_all']}")
+    sized = {}
+    sizes = [sized_pool(x, POOLED, POOL_SETTINGS)[0].max_total_tokens for x in scenarios]
+    for what, engine, settings in (("", POOLED, POOL_SETTINGS), (", with the admission gate", POOLED_GATED,
+                                                                   POOL_GATED_SETTINGS)):
+        sa = summary([judge(x, seed * 100_003 + x.index, *sized_pool(x, engine, settings)[:1],
+                            settings=sized_pool(x, engine, settings)[1]) for x in scenarios])
+        sized[what or "alone"] = sa
+        out(f"with the engine's KV in a pool sized to fit each node (MAX_TOTAL_TOKENS as kv_pool_too_large gives it: "
+            f"{min(sizes)} to {max(sizes)} tokens){what}, as generated: {sa['refused']} of {a['requests']} requests "
+            f"refused by the engine (as long as the pool or longer), the oracle would have kept {sa['kept_by_oracle']}, "
+            f"the same-moment oracle {sa['needless']}, below the guard in {sa['below_guard']} scenarios (nothing "
+            f"acting: {sa['below_guard_unguarded']}, the node ran out in {sa['ran_out_unguarded']}), lowest "
+            f"{sa['lowest_margin'] / MB:.0f} MB, abort_all {sa['abort_all']}")
     wrong = wrong_model(scenarios, seed, out)
     decision_cost(out)
     return {"wrong_model": wrong, "as_generated": a, "held": b, "gated": ga, "gated_held": gb, "cold_waiting_hits": cold,
-            "kv_pool": pooled,
+            "kv_pool": pooled, "kv_pool_sized": sized,
             "verdicts": as_generated, "held_verdicts": held, "gated_verdicts": gated}
 
 

@@ -180,11 +180,12 @@ def projection_of(inflight: InflightList, level: int, model: CostModel, running_
     return Projection(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens)
 
 
-def held_by_gate(inflight: InflightList, level: int, model: CostModel, exclude: Iterable[str] = (),
-                 running_in_level: bool = False) -> set[str]:
-    """The waiting requests the ranks' admission gate holds back at the next step (none without a
-    gate, or with nothing waiting)."""
-    if model.admission_guard_bytes <= 0 or not any(r.waiting for r in inflight.requests):
+def held_back(inflight: InflightList, level: int, model: CostModel, exclude: Iterable[str] = (),
+              running_in_level: bool = False) -> set[str]:
+    """The waiting requests the ranks hold back at the next step: by their admission gate, or for
+    KV pool slots (none without either, or with nothing waiting)."""
+    if (model.admission_guard_bytes <= 0 and not (model.kv_pool and model.kv_pool_tokens > 0)) \
+            or not any(r.waiting for r in inflight.requests):
         return set()
     skip = set(exclude)
     live = [r for r in inflight.requests if r.rid not in skip]

@@ -434,8 +434,8 @@ def forget_reused(state: GuardState, inflight: InflightList) -> GuardState:
 
 def decoding_only(inflight: InflightList, aborted: Iterable[str] = (), held: Iterable[str] = ()) -> bool:
     """Every request listed (but those aborted) decodes, by the scheduler's word, or waits where
-    the ranks' admission gate holds it back (`held`): none of them will allocate more (their
-    prefill is done, or cannot start until memory comes back)."""
+    the ranks hold it back (`held`: their admission gate, KV pool slots): none of them will
+    allocate more (their prefill is done, or cannot start until memory or slots come back)."""
     gone, held = set(aborted), set(held)
     live = [r for r in inflight.requests if r.rid not in gone]
     return inflight.scheduler_view and bool(live) and any(r.state == charge.DECODING for r in live) \
@@ -543,15 +543,15 @@ def decide(s: GuardSettings, state: GuardState, a: Assessment, now: float,
             # allocator keeps what they hold). The trend is then the end of a prefill that is over,
             # or memory someone else takes, which the fallback below the guard and the node's floor
             # answer.
-            # (the gate's holds cost a replay of the allocator: asked only when the projection is not believed)
+            # (the ranks' holds cost a replay of the allocator: asked only when the projection is not believed)
             idle = not believed and decoding_only(
                 inflight, at.aborted,
-                charge.held_by_gate(inflight, a.level, s.cost, at.aborted, running_in_level(s, a, inflight)))
+                charge.held_back(inflight, a.level, s.cost, at.aborted, running_in_level(s, a, inflight)))
             if s.cost.configured and inflight.scheduler_view and (believed or idle):
                 # The trend's line goes on past the end of a prefill; the scheduler knows where it ends.
                 held = (f"the requests in flight are projected to take memory no lower than "
                         f"{_gb(choice.projected_low_keeping_all)}" if believed else
-                        f"every request in flight is decoding (nothing it allocates), "
+                        f"every request in flight is decoding or held back by the ranks (nothing allocates), "
                         f"{_gb(a.level - s.guard_bytes)} above the guard")
                 return (decision(HOLD, f"{why}; not acting: {held}{ends}{skipped}",
                                  projected_low_kept=choice.projected_low_keeping_all, skipped=choice.skipped),

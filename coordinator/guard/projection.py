@@ -362,14 +362,15 @@ class Projection:
         return memory, queue
 
     def held_at_next_step(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> set[str]:
-        """The requests the ranks' admission gate holds back at the next step (none without one)."""
+        """The requests the ranks hold back at the next step: by their admission gate, or waiting for
+        KV pool slots (and those behind them, in order)."""
         kept = list(kept)
         memory, queue = self._start(kept, aborted)
-        gated = _gated(kept, memory, self.model)
-        if not gated:
-            return set()
         budget = self.model.chunk_tokens if self.model.chunk_tokens > 0 else None
-        held = _first_held(memory, queue, budget, self.model, gated)
+        held = _first_without_slots(memory, queue, budget, self.model)
+        gated = _gated(kept, memory, self.model)
+        if gated:
+            held = min(held, _first_held(memory, queue, budget, self.model, gated))
         return {e[0].rid for e in queue[held:]}
 
     def low(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> int:

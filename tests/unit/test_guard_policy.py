@@ -889,6 +889,25 @@ def test_a_fall_that_ended_with_every_request_decoding_is_held_not_aborted_all()
     assert d.kind == p.ABORT_ALL, d
 
 
+def test_a_fall_that_ended_with_the_rest_waiting_for_kv_pool_slots_is_held_not_aborted_all():
+    # As above, with a request waiting: in a pool of 62000 slots, 60000 held by "long", its 5000
+    # tokens wait for slots (SGLang's scheduler: its whole prompt must fit in the free ones) until
+    # "long" ends. Nothing listed allocates; an abort_all would end both for nothing. Without a
+    # size the pool would take it, and it is the request that may start: the fallback, as before.
+    g = SIM.guard_bytes
+    a = p.Assessment("spark1", g + 100 * MB, True, g + 14 * MB, "lows", -390 * MB, 0.04, 0.77,
+                     (g + 14 * MB) / (390 * MB), at=5.0)
+    confirmed = p.GuardState(marks=(("spark1", p.NodeMark(1, g + 100 * MB, True)),))
+    queued = p.InflightList((decoding("long", 60_000), p.InflightRequest("next", 5_000, 0, 1.0, "waiting")),
+                            kv_high_water_tokens=60_000)
+    sized = dataclasses.replace(SIM, cost=dataclasses.replace(SIM.cost, kv_pool=True, kv_pool_tokens=62_000))
+    d, state = p.decide(sized, confirmed, a, 5.0, queued)
+    assert d.kind == p.HOLD and "every request in flight is decoding" in d.reason, d
+    unsized = dataclasses.replace(SIM, cost=dataclasses.replace(SIM.cost, kv_pool=True))
+    d, _ = p.decide(unsized, confirmed, a, 5.0, queued)
+    assert d.kind == p.ABORT_ALL, d
+
+
 def test_memory_below_the_guard_with_every_request_decoding_is_still_aborted_all():
     # Nothing listed allocates, but the node is below the guard and falling: someone takes memory,
     # and the fallback (abort_all, then the stop) answers it.
