@@ -13,7 +13,9 @@ block, so one is live at a time). A finished or aborted request's memory goes ba
 allocator's cache, not to the OS; only empty_cache() returns it, which the prefill_empty_cache
 hook runs after a chunk of a sequence of at least DSV41_PREFILL_EMPTY_CACHE_TOKENS. With
 `kv_pool` the KV goes to a pool as SGLang's does (sim/kvpool.py): its memory is taken once, the
-first time the pool's slots are used, never given back, and reused by later requests' KV alone.
+first time the pool's slots are used, never given back, and reused by later requests' KV alone;
+with --max-total-tokens slots, a request waits while its prompt does not fit in the free ones,
+and a prompt that can never fit is refused (input_refusal).
 
 Every forward step (a prefill chunk or a decode batch) begins with `begin_step()`: the rank's
 progress counter moves and, in a TP group, rank 0 waits for every worker to take part in the step
@@ -104,9 +106,9 @@ def plan_chunk(pending: list[tuple[str, int]], budget: int, free_slots: int | No
     first of `pending`) always goes on: its piece is cut to the free slots while any are left
     (available_chunk_tokens: "single-pool continuation must make progress"), else it asks for a
     whole chunk, and the allocation fails as SGLang's does. SGLang also reserves each request's
-    expected output (up to 4096 tokens, less for running ones); the stand-in's decode takes no
-    slots and reserves none, so it admits a little more than SGLang: harder on memory, not
-    kinder."""
+    expected output (up to 4096 tokens, less for running ones) and one slot more; the stand-in's
+    decode takes no slots and reserves none, so it admits a little more than SGLang: harder on
+    memory, not kinder (tests/sglang/test_kv_pool_admission.py runs SGLang's own adder)."""
     batch = []
     room = free_slots
     for i, (rid, remaining) in enumerate(pending):
