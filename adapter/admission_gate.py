@@ -15,7 +15,8 @@ comes back when they end. With nothing in flight it waits too, though nothing wi
 it: for the coordinator's guard, which looks at the waiting requests every few hundred ms, to
 abort it before its first step takes the node below the guard at once (a prefix-cache hit's first
 step spans its whole cached prefix). So that no request waits forever on a guard that is not
-running, one alone waits at most LONE_WAIT_S, then goes in. A request already being
+running, one alone waits at most DSV41_ADMISSION_LONE_WAIT_S (LONE_WAIT_S; 0 while the guard
+only observes), then goes in. A request already being
 chunk-prefilled is never held (SGLang's own rule: it keeps its slot across chunks).
 
 With SGLang's KV pool (the scheduler's token_to_kv_pool_allocator) a piece's KV costs nothing
@@ -49,13 +50,15 @@ from adapter.scheduler_requests import kv_in_use as scheduler_kv_in_use
 from adapter.settings import SettingError, env_int
 
 NAME = "admission_gate"
-ENV_KEYS = ("DSV41_ADMISSION_GUARD_BYTES", "DSV41_ADMISSION_TOKEN_BYTES", "DSV41_ADMISSION_TRANSIENT_BYTES")
+ENV_KEYS = ("DSV41_ADMISSION_GUARD_BYTES", "DSV41_ADMISSION_TOKEN_BYTES", "DSV41_ADMISSION_TRANSIENT_BYTES",
+            "DSV41_ADMISSION_LONE_WAIT_S")
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 POLICY_MODULE = "sglang.srt.managers.schedule_policy"
 MAXIMUM_BYTES = 1 << 50
 UNLIMITED = 1 << 62  # a cgroup without a limit, and a measurement that failed
 # The most a request waits with nothing else in flight (for the guard's look to abort it) before it
-# goes in all the same: the guard looks every 0.2 s, and may not be running at all.
+# goes in all the same: the guard looks every 0.2 s, and may not be running at all. The coordinator
+# passes 0 (no such wait) when its guard only observes.
 LONE_WAIT_S = 5.0
 
 
@@ -89,6 +92,7 @@ class GateSettings:
     guard_bytes: int
     token_bytes: int
     transient_bytes: float
+    lone_wait_s: float = LONE_WAIT_S  # 0: a request alone goes in at once
 
 
 def settings_from_env(env: Mapping[str, str]) -> GateSettings | None:
@@ -104,7 +108,14 @@ def settings_from_env(env: Mapping[str, str]) -> GateSettings | None:
         raise SettingError(f"DSV41_ADMISSION_TRANSIENT_BYTES={raw!r}: expected a number in [0, 1000000]") from None
     if not 0.0 <= transient <= 1e6:
         raise SettingError(f"DSV41_ADMISSION_TRANSIENT_BYTES={raw!r}: outside the allowed range [0, 1000000]")
-    return GateSettings(guard, token, transient)
+    raw = env.get("DSV41_ADMISSION_LONE_WAIT_S", "").strip() or repr(LONE_WAIT_S)
+    try:
+        lone = float(raw)
+    except ValueError:
+        raise SettingError(f"DSV41_ADMISSION_LONE_WAIT_S={raw!r}: expected a number of seconds in [0, 600]") from None
+    if not 0.0 <= lone <= 600.0:
+        raise SettingError(f"DSV41_ADMISSION_LONE_WAIT_S={raw!r}: outside the allowed range [0, 600]")
+    return GateSettings(guard, token, transient, lone)
 
 
 def _field(text: bytes, name: bytes) -> int | None:
@@ -227,22 +238,23 @@ class HoldReport:
         return self._held_rid == rid
 
     def held(self, rid: str, take: int, prefix: int, need: int, planned: int, headroom: int, guard: int,
-             alone: bool = False) -> None:
+             alone_s: float = 0.0) -> None:
+        """`alone_s`: nothing else is in flight, and it waits that long at most."""
         if self._held_rid == rid:
             return
         self._held_rid = rid
         then = (f"nothing else is in flight, so nothing will come back for it: it waits for the guard to abort "
-                f"it, at most {LONE_WAIT_S:g} s") if alone else "it goes in when memory comes back"
+                f"it, at most {alone_s:g} s") if alone_s else "it goes in when memory comes back"
         self._line(f"{NAME}: request {rid} waits: its first step ({take} tokens over a {prefix}-token prefix, "
                    f"{need // 1_000_000} MB) with this step's {planned // 1_000_000} MB would leave "
                    f"{(headroom - planned - need) // 1_000_000} MB of {headroom // 1_000_000} MB, "
                    f"below the guard's {guard // 1_000_000} MB; {then}")
 
-    def admitted(self, rid: str, headroom: int, step: int, waited_alone: bool = False) -> None:
+    def admitted(self, rid: str, headroom: int, step: int, waited_alone_s: float = 0.0) -> None:
         if self._held_rid != rid:
             return
         self._held_rid = None
-        why = (f"waited {LONE_WAIT_S:g} s with nothing else in flight and was not aborted" if waited_alone
+        why = (f"waited {waited_alone_s:g} s with nothing else in flight and was not aborted" if waited_alone_s
                else "after waiting")
         self._line(f"{NAME}: request {rid} admitted {why} (headroom {headroom // 1_000_000} MB, "
                    f"this step {step // 1_000_000} MB)")
@@ -292,13 +304,15 @@ class AdmissionGate:
         s = self.settings
         rid = str(getattr(req, "rid", ""))
         alone = not _busy(scheduler, adder)
+        if alone and s.lone_wait_s <= 0:
+            return original(adder, req, *args, **kwargs)  # waiting would change nothing: idle passes stay cheap
         if self._pass.measured is None:
             try:
                 local = int(self._headroom())
             except Exception:  # never skip the collective below: the other ranks wait in it
                 local = UNLIMITED
             waited = self._alone is not None and self._alone[0] == rid and \
-                self._clock() - self._alone[1] >= LONE_WAIT_S
+                self._clock() - self._alone[1] >= s.lone_wait_s
             # (headroom, 0 once a lone request's wait is over on this rank): the minimum of each
             self._pass.measured = self._group_min(scheduler, (local, 0 if alone and waited else 1))
             self.measurements += 1
@@ -310,15 +324,16 @@ class AdmissionGate:
         need = step_bytes(take, prefix, s.token_bytes, s.transient_bytes, kv_free)
         step = sum(planned) + need
         if admits(headroom, sum(planned), need, s.guard_bytes) or (alone and over):
-            self._report.admitted(rid, headroom, step, waited_alone=not admits(headroom, sum(planned), need,
-                                                                                s.guard_bytes))
+            fits = admits(headroom, sum(planned), need, s.guard_bytes)
+            self._report.admitted(rid, headroom, step, waited_alone_s=0.0 if fits else s.lone_wait_s)
             if self._alone is not None and self._alone[0] == rid:
                 self._alone = None
             return original(adder, req, *args, **kwargs)
         if alone and (self._alone is None or self._alone[0] != rid):
             self._alone = (rid, self._clock())
         self.refusals += 1
-        self._report.held(rid, take, prefix, need, sum(planned), headroom, s.guard_bytes, alone=alone)
+        self._report.held(rid, take, prefix, need, sum(planned), headroom, s.guard_bytes,
+                          alone_s=s.lone_wait_s if alone else 0.0)
         return self._refused()
 
 

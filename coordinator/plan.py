@@ -13,6 +13,8 @@ import posixpath
 from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping
 
+from adapter.admission_gate import LONE_WAIT_S
+
 from .config import ClusterConfig, Node
 from .guard.settings import cost_model
 from .schema import KEYS
@@ -265,9 +267,12 @@ def admission_env(cfg: ClusterConfig) -> dict[str, str]:
     cost = cost_model(cfg, cfg.passthrough)
     if not cost.admission_guard_bytes:
         return {"DSV41_ADMISSION_GUARD_BYTES": "0"}
+    # A request alone is held for the guard to abort only where the guard acts.
+    lone = LONE_WAIT_S if cfg["MEMORY_GUARD"] == "act" else 0.0
     return {"DSV41_ADMISSION_GUARD_BYTES": str(cost.admission_guard_bytes),
             "DSV41_ADMISSION_TOKEN_BYTES": str(cost.token_bytes),
-            "DSV41_ADMISSION_TRANSIENT_BYTES": repr(cost.transient_bytes)}
+            "DSV41_ADMISSION_TRANSIENT_BYTES": repr(cost.transient_bytes),
+            "DSV41_ADMISSION_LONE_WAIT_S": repr(lone)}
 
 
 def uses_roce(cfg: ClusterConfig) -> bool:

@@ -243,8 +243,9 @@ KEYS: tuple[Key, ...] = (
        "more since the last action"),
     _k("MEMORY_GUARD_ADMISSION", v.flag, "0",
        "1: every rank's scheduler holds a new request's first prefill step back while that step would take its node "
-       "below MEMORY_GUARD_GB by the guard's cost model and other requests are in flight (what arrives between two "
-       "of the guard's looks is not in any listing); the ranks agree with one all-reduce per scheduling pass that "
+       "below MEMORY_GUARD_GB by the guard's cost model (what arrives between two of the guard's looks is not in any "
+       "listing): until memory comes back when other requests are in flight, else for the guard to abort it, at most "
+       "5 s (not held with MEMORY_GUARD=observe); the ranks agree with one all-reduce per scheduling pass that "
        "admits a request. Needs MEMORY_GUARD act or observe; 0: off"),
     _k("MEMORY_GUARD_STOP_AFTER_S", v.real(0.05, 600.0), "1",
        "after abort_all, memory still falling this long (or running out within the lead): stop the ranks cleanly"),

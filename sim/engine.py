@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from adapter.admission_gate import LONE_WAIT_S, GateSettings, HoldReport, NodeRoom, admits, pieces_bytes
+from adapter.admission_gate import GateSettings, HoldReport, NodeRoom, admits, pieces_bytes
 
 from .allocator import AnonymousMemory, Block, CachingAllocator
 from .kvpool import KvPool
@@ -376,8 +376,8 @@ class Engine:
     def _admitted(self, planned: list[tuple[Request, int]], chunked: bool) -> list[tuple[Request, int]]:
         """The planned batch as the admission gate lets it go (adapter/admission_gate.py): the first
         waiting request whose first piece would take the node below the guard, and those after it,
-        stay waiting; one with nothing else in flight at most LONE_WAIT_S (for the guard to abort
-        it). Headroom as the rank measures it: the node's room plus what the allocator holds free
+        stay waiting; one with nothing else in flight at most the gate's lone_wait_s (for the guard
+        to abort it). Headroom as the rank measures it: the node's room plus what the allocator holds free
         (one rank: no all-reduce); KV pool slots used before and free now cost nothing."""
         gate = self.config.admission
         if gate is None or not any(r.phase is Phase.WAITING for r, _ in planned):
@@ -391,18 +391,19 @@ class Engine:
         for i, ((request, take), need) in enumerate(zip(planned, needs)):
             if request.phase is Phase.WAITING:
                 first = alone and i == 0
-                fits = admits(headroom, spent, need, gate.guard_bytes)
+                fits = admits(headroom, spent, need, gate.guard_bytes) or (first and gate.lone_wait_s <= 0)
                 waited = first and self._alone is not None and self._alone[0] == request.rid \
-                    and self._clock() - self._alone[1] >= LONE_WAIT_S
+                    and self._clock() - self._alone[1] >= gate.lone_wait_s
                 if not fits and not waited:
                     if first and (self._alone is None or self._alone[0] != request.rid):
                         self._alone = (request.rid, self._clock())
                     self._holds.held(request.rid, take, request.prefilled, need, spent, headroom, gate.guard_bytes,
-                                     alone=first)
+                                     alone_s=gate.lone_wait_s if first else 0.0)
                     return planned[:i]
                 if self._alone is not None and self._alone[0] == request.rid:
                     self._alone = None
-                self._holds.admitted(request.rid, headroom, spent + need, waited_alone=not fits)
+                self._holds.admitted(request.rid, headroom, spent + need,
+                                     waited_alone_s=0.0 if fits else gate.lone_wait_s)
             spent += need
         return planned
 

@@ -47,7 +47,12 @@ def test_settings_are_off_unless_the_guard_level_is_given_and_bad_values_say_wha
     assert ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "0"}) is None
     got = ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "1500000000", "DSV41_ADMISSION_TOKEN_BYTES": "12000",
                                 "DSV41_ADMISSION_TRANSIENT_BYTES": "20.0"})
-    assert got == ag.GateSettings(1_500_000_000, 12_000, 20.0)
+    assert got == ag.GateSettings(1_500_000_000, 12_000, 20.0, ag.LONE_WAIT_S)
+    assert ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "1", "DSV41_ADMISSION_LONE_WAIT_S": "0"}).lone_wait_s == 0
+    with pytest.raises(SettingError, match=r"DSV41_ADMISSION_LONE_WAIT_S='soon'.*seconds in \[0, 600\]"):
+        ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "1", "DSV41_ADMISSION_LONE_WAIT_S": "soon"})
+    with pytest.raises(SettingError, match=r"DSV41_ADMISSION_LONE_WAIT_S='601'.*\[0, 600\]"):
+        ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "1", "DSV41_ADMISSION_LONE_WAIT_S": "601"})
     with pytest.raises(SettingError, match=r"DSV41_ADMISSION_GUARD_BYTES='lots'.*integer"):
         ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "lots"})
     with pytest.raises(SettingError, match=r"DSV41_ADMISSION_TRANSIENT_BYTES='-1'.*\[0, 1000000\]"):
@@ -209,6 +214,14 @@ def test_a_request_alone_goes_in_at_once_when_it_fits_and_its_wait_alone_says_wh
     assert h.run_pass(adder(), [req("hit", 768, 60_000)]) == [REFUSED]
     assert "nothing else is in flight, so nothing will come back for it: it waits for the guard to abort it, " \
            "at most 5 s" in h.out.getvalue()
+
+
+def test_with_no_lone_wait_a_request_alone_goes_in_at_once_without_measuring() -> None:
+    calls = []
+    h = Harness(headroom=lambda: calls.append(1) or 0, settings=ag.GateSettings(150 * MB, 16_384, 4.0, 0.0))
+    assert h.run_pass(adder(), [req("huge", 768, 900_000)]) == ["CONTINUE"]
+    assert calls == [] and h.collectives == [] and h.out.getvalue() == ""
+    assert h.run_pass(adder(running=1), [req("huge2", 768, 900_000)]) == [REFUSED]  # with others: held as ever
 
 
 def test_another_ranks_wait_being_over_decides_for_every_rank() -> None:

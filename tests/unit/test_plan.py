@@ -84,11 +84,15 @@ def test_the_admission_gate_gets_the_guards_level_and_cost_model_only_when_asked
     for p in plans:  # every rank: they decide together
         env = p.rank_spec.env
         assert (env["DSV41_ADMISSION_GUARD_BYTES"], env["DSV41_ADMISSION_TOKEN_BYTES"],
-                env["DSV41_ADMISSION_TRANSIENT_BYTES"]) == ("2000000000", "12000", "20.0")
+                env["DSV41_ADMISSION_TRANSIENT_BYTES"], env["DSV41_ADMISSION_LONE_WAIT_S"]) == \
+            ("2000000000", "12000", "20.0", "5.0")
     _, plans = cluster(edited(MEMORY_GUARD_ADMISSION="1", MEMORY_GUARD_TOKEN_BYTES="9000",
                               MEMORY_GUARD_TRANSIENT_BYTES="8.5"))
     env = plans[1].rank_spec.env
     assert (env["DSV41_ADMISSION_TOKEN_BYTES"], env["DSV41_ADMISSION_TRANSIENT_BYTES"]) == ("9000", "8.5")
+    # a guard that only observes aborts nothing: a request alone is not held for it
+    _, plans = cluster(edited(MEMORY_GUARD_ADMISSION="1", MEMORY_GUARD="observe"))
+    assert plans[0].rank_spec.env["DSV41_ADMISSION_LONE_WAIT_S"] == "0.0"
     _, plans = cluster(edited(MEMORY_GUARD_ADMISSION="1", MEMORY_GUARD="off"))
     assert plans[0].rank_spec.env["DSV41_ADMISSION_GUARD_BYTES"] == "0"  # no guard level to keep
     # the coordinator derives them: set by hand they are refused, with what to set instead
