@@ -47,7 +47,7 @@ from typing import Any
 from adapter.log import AdapterLog
 from adapter.patching import AROUND, AdapterSpec, Patch
 from adapter.scheduler_requests import kv_in_use as scheduler_kv_in_use
-from adapter.settings import SettingError, env_int
+from adapter.settings import env_float, env_int
 
 NAME = "admission_gate"
 ENV_KEYS = ("DSV41_ADMISSION_GUARD_BYTES", "DSV41_ADMISSION_TOKEN_BYTES", "DSV41_ADMISSION_TRANSIENT_BYTES",
@@ -101,20 +101,8 @@ def settings_from_env(env: Mapping[str, str]) -> GateSettings | None:
     if guard == 0:
         return None
     token = env_int(env, "DSV41_ADMISSION_TOKEN_BYTES", 0, 0, 1 << 30)
-    raw = env.get("DSV41_ADMISSION_TRANSIENT_BYTES", "").strip() or "0"
-    try:
-        transient = float(raw)
-    except ValueError:
-        raise SettingError(f"DSV41_ADMISSION_TRANSIENT_BYTES={raw!r}: expected a number in [0, 1000000]") from None
-    if not 0.0 <= transient <= 1e6:
-        raise SettingError(f"DSV41_ADMISSION_TRANSIENT_BYTES={raw!r}: outside the allowed range [0, 1000000]")
-    raw = env.get("DSV41_ADMISSION_LONE_WAIT_S", "").strip() or repr(LONE_WAIT_S)
-    try:
-        lone = float(raw)
-    except ValueError:
-        raise SettingError(f"DSV41_ADMISSION_LONE_WAIT_S={raw!r}: expected a number of seconds in [0, 600]") from None
-    if not 0.0 <= lone <= 600.0:
-        raise SettingError(f"DSV41_ADMISSION_LONE_WAIT_S={raw!r}: outside the allowed range [0, 600]")
+    transient = env_float(env, "DSV41_ADMISSION_TRANSIENT_BYTES", 0.0, 0.0, 1e6)
+    lone = env_float(env, "DSV41_ADMISSION_LONE_WAIT_S", LONE_WAIT_S, 0.0, 600.0)
     return GateSettings(guard, token, transient, lone)
 
 

@@ -38,6 +38,24 @@ def env_int(env: Mapping[str, str], key: str, default: int, minimum: int, maximu
     return value
 
 
+def env_float(env: Mapping[str, str], key: str, default: float, minimum: float, maximum: float) -> float:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return default
+    allowed = f"[{_number(minimum)}, {_number(maximum)}]"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingError(f"{key}={raw!r}: expected a number in {allowed}") from None
+    if not minimum <= value <= maximum:  # (NaN too)
+        raise SettingError(f"{key}={raw!r}: outside the allowed range {allowed}")
+    return value
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
 def env_choice(env: Mapping[str, str], key: str, default: str, allowed: Sequence[str]) -> str:
     raw = env.get(key, "").strip()
     if not raw:
