@@ -1,4 +1,4 @@
-"""Fixtures of the sglang tier: the cached venv, its import overlay, a scratch directory."""
+"""Fixtures of the sglang tier: the cached venv, a scratch directory."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.harness import Sglang, overlay, venv
+from tests.sglang.harness import Sglang, venv
 
 
 @pytest.fixture(scope="session")
 def sglang(tmp_path_factory: pytest.TempPathFactory) -> Sglang:
     python = venv() / "bin" / "python"
-    return Sglang(python, overlay(python), Path(tmp_path_factory.mktemp("sglang")))
+    return Sglang(python, Path(tmp_path_factory.mktemp("sglang")))
