@@ -48,7 +48,8 @@ REQUIRED_DOCKER_FLAGS = (("--cap-drop", "ALL"), ("--cap-add", "IPC_LOCK"), ("--s
 # The cluster config's passthrough prefixes (coordinator/schema.py PASSTHROUGH_PREFIXES) and the
 # names the plan renders; nothing else reaches a rank's environment.
 ENV_PREFIXES = ("NCCL_", "DSV41_", "SGLANG_", "PYTORCH_", "CUDA_", "TORCH_", "GLOO_", "TP_")
-ENV_NAMES = frozenset({"PYTHONPATH", "LD_LIBRARY_PATH", "XDG_CACHE_HOME", "PYTHONPYCACHEPREFIX", "OFFLOAD_MODE"})
+ENV_NAMES = frozenset({"PYTHONPATH", "LD_LIBRARY_PATH", "XDG_CACHE_HOME", "PYTHONPYCACHEPREFIX", "OFFLOAD_MODE",
+                       "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"})
 # Names whose value is code the rank loads (a library directory, a plugin, an injected library).
 CODE_ENV = frozenset({"LD_LIBRARY_PATH", "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_PROFILER_PLUGIN",
                       "NCCL_ENV_PLUGIN", "NCCL_CONF_FILE", "CUDA_INJECTION64_PATH"})

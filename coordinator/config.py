@@ -240,6 +240,8 @@ def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[N
         err("MODEL_DIR", "must not be / when it is exported", raw["MODEL_DIR"])
     if have("RANK_ENGINE", "RANK_RUNTIME") and s["RANK_ENGINE"] == "sim" and s["RANK_RUNTIME"] != "host":
         err("RANK_ENGINE", "sim runs only with RANK_RUNTIME=host (the stand-in is not in the image)", "sim")
+    if have("RANK_DEVICE") and s["RANK_DEVICE"] == "cpu":
+        _check_cpu_rehearsal(s, raw, err)
     if have("METRICS_LISTEN") and s["METRICS_LISTEN"]:
         taken = {k: s[k] for k in ("PORT", "DIST_PORT", "AGENT_PORT") if k in s}
         clash = [k for k, port in taken.items() if port == s["METRICS_LISTEN"].port]
@@ -261,6 +263,18 @@ def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[N
             err("EXTRA_SGLANG_ARGS", problem)  # no value: it could hold a key
         s["EXTRA_SGLANG_ARGS"] = tuple(words)  # type: ignore[index]
         _check_extra_args(s["EXTRA_SGLANG_ARGS"], raw["EXTRA_SGLANG_ARGS"], s, err, written)
+
+
+# What RANK_DEVICE=cpu needs: SGLang's CPU engine runs neither DeepSeek-V4's kernels (so no DSpark
+# draft and no Engram offload) nor in the GPU image.
+_CPU_REHEARSAL_NEEDS = {"SPEC_ALGO": "NONE", "OFFLOAD_MODE": "host", "RANK_RUNTIME": "host"}
+
+
+def _check_cpu_rehearsal(s: Mapping[str, object], raw: Mapping[str, str], err) -> None:
+    for key, needed in _CPU_REHEARSAL_NEEDS.items():
+        if key in s and s[key] != needed:
+            err(key, f"must be {needed} with RANK_DEVICE=cpu (SGLang's CPU engine runs no DeepSeek-V4 kernels and "
+                "no GPU image)", raw.get(key))
 
 
 # Flags the plan renders from keys: setting them again in EXTRA_SGLANG_ARGS would make ranks disagree

@@ -37,6 +37,14 @@ API_KEY_NODE_PATH = f"{STATE_DIR}/sglang-api-key"
 CONTAINER_API_KEY_PATH = "/opt/dsv41/secrets/sglang-api-key"
 DOCKER = "/usr/bin/docker"
 
+# RANK_DEVICE: the GPU path is DeepSeek-V4's kernels; the CPU rehearsal is SGLang's CPU engine with
+# a small dense model (docs/cpu-rehearsal.md), where DeepSeek's parsers have nothing to parse.
+_GPU_ENGINE_ARGS = ("--attention-backend", "dsv4", "--moe-runner-backend", "flashinfer_mxfp4")
+_DEEPSEEK_PARSER_ARGS = ("--tool-call-parser", "deepseekv41", "--reasoning-parser", "deepseek-v41")
+_CPU_ENGINE_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch")
+# Without it SGLang's CPU path imports vllm for RoPE; the hubs are never reached from a rank.
+_CPU_ENGINE_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
 GID_PLACEHOLDER = "@ROCE_GID_INDEX@"
 ENGRAM_LAYERS = (1, 14)
 # The recipe exported with no_root_squash,insecure; NFS_EXPORT_OPTIONS restores that when asked to.
@@ -200,16 +208,14 @@ def sglang_args(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> li
         "--load-format", "safetensors",
         "--tp-size", str(cfg["TP_SIZE"]),
         "--ep-size", str(cfg["EP_SIZE"]),
-        "--attention-backend", "dsv4",
-        "--moe-runner-backend", "flashinfer_mxfp4",
+        *(_CPU_ENGINE_ARGS if cfg["RANK_DEVICE"] == "cpu" else _GPU_ENGINE_ARGS),
         "--mem-fraction-static", f"{fraction:g}",
         "--chunked-prefill-size", str(cfg["CHUNKED_PREFILL_SIZE"]),
         "--context-length", str(cfg["CONTEXT_LENGTH"]),
         "--max-running-requests", str(cfg["MAX_RUNNING_REQUESTS"]),
         "--random-seed", "0",
         "--enable-cache-report",
-        "--tool-call-parser", "deepseekv41",
-        "--reasoning-parser", "deepseek-v41",
+        *(() if cfg["RANK_DEVICE"] == "cpu" else _DEEPSEEK_PARSER_ARGS),
         "--host", "0.0.0.0",
         "--port", str(cfg["PORT"]),
     ]
@@ -243,6 +249,8 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
     env.update(cfg.passthrough)
     if uses_roce(cfg):
         env["NCCL_IB_GID_INDEX"] = GID_PLACEHOLDER
+    if cfg["RANK_DEVICE"] == "cpu":
+        env.update(_CPU_ENGINE_ENV)
     env["SGLANG_HOST_IP"] = node.address
     env["DSV41_SOURCE"] = str(cfg["COMMON_MODEL"])  # arms the adapter's sitecustomize.py
     env.update(admission_env(cfg))

@@ -82,6 +82,11 @@ KEYS: tuple[Key, ...] = (
     _k("RANK_PYTHON", v.abspath, "/usr/bin/python3", "python of the host runtime"),
     _k("RANK_ENGINE", v.choice("sglang", "sim"), "sglang",
        "sim: the stand-in engine dsv41-sim-rank for tests and the demo (no GPU, no model)"),
+    _k("RANK_DEVICE", v.choice("gpu", "cpu"), "gpu",
+       "gpu: DeepSeek-V4.1-Flash on each node's GPU (dsv4 attention, MXFP4 MoE, DeepSeek's tool-call and "
+       "reasoning parsers); cpu: a CPU rehearsal of the cluster with SGLang's CPU engine and a small dense model "
+       "(--device cpu, torch_native attention, SGLANG_USE_CPU_ENGINE=1, no hub access): needs SPEC_ALGO=NONE, "
+       "OFFLOAD_MODE=host and RANK_RUNTIME=host (docs/cpu-rehearsal.md)"),
     _k("SIM_RANK_COMMAND", v.abspath, "/usr/bin/dsv41-sim-rank", "the stand-in engine's executable"),
     _k("RANK_STOP_TIMEOUT_S", v.integer(5, 3600), "120",
        "drain budget: how long a rank may take to stop after SIGTERM before it is killed"),
