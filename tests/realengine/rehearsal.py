@@ -54,9 +54,10 @@ def profile_env(nodes: dict[str, Node], **changes: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def agent_env(node: Node, tls_lines: str) -> str:
-    return (f"NODE_NAME={node.name}\nLISTEN={node.address}:7441\nALLOWED_RUNTIMES=host\n"
-            f"ALLOWED_PYTHONS={ENGINE}/bin/python\nALLOWED_PATHS={REHEARSAL}\n{tls_lines}")
+def agent_env(node: Node, bundle_lines: str) -> str:
+    """The bundle's lines (NODE_NAME and TLS) and what the node allows the rank."""
+    return (f"{bundle_lines}LISTEN={node.address}:7441\nALLOWED_RUNTIMES=host\n"
+            f"ALLOWED_PYTHONS={ENGINE}/bin/python\nALLOWED_PATHS={REHEARSAL}\n")
 
 
 def install_pki(head: Node, nodes: dict[str, Node]) -> None:
@@ -72,7 +73,10 @@ def install_pki(head: Node, nodes: dict[str, Node]) -> None:
         tls = "".join(line + "\n" for line in node.run(["cat", "/etc/dsv41/tls/agent.env"]).stdout.splitlines()
                       if line.strip() and not line.startswith("#"))
         node.write_file("/etc/dsv41/agent.env", agent_env(node, tls))
-        node.run(["systemctl", "restart", "dsv41-agent.service"], timeout=60)
+        restart = node.run(["systemctl", "restart", "dsv41-agent.service"], check=False, timeout=60)
+        if restart.returncode != 0:
+            log = node.run(["journalctl", "-u", "dsv41-agent", "-n", "20", "--no-pager"], check=False).stdout
+            raise RuntimeError(f"{node.name}: dsv41-agent did not start with the bundle's TLS settings:\n{log}")
 
 
 def boot_rehearsal(rootfs: Path, debs: Path, venv: Path, model: Path, **changes: str) -> Cluster:
