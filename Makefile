@@ -9,7 +9,7 @@ deps:
 	tools/install-test-deps.sh
 
 # Every tier; select with e.g. `make test TIERS=unit` or `make test TIERS="unit or sglang"`.
-TIERS ?= unit or integration or cluster or sglang
+TIERS ?= unit or integration or cluster or sglang or realengine
 test: deps
 	$(PYTHON) -m pytest -m "$(TIERS)" tests
 

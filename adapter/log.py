@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import sys
-from typing import TextIO
+from dataclasses import dataclass
+from typing import Iterable, TextIO
 
 PREFIX = "dsv41-adapter: "
+# The lines that say an adapter is not in effect (stays_out, Installer's "could not patch" and
+# "failed in"): the coordinator fails a bring-up on them (AdapterReport).
+_INSTALLED = re.compile(r"^(\S+) installed \(")
+_LEFT_OUT = re.compile(r"^(\S+) (stays out: |could not patch |failed in )")
 
 
 class AdapterLog:
@@ -28,3 +34,24 @@ class AdapterLog:
 
     def stays_out(self, name: str, reason: str) -> None:
         self.line(f"{name} stays out: {reason}")
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """What one rank's output says of its adapters: which reported installed (in any of its
+    processes), and every line saying one is not in effect, as written."""
+    installed: frozenset[str]
+    left_out: tuple[str, ...]
+
+
+def read_report(lines: Iterable[str]) -> AdapterReport:
+    installed, left_out = set(), []
+    for line in lines:
+        if not line.startswith(PREFIX):
+            continue
+        message = line[len(PREFIX):]
+        if match := _INSTALLED.match(message):
+            installed.add(match.group(1))
+        elif _LEFT_OUT.match(message) and message not in left_out:
+            left_out.append(message)
+    return AdapterReport(frozenset(installed), tuple(left_out))

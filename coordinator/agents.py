@@ -172,8 +172,8 @@ class AgentClient:
     def clear_caches(self, which: str) -> pb.ClearCachesResponse:
         return self._call("ClearCaches", self._stub.ClearCaches, pb.ClearCachesRequest(which=which), 60)
 
-    def read_journal(self, lines: int, follow: bool) -> Iterator[pb.JournalLine]:
-        return self._stub.ReadJournal(pb.ReadJournalRequest(lines=lines, follow=follow),
+    def read_journal(self, lines: int, follow: bool, units: tuple[str, ...] = ()) -> Iterator[pb.JournalLine]:
+        return self._stub.ReadJournal(pb.ReadJournalRequest(lines=lines, follow=follow, units=list(units)),
                                       timeout=None if follow else 30)
 
     def collect_diagnostics(self, journal_max_bytes: int, timeout: float) -> Iterator[pb.DiagnosticChunk]:

@@ -113,3 +113,27 @@ def rank_pids(body: dict) -> dict[str, int]:
 
 def unit_pid(node: Node, unit: str) -> int:
     return int(node.show(unit, "MainPID")["MainPID"])
+
+
+def coordinator_events(head, incident: str | None = None) -> list[dict]:
+    matches = ["DSV41_EVENT=incident"] + ([f"DSV41_INCIDENT={incident}"] if incident else [])
+    return head.journal(unit="dsv41-coordinator.service", fields=None, matches=matches)
+
+
+def incidents(head, kind: str) -> list[dict]:
+    return coordinator_events(head, kind)
+
+
+def wait_for(predicate, timeout: float, what: str, step: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(step)
+
+
+def new_incident(head, kind: str, seen: int, timeout: float) -> dict:
+    return wait_for(lambda: incidents(head, kind)[seen:] and incidents(head, kind)[-1], timeout,
+                    f"no new {kind} incident within {timeout} s: {status(head).get('phase_detail')}", step=0.1)

@@ -15,8 +15,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.sparks import (SIM, boot_sparks, build_debs, ctl, install, install_nfs_client_standin,
-                                  rank_pids, status, unit_pid, wait_serving)
+from tests.cluster.sparks import (SIM, boot_sparks, build_debs, coordinator_events, ctl, incidents, install,
+                                  install_nfs_client_standin, new_incident, rank_pids, status, unit_pid, wait_for,
+                                  wait_serving)
 from tests.integration.simcluster import cluster_env
 from tests.integration.test_guard_memory import GUARD_BYTES, GUARD_ENV, HEADROOM, RUNAWAY_TOKENS, HeadMemory, run_once
 from tests.integration.test_mount_unit import model_dir
@@ -59,11 +60,6 @@ def shared_weights_env(sparks, **extra: str) -> str:
                        NFS_CLIENTS=",".join(w.address for w in workers), NFS_SERVER_IP_1=head.address,
                        NFS_SERVER_IP_2=head.address, MODEL_DIR=MODEL_DIR, COMMON_MODEL=COMMON_MODEL,
                        EXPECTED_SHARDS=str(SHARDS), **{**GUARD_ENV, **extra})
-
-
-def coordinator_events(head, incident: str | None = None) -> list[dict]:
-    matches = ["DSV41_EVENT=incident"] + ([f"DSV41_INCIDENT={incident}"] if incident else [])
-    return head.journal(unit="dsv41-coordinator.service", fields=None, matches=matches)
 
 
 def test_1_start_brings_the_cluster_to_serving(sparks):
@@ -421,25 +417,6 @@ def test_10_systemctl_stop_during_a_long_model_load_returns_within_20_s_and_leav
 # is waited for; --watchdog-timeout is the example configuration's 1800 s, so only the
 # coordinator's lease and hang check can end them in time).
 LEASE_S, HANG_S = 3.0, 5.0
-
-
-def incidents(head, kind: str) -> list[dict]:
-    return coordinator_events(head, kind)
-
-
-def wait_for(predicate, timeout: float, what: str, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, what
-        time.sleep(step)
-
-
-def new_incident(head, kind: str, seen: int, timeout: float) -> dict:
-    return wait_for(lambda: incidents(head, kind)[seen:] and incidents(head, kind)[-1], timeout,
-                    f"no new {kind} incident within {timeout} s: {status(head).get('phase_detail')}", step=0.1)
 
 
 def test_11_a_frozen_worker_is_lost_naming_it_and_the_cluster_serves_again_once_thawed(sparks):

@@ -19,7 +19,7 @@ ENGINE = "/opt/dsv41-engine"  # where every node sees the engine's environment (
 REHEARSAL = "/srv/dsv41-rehearsal"  # the model (read-only) and the node's engram directory
 MODEL = f"{REHEARSAL}/model"
 NODES = ("spark1", "spark2", "spark3")
-NODE_KEYS = ("HEAD_HOST", "HEAD_IP", "WORKER1_HOST", "WORKER1_IP", "WORKER2_HOST", "WORKER2_IP")
+API_KEY_FILE = "/etc/dsv41/api-key"  # the profile's API_KEY_FILE
 
 
 def engine_venv() -> Path:
@@ -91,6 +91,7 @@ def boot_rehearsal(rootfs: Path, debs: Path, venv: Path, model: Path, **changes:
             install(node, debs, ["dsv41-adapter", "dsv41-agent", *(["dsv41-coordinator"] if node is head else [])])
             node.run(["mkdir", "-p", f"{REHEARSAL}/engram"])
         head.write_file("/etc/dsv41/cluster.env", profile_env(cluster.nodes, **changes), mode=0o640)
+        head.run(["sh", "-c", f"umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n' > {API_KEY_FILE}"])
         install_pki(head, cluster.nodes)
     except BaseException:
         cluster.stop()
@@ -98,3 +99,7 @@ def boot_rehearsal(rootfs: Path, debs: Path, venv: Path, model: Path, **changes:
     print(f"rehearsal nodes up: {', '.join(f'{n.name} {n.address}' for n in cluster.nodes.values())}",
           file=sys.stderr)
     return cluster
+
+
+def api_key(head: Node) -> str:
+    return head.run(["cat", API_KEY_FILE]).stdout.strip()

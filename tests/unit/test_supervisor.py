@@ -16,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import pytest
 
+from adapter.boot import BUILDERS
+from adapter.log import PREFIX
 from coordinator import config
 from coordinator.agents import AgentUnavailable
 from coordinator.messages import WorkSeen
@@ -103,6 +105,12 @@ class FakeAgent:
         self._call("status", timeout)
         return pb.NodeStatus(node=self.node, agent_version="1", rank=self.rank(),
                              memory=pb.MemorySample(available_bytes=100 << 30))
+
+    def read_journal(self, lines, follow, units=()):
+        """The rank's output: every adapter reports installed, as in a rank that armed them."""
+        self._call("read_journal")
+        return [pb.JournalLine(node=self.node, unit="dsv41-rank.service", message=f"{PREFIX}{name} installed (x)")
+                for name, _build in BUILDERS]
 
     def check_fabric(self, plan, timeout):
         self._call("check_fabric")

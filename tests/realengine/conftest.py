@@ -1,0 +1,1 @@
+from tests.harness.fixtures import bridge, cluster, node, rootfs  # noqa: F401

@@ -1,0 +1,253 @@
+"""Real SGLang 0.5.23 ranks (CPU, the tiny model) in three booted nodes with the packages, brought up
+by the coordinator over mutual TLS, as docs/cpu-rehearsal.md tells an operator. The scenarios run in
+file order on one cluster: each starts from what the previous one left (a bring-up costs about a
+minute here, so the faults share it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.sparks import (build_debs, ctl, incidents, new_incident, rank_pids, status, unit_pid, wait_for,
+                                  wait_serving)
+from tests.realengine.rehearsal import api_key, boot_rehearsal, engine_venv, tiny_model
+
+pytestmark = pytest.mark.realengine
+
+SERVE_S = 240  # a TP3 bring-up of three CPU ranks on two cores: about 50 s, more beside a busy test
+HANG_S = 20  # the profile's HANG_TIMEOUT_S
+LEASE_S = 6  # NODE_LEASE_S's default
+
+
+@pytest.fixture(scope="module")
+def rehearsal(rootfs, tmp_path_factory):
+    venv = engine_venv()
+    model = tiny_model(venv, tmp_path_factory.mktemp("model"))
+    debs = build_debs(tmp_path_factory.mktemp("debs"))
+    cluster = boot_rehearsal(rootfs, debs, venv, model)
+    try:
+        yield cluster.nodes
+    finally:
+        cluster.stop()
+
+
+class Client:
+    """HTTP to rank 0 from the test machine, with the cluster's API key."""
+
+    def __init__(self, head) -> None:
+        self.base = f"http://{head.address}:8888"
+        self.key = api_key(head)
+
+    def post(self, path: str, body: dict, timeout: float = 120, key: bool = True) -> dict:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if key else {})}
+        request = urllib.request.Request(self.base + path, data=json.dumps(body).encode(), headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return json.loads(reply.read())
+
+    def get(self, path: str, key: bool = True, timeout: float = 20) -> tuple[int, str]:
+        headers = {"Authorization": f"Bearer {self.key}"} if key else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.base + path, headers=headers),
+                                        timeout=timeout) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def chat(self, messages: list[dict], **extra) -> dict:
+        return self.post("/v1/chat/completions", {"model": "deepseek-v4.1-flash", "messages": messages, **extra})
+
+    def continue_answer(self, start: str, **extra) -> dict:
+        """A chat whose answer continues `start`: the tiny model then follows its table from start's last byte."""
+        return self.chat([{"role": "user", "content": "go on"}, {"role": "assistant", "content": start}],
+                         continue_final_message=True, add_generation_prompt=False, **extra)
+
+
+class Background:
+    """One request in a thread, for faults injected while it is in flight."""
+
+    def __init__(self, call) -> None:
+        self.result: object = None
+        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self.thread.start()
+
+    def _run(self, call) -> None:
+        try:
+            self.result = call()
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the scenario checks
+            self.result = exc
+
+    def outcome(self, timeout: float) -> object:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the request did not end"
+        return self.result
+
+
+def head_of(nodes):
+    return nodes["spark1"]
+
+
+def rank_journal(node) -> str:
+    """The rank unit's output since its current start."""
+    invocation = node.show("dsv41-rank.service", "InvocationID")["InvocationID"]
+    return node.run(["journalctl", f"_SYSTEMD_INVOCATION_ID={invocation}", "-o", "cat", "--no-pager"],
+                    check=False).stdout
+
+
+def sglang_processes(node) -> list[str]:
+    found = node.run(["pgrep", "-a", "-f", "sglang"], check=False).stdout.splitlines()
+    return [line for line in found if "pgrep" not in line]
+
+
+def pid_of(node, pattern: str) -> int:
+    found = node.run(["pgrep", "-f", pattern], check=False).stdout.split()
+    assert len(found) == 1, f"{node.name}: {pattern!r} matches {found}"
+    return int(found[0])
+
+
+def in_flight(client: Client) -> list[dict]:
+    code, body = client.get("/dsv41/inflight")
+    return json.loads(body)["requests"] if code == 200 else []
+
+
+def forward_counts(body: dict) -> dict[str, int]:
+    return {n["name"]: sum(int(p["forward_count"]) for p in n["status"].get("progress", [])) for n in body["nodes"]}
+
+
+def long_answer(client: Client) -> Background:
+    """A request that decodes for about 20 s (the a-z loop until the loop abort at 208 tokens)."""
+    call = Background(lambda: client.post("/generate", {"text": "abc", "sampling_params": {
+        "max_new_tokens": 1000, "temperature": 0}}, timeout=240))
+    wait_for(lambda: in_flight(client), 30, "the request never showed in /dsv41/inflight")
+    return call
+
+
+def test_1_the_coordinator_brings_real_ranks_to_serving_with_every_adapter_installed(rehearsal):
+    head = head_of(rehearsal)
+    head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
+    body = wait_serving(head, timeout=SERVE_S)
+    assert body["ranks_running"] == 3
+    # The plan's argv, accepted by the real server on every node: each rank runs and took a step.
+    for name, node in rehearsal.items():
+        assert any("sglang.launch_server" in p and "--node-rank" in p for p in sglang_processes(node)), name
+        lines = [line for line in rank_journal(node).splitlines() if line.startswith("dsv41-adapter: ")]
+        assert not [line for line in lines if "stays out" in line or "could not patch" in line], lines
+        installed = {line.split()[1] for line in lines if " installed (" in line}
+        assert {"tp3_pad", "loop_abort", "forward_progress"} <= installed, (name, lines)
+        if node is head:
+            assert {"inflight", "max_new_tokens", "api_key", "prefill_empty_cache"} <= installed, lines
+
+
+def test_2_a_chat_completion_and_the_forward_step_counters_moving(rehearsal):
+    head = head_of(rehearsal)
+    client = Client(head)
+    answer = client.chat([{"role": "user", "content": "What is 19+23?"}])
+    assert answer["choices"][0]["message"]["content"] == "42"
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    before = forward_counts(status(head))
+    text = client.post("/generate", {"text": "abc", "sampling_params": {"max_new_tokens": 20, "temperature": 0}})
+    assert text["text"] == "defghijklmnopqrstuvw"  # the same greedy path as the model's table, at TP 3
+    after = forward_counts(status(head))
+    assert all(after[name] >= before[name] + 20 for name in before), (before, after)
+    human = ctl(head, "status").stdout
+    assert "SERVING" in human and "3/3 ranks" in human and "last forward step" in human
+
+
+def test_8_loop_abort_the_max_token_clamp_and_the_api_key_on_real_generation(rehearsal):
+    client = Client(head_of(rehearsal))
+    same = client.continue_answer("#")["choices"][0]
+    assert same["message"]["content"] == "#" * 64 and same["finish_reason"] == "stop"
+    assert same["matched_stop"].startswith("loop abort (same_token")
+    # /generate has no chat clamp: the a-z cycle runs until the loop abort sees four copies of a block.
+    cycle = client.post("/generate", {"text": "abc", "sampling_params": {"max_new_tokens": 1000, "temperature": 0}})
+    assert cycle["meta_info"]["finish_reason"]["type"] == "stop", cycle["meta_info"]
+    assert cycle["meta_info"]["completion_tokens"] == 208
+    clamped = client.continue_answer("abc", max_tokens=500)
+    assert clamped["usage"]["completion_tokens"] == 160 and clamped["choices"][0]["finish_reason"] == "length"
+    assert client.get("/server_info", key=False)[0] == 401
+    code, info = client.get("/server_info")
+    assert code == 200 and client.key not in info and json.loads(info)["tp_size"] == 3
+
+
+def test_4a_rank_0s_scheduler_killed(rehearsal):
+    _kill_and_recover(rehearsal, "spark1", "sglang::scheduler")
+
+
+def test_4b_a_workers_scheduler_killed(rehearsal):
+    _kill_and_recover(rehearsal, "spark2", "sglang::scheduler")
+
+
+def test_4c_a_workers_main_process_killed(rehearsal):
+    _kill_and_recover(rehearsal, "spark3", None)
+
+
+def _kill_and_recover(nodes, name: str, pattern: str | None) -> None:
+    head, node = head_of(nodes), nodes[name]
+    client = Client(head)
+    before = rank_pids(status(head))
+    seen = len(incidents(head, "rank_exit"))
+    call = long_answer(client)
+    victim = pid_of(node, pattern) if pattern else unit_pid(node, "dsv41-rank.service")
+    node.run(["kill", "-9", str(victim)])
+    incident = new_incident(head, "rank_exit", seen, timeout=90)
+    assert incident["DSV41_NODE_NAME"] == name, incident["MESSAGE"]
+    outcome = call.outcome(timeout=120)
+    assert not isinstance(outcome, dict) or outcome["meta_info"]["finish_reason"]["type"] != "length", outcome
+    wait_serving(head, timeout=SERVE_S, changed_from=before)
+    assert client.chat([{"role": "user", "content": "19+23?"}])["choices"][0]["message"]["content"] == "42"
+
+
+def test_5_a_stopped_worker_scheduler_is_hung_naming_it(rehearsal):
+    head, spark3 = head_of(rehearsal), rehearsal["spark3"]
+    client = Client(head)
+    before = rank_pids(status(head))
+    seen = len(incidents(head, "rank_hung"))
+    call = long_answer(client)
+    stopped_at = time.monotonic()
+    spark3.run(["kill", "-STOP", str(pid_of(spark3, "sglang::scheduler"))])
+    hung = new_incident(head, "rank_hung", seen, timeout=HANG_S + 30)
+    assert time.monotonic() - stopped_at <= HANG_S + 5.0
+    assert hung["DSV41_NODE_NAME"] == "spark3", hung["MESSAGE"]
+    call.outcome(timeout=120)
+    wait_serving(head, timeout=SERVE_S, changed_from=before)
+
+
+def test_6_a_powered_off_worker_is_lost_waited_for_and_serves_again_after_it_boots(rehearsal):
+    head, spark3 = head_of(rehearsal), rehearsal["spark3"]
+    before = rank_pids(status(head))
+    lost_seen = len(incidents(head, "node_lost"))
+    spark3.power_cut()
+    cut_at = time.monotonic()
+    lost = new_incident(head, "node_lost", lost_seen, timeout=4 * LEASE_S)
+    assert time.monotonic() - cut_at <= 2 * LEASE_S + 1.0
+    assert lost["DSV41_NODE_NAME"] == "spark3", lost["MESSAGE"]
+    wait_for(lambda: status(head).get("phase") == "waiting", 60, "not waiting for spark3")
+    spark3.power_on()
+    wait_serving(head, timeout=SERVE_S, changed_from=before)
+
+
+def test_3_stop_with_a_request_in_flight_leaves_no_sglang_process(rehearsal):
+    head = head_of(rehearsal)
+    client = Client(head)
+    call = long_answer(client)
+    stopped = ctl(head, "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    outcome = call.outcome(timeout=120)
+    assert isinstance(outcome, dict) and outcome["meta_info"]["finish_reason"]["type"] == "stop", outcome
+    for name, node in rehearsal.items():
+        assert sglang_processes(node) == [], name
+    started = ctl(head, "start")
+    assert started.returncode == 0, started.stderr
+    wait_serving(head, timeout=SERVE_S)
+    call = long_answer(client)
+    head.run(["systemctl", "stop", "dsv41-coordinator.service"], timeout=180)
+    outcome = call.outcome(timeout=120)
+    assert isinstance(outcome, dict) and outcome["meta_info"]["finish_reason"]["type"] == "stop", outcome
+    for name, node in rehearsal.items():
+        assert sglang_processes(node) == [], name
