@@ -31,6 +31,7 @@ from .rank import RankManager
 from .rankspec import RANK_UNIT
 from dsv41.sdnotify import SdNotify
 from .service import AgentService, ensure_dirs
+from .treewatch import ProcessTreeWatch
 from .systemd import Systemd, SystemdError
 
 
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                       lambda signum: signal_rank(lambda n: systemd.kill(RANK_UNIT, n), container, signum),
                       events, s.node)
     floor.start()
+    tree = ProcessTreeWatch(rank, rank.cgroup_roots)
+    tree.start()
     trigger = PsiTrigger()
     if not trigger.armed:
         log.warning("psi_trigger_unavailable", f"PSI trigger not armed ({trigger.error}); sampling only")
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     server.stop(grace=2.0).wait(5.0)
     triggers.stop()
     floor.stop()
+    tree.stop()
     systemd.close()
     return 0
 

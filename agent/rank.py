@@ -44,6 +44,10 @@ class ExitRecord:
     invocation_id: str
     cause: str = ""  # MEMORY_FLOOR when this agent ended the run; "" otherwise
     cause_detail: str = ""
+    # When the run's first SGLang process ended (treewatch.py), which may be seconds before the
+    # unit exited; 0 when none was seen to end first.
+    first_loss_at_unix_s: float = 0.0
+    first_loss_detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ class RankManager:
         self._finalizing: set[str] = set()  # invocation IDs whose exit is being read from systemd
         # invocation ID -> (cause, detail, published: shown as its stopping_cause) this agent set
         self._causes: dict[str, tuple[str, str, bool]] = {}
+        self._first_losses: dict[str, tuple[float, str]] = {}  # invocation ID -> (when, which process)
         systemd.on_properties_changed(self._on_properties)
         systemd.on_reconnect(self.refresh)
 
@@ -174,6 +179,21 @@ class RankManager:
         if first:
             for callback in watchers:
                 callback(status)
+
+    @property
+    def cgroup_roots(self) -> tuple[str, ...]:
+        return self._cgroup_roots
+
+    def main_pid(self) -> int:
+        with self._state_lock:
+            return int(self._props.get("MainPID", 0)) if self._props else 0
+
+    def note_first_loss(self, invocation_id: str, at_unix_s: float, detail: str) -> None:
+        """The first process of run `invocation_id` ended (treewatch.py): its exit record carries it."""
+        with self._state_lock:
+            self._first_losses.setdefault(invocation_id, (at_unix_s, detail))
+            for key in list(self._first_losses)[:-8]:
+                self._first_losses.pop(key, None)
 
     def withdraw_cause(self, invocation_id: str) -> None:
         """Forgets a cause held but not published (its signal was not sent); a published one stays."""
@@ -290,7 +310,10 @@ class RankManager:
         path records an exit (the signal's read, a stop or start that finds the unit failed), the
         cause travels with it."""
         cause, detail, _ = self._causes.get(record.invocation_id, ("", "", False))
-        return replace(record, cause=cause, cause_detail=detail)
+        lost_at, lost = self._first_losses.get(record.invocation_id, (0.0, ""))
+        if lost_at >= record.at_unix_s:
+            lost_at, lost = 0.0, ""  # the unit's own exit was first
+        return replace(record, cause=cause, cause_detail=detail, first_loss_at_unix_s=lost_at, first_loss_detail=lost)
 
     def _record_exit_and_reset(self) -> None:
         with self._state_lock:

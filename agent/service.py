@@ -79,7 +79,8 @@ def exit_pb(record: ExitRecord | None) -> pb.ExitInfo | None:
     return pb.ExitInfo(result=record.result, code=record.code, status=record.status, at_unix_s=record.at_unix_s,
                        invocation_id=record.invocation_id, result_kind=exit_result_kind(record.result),
                        code_kind=_EXIT_CODES.get(record.code, pb.ExitInfo.CODE_UNSPECIFIED),
-                       cause=_CAUSES.get(record.cause, pb.ExitInfo.CAUSE_UNSPECIFIED), cause_detail=record.cause_detail)
+                       cause=_CAUSES.get(record.cause, pb.ExitInfo.CAUSE_UNSPECIFIED), cause_detail=record.cause_detail,
+                       first_loss_at_unix_s=record.first_loss_at_unix_s, first_loss_detail=record.first_loss_detail)
 
 
 def rank_pb(state: RankStatus) -> pb.RankState:

@@ -108,13 +108,23 @@ class RankExit:
     status: int  # exit status, or the signal number
     active_state: str  # the unit's state when the exit was seen
     floor: str = ""  # the node's memory floor stopped it: what its agent saw ("" when it did not)
+    # When its first SGLang process ended, if before the unit exited (0: not seen), and which.
+    first_loss_at_unix_s: float = 0.0
+    first_loss: str = ""
+
+    @property
+    def lost_at_unix_s(self) -> float:
+        """When the run was lost on its node: its first process's end, else the unit's exit."""
+        return self.first_loss_at_unix_s or self.at_unix_s
 
     def describe(self) -> str:
         if self.floor and not self.result_name:
             return f"rank unit {self.active_state}: being stopped by the node's memory floor: {self.floor}"
         why = f" (stopped by the node's memory floor: {self.floor})" if self.floor else ""
+        lost = (f" ({self.first_loss} ended {self.at_unix_s - self.first_loss_at_unix_s:.1f} s before)"
+                if self.first_loss_at_unix_s else "")
         return (f"rank unit {self.active_state}: result {self.result_name or 'unknown'}, "
-                f"{self.code or 'exit'} status {self.status}{why}")
+                f"{self.code or 'exit'} status {self.status}{why}{lost}")
 
     def outcome(self) -> str:
         """The exit without the unit state, for the list of ranks that followed."""
@@ -152,7 +162,8 @@ def new_exit(node: str, rank: pb.RankState, launched_invocation: str | None, kno
         return None  # a run cannot have ended and still be running: not an exit
     floor = (info.cause_detail or "below MEMORY_FLOOR_GB") if info.cause == pb.ExitInfo.MEMORY_FLOOR else ""
     return RankExit(node, info.invocation_id, info.at_unix_s or now_unix_s, exit_result(info), info.result,
-                    info.code, info.status, rank.active_state, floor)
+                    info.code, info.status, rank.active_state, floor, info.first_loss_at_unix_s,
+                    info.first_loss_detail)
 
 
 @dataclass(frozen=True)
@@ -163,14 +174,15 @@ class Blame:
 
 
 def first_failure(exits: Sequence[RankExit], window_s: float = BLAME_WINDOW_S) -> Blame:
-    """Who died first. Exit timestamps of different nodes are only comparable to a few
-    milliseconds (each is when that node's systemd reaped the process, and a peer notices a dead
-    socket at once): among exits that close together, a rank ended from outside is the cause. A
-    rank its node's memory floor stopped is the cause in any case."""
+    """Who died first: ranks are ordered by when each was lost on its node (its first SGLang
+    process's end, else its unit's exit: a launcher may outlive its dead scheduler by seconds).
+    Those times on different nodes are only comparable to a few milliseconds (a peer notices a
+    dead socket at once): among ranks lost that close together, one ended from outside is the
+    cause. A rank its node's memory floor stopped is the cause in any case."""
     if not exits:
         raise ValueError("first_failure needs at least one exit")
-    ordered = sorted(exits, key=lambda e: e.at_unix_s)
-    close = [e for e in ordered if e.at_unix_s - ordered[0].at_unix_s <= window_s]
+    ordered = sorted(exits, key=lambda e: e.lost_at_unix_s)
+    close = [e for e in ordered if e.lost_at_unix_s - ordered[0].lost_at_unix_s <= window_s]
     external = [e for e in close if e.result in EXTERNAL]
     # A rank its node's floor stopped is the cause whenever it ended: the floor signalled it first,
     # and a rank 0 that drains on SIGTERM tells the workers to exit before it does.

@@ -1,6 +1,8 @@
 """The supervisor's decisions as pure functions: which request wins and what it interrupts, when a
 rank state is a (new) exit, who is blamed, restart attempts and backoff, and the memory wait."""
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator import policy
@@ -115,6 +117,22 @@ def test_among_exits_too_close_to_order_the_one_ended_from_outside_is_the_cause(
     # beyond the window, time decides even against a signal
     late = policy.first_failure([ex("spark1", 10.0), ex("spark3", 10.2, ExitResult.SIGNAL, "killed", 9)])
     assert late.node == "spark1"
+
+
+def test_blame_orders_ranks_by_their_first_process_end_when_a_launcher_outlived_it():
+    # SGLang over gloo, rank 0's scheduler killed -9 at 10.0: the workers' launchers killed their
+    # trees (SIGKILL, themselves too) at once, rank 0's launcher slept 5 s before doing the same.
+    def sigkilled(node, exited, lost=0.0, which=""):
+        return replace(ex(node, exited, ExitResult.SIGNAL, "killed", 9), first_loss_at_unix_s=lost, first_loss=which)
+
+    exits = [sigkilled("spark1", 15.3, 10.0, "sglang::scheduler_TP0 (pid 421)"), sigkilled("spark2", 10.4, 10.2),
+             sigkilled("spark3", 10.3, 10.2)]
+    blame = policy.first_failure(exits)
+    assert blame.node == "spark1"
+    assert blame.message.startswith("rank on spark1 died first: rank unit failed: result signal, killed status 9 "
+                                    "(sglang::scheduler_TP0 (pid 421) ended 5.3 s before); then spark2")
+    # by the units' exits alone a worker would have been blamed
+    assert policy.first_failure([replace(e, first_loss_at_unix_s=0.0) for e in exits]).node == "spark3"
 
 
 def test_blame_is_decided_on_the_result_not_on_message_text():
