@@ -41,11 +41,13 @@ debs-lintian:
 debs-lintian-trixie:
 	tools/lintian-trixie.sh $(DEBS_OUT)
 
-# The local demo: three systemd nodes with the packages and the stand-in engine (root).
+# The local demo: three systemd nodes with the packages (root). ENGINE=sglang (the default): real
+# SGLang ranks on the CPU as docs/cpu-rehearsal.md sets them up; ENGINE=sim: the stand-in engine.
 .PHONY: demo demo-down
+ENGINE ?= sglang
 demo:
-	tools/install-test-deps.sh --demo
-	$(PYTHON) tools/demo.py up
+	tools/install-test-deps.sh $(if $(filter sim,$(ENGINE)),--demo)
+	$(PYTHON) tools/demo.py up --engine $(ENGINE)
 
 demo-down:
 	$(PYTHON) tools/demo.py down

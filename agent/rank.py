@@ -65,6 +65,8 @@ class RankStatus:
     control_group: str
     stopping_cause: str = ""  # MEMORY_FLOOR while this agent ends the run, before it has exited
     stopping_detail: str = ""
+    first_loss_at_unix_s: float = 0.0  # one of the run's SGLang processes ended (treewatch.py)
+    first_loss_detail: str = ""
 
     @property
     def running(self) -> bool:
@@ -141,9 +143,13 @@ class RankManager:
             if not self._props or self._props.get("LoadState") == "not-found":
                 return replace(ABSENT, last_exit=self._last_exit)
             status = _status_from(self._props, self._last_exit)
-            cause = self._causes.get(status.invocation_id) if status.running or \
-                status.active_state == "deactivating" else None
-            return replace(status, stopping_cause=cause[0], stopping_detail=cause[1]) if cause and cause[2] else status
+            if not (status.running or status.active_state == "deactivating"):
+                return status
+            cause = self._causes.get(status.invocation_id)
+            if cause and cause[2]:
+                status = replace(status, stopping_cause=cause[0], stopping_detail=cause[1])
+            lost_at, lost = self._first_losses.get(status.invocation_id, (0.0, ""))
+            return replace(status, first_loss_at_unix_s=lost_at, first_loss_detail=lost)
 
     def control_group(self) -> str:
         """The rank unit's control group, "" when there is none; read with every memory sample, so
@@ -189,11 +195,18 @@ class RankManager:
             return int(self._props.get("MainPID", 0)) if self._props else 0
 
     def note_first_loss(self, invocation_id: str, at_unix_s: float, detail: str) -> None:
-        """The first process of run `invocation_id` ended (treewatch.py): its exit record carries it."""
+        """The first process of run `invocation_id` ended (treewatch.py): the run's state shows it at
+        once (the watchers hear it) and its exit record carries it."""
         with self._state_lock:
+            first = invocation_id not in self._first_losses
             self._first_losses.setdefault(invocation_id, (at_unix_s, detail))
             for key in list(self._first_losses)[:-8]:
                 self._first_losses.pop(key, None)
+            status = self.status()
+            watchers = list(self._watchers)
+        if first and status.invocation_id == invocation_id:
+            for callback in watchers:
+                callback(status)
 
     def withdraw_cause(self, invocation_id: str) -> None:
         """Forgets a cause held but not published (its signal was not sent); a published one stays."""

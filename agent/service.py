@@ -90,7 +90,8 @@ def rank_pb(state: RankStatus) -> pb.RankState:
                         invocation_id=state.invocation_id, status_text=state.status_text,
                         last_exit=exit_pb(state.last_exit), n_restarts=state.n_restarts,
                         stopping_cause=_CAUSES.get(state.stopping_cause, pb.ExitInfo.CAUSE_UNSPECIFIED),
-                        stopping_detail=state.stopping_detail)
+                        stopping_detail=state.stopping_detail, first_loss_at_unix_s=state.first_loss_at_unix_s,
+                        first_loss_detail=state.first_loss_detail)
 
 
 def send_policy(request: pb.WatchMemoryRequest, interval_ms: int) -> SendPolicy | str:

@@ -120,6 +120,8 @@ class RankExit:
     def describe(self) -> str:
         if self.floor and not self.result_name:
             return f"rank unit {self.active_state}: being stopped by the node's memory floor: {self.floor}"
+        if self.first_loss and not self.result_name:
+            return f"rank unit {self.active_state}: its {self.first_loss} ended"
         why = f" (stopped by the node's memory floor: {self.floor})" if self.floor else ""
         lost = (f" ({self.first_loss} ended {self.at_unix_s - self.first_loss_at_unix_s:.1f} s before)"
                 if self.first_loss_at_unix_s else "")
@@ -155,6 +157,13 @@ def new_exit(node: str, rank: pb.RankState, launched_invocation: str | None, kno
         # drains first and tells the workers to go, whose exits would otherwise come first).
         return RankExit(node, rank.invocation_id, now_unix_s, ExitResult.OTHER, "", "", 0, rank.active_state,
                         rank.stopping_detail or "below MEMORY_FLOOR_GB")
+    if rank.first_loss_at_unix_s and rank.invocation_id == launched_invocation and \
+            rank.active_state in ("active", "activating"):  # deactivating: someone is stopping it
+        # One of its SGLang processes ended: lost to the group now, though its launcher may take
+        # seconds to exit (SGLang's sleeps 5 s for crash diagnostics) while the peers' exit at once.
+        return RankExit(node, rank.invocation_id, rank.first_loss_at_unix_s, ExitResult.OTHER, "", "", 0,
+                        rank.active_state, first_loss_at_unix_s=rank.first_loss_at_unix_s,
+                        first_loss=rank.first_loss_detail)
     info = rank.last_exit
     if info.invocation_id != launched_invocation:
         return None

@@ -1,8 +1,12 @@
 #!/usr/bin/python3
 """The local demo: three systemd nodes (spark1-3) on a private bridge, the project's packages
-installed with apt, the stand-in engine instead of SGLang, the coordinator started on spark1.
+installed with apt, the coordinator started on spark1.
 
-    sudo tools/demo.py up        # build, boot, install, start; prints status and what to try
+    sudo tools/demo.py up [--engine sglang|sim]   # build, boot, install, start; prints status and
+                                 # what to try. sglang (the default): real SGLang 0.5.23 ranks on the
+                                 # CPU serving a tiny model over TP 3, set up as docs/cpu-rehearsal.md
+                                 # says (mutual TLS, API key); sim: the stand-in engine (seconds to
+                                 # serve, no 2 GB engine environment; its runaway prompt shows the guard)
     sudo tools/demo.py sh spark2 [COMMAND...]   # a shell (or one command) inside a node
     sudo tools/demo.py poweroff spark3          # the node loses power: all its processes die at once
     sudo tools/demo.py boot spark3              # power it on again: a fresh systemd on the same disk
@@ -35,6 +39,8 @@ sys.path.insert(0, str(REPO))
 STATE = Path("/run/dsv41-demo.json")
 SOCKET = "/run/dsv41-demo.sock"
 NODE_COMMANDS = ("poweroff", "boot", "freeze", "thaw", "unplug", "plug")
+ENGINES = ("sglang", "sim")
+SERVE_S = {"sglang": 300, "sim": 90}  # three CPU ranks of real SGLang on two cores: about a minute
 
 
 def _save_state(cluster) -> None:
@@ -68,9 +74,19 @@ def _node_command(cluster, line: str) -> str:
     return f"ok: {command} {name}"
 
 
-def _supervise(ready_fd: int) -> None:
-    from tests.cluster.sparks import boot_sparks, build_debs, ctl, wait_serving
+def _boot(engine: str, debs: Path):
     from tests.harness.nspawn import build_rootfs
+
+    if engine == "sim":
+        from tests.cluster.sparks import boot_sparks
+        return boot_sparks(build_rootfs(), debs, SMOKE_QUICK="0")
+    from tests.realengine.rehearsal import boot_rehearsal, engine_venv, tiny_model
+    venv = engine_venv()
+    return boot_rehearsal(build_rootfs(), debs, venv, tiny_model(venv, Path(tempfile.mkdtemp(prefix="dsv41-demo-model-"))))
+
+
+def _supervise(ready_fd: int, engine: str) -> None:
+    from tests.cluster.sparks import build_debs, ctl, wait_serving
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -79,14 +95,14 @@ def _supervise(ready_fd: int) -> None:
         try:
             debs = build_debs(Path(tempfile.mkdtemp(prefix="dsv41-demo-debs-")),
                               commit=os.environ.get("DEMO_COMMIT") or None)
-            cluster = boot_sparks(build_rootfs(), debs, SMOKE_QUICK="0")
+            cluster = _boot(engine, debs)
         except Exception as exc:  # report to the waiting `up`, then exit
             ready.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
             return
         try:
             head = cluster.nodes["spark1"]
             head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
-            wait_serving(head)
+            wait_serving(head, timeout=SERVE_S[engine])
             _save_state(cluster)
             ready.write(json.dumps({"status": ctl(head, "status").stdout}))
         except Exception as exc:
@@ -120,7 +136,7 @@ def _supervise(ready_fd: int) -> None:
         STATE.unlink(missing_ok=True)
 
 
-def up() -> int:
+def up(engine: str) -> int:
     if STATE.exists():
         print(f"a demo is already up ({STATE}); `sudo tools/demo.py down` first", file=sys.stderr)
         return 1
@@ -133,7 +149,7 @@ def up() -> int:
         os.dup2(log, 1)
         os.dup2(log, 2)
         try:
-            _supervise(write)
+            _supervise(write, engine)
         finally:
             os._exit(0)
     os.close(write)
@@ -148,12 +164,19 @@ def up() -> int:
     print(result["status"])
     nodes = json.loads(STATE.read_text())["nodes"]
     head = nodes["spark1"]["address"]
-    print(f"""The cluster is serving with the stand-in engine. Look around:
+    if engine == "sglang":
+        what = "real SGLang 0.5.23 ranks (CPU, the tiny model of docs/cpu-rehearsal.md, TP 3 over gloo)"
+        auth = " -H \"Authorization: Bearer $(sudo tools/demo.py sh spark1 cat /etc/dsv41/api-key)\""
+        stall = "pkill -STOP -f sglang::scheduler"  # the process that takes the forward steps
+    else:
+        what, auth = "the stand-in engine", ""
+        stall = "kill -STOP $(systemctl show -p MainPID --value dsv41-rank)"
+    print(f"""The cluster is serving with {what}. Look around:
   sudo tools/demo.py sh spark1 dsv41ctl status
   sudo tools/demo.py sh spark1 dsv41ctl events
   sudo tools/demo.py sh spark3 journalctl -u dsv41-rank -n 20
   sudo tools/demo.py sh spark1 journalctl -u dsv41-coordinator DSV41_EVENT=serving
-  curl -s http://{head}:8888/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl -s http://{head}:8888/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"model": "deepseek-v4.1-flash", "messages": [{{"role": "user", "content": "19+23?"}}]}}'
   curl -s http://{head}:9441/metrics | grep -E '^dsv41_(phase|incidents_total|restarts_total)'
   sudo tools/demo.py sh spark3 sh -c 'kill -9 $(systemctl show -p MainPID --value dsv41-rank)'
@@ -162,7 +185,7 @@ Faults a Spark cluster has (then watch `dsv41ctl status` and `dsv41ctl events`):
   sudo tools/demo.py freeze spark3     # wedged: node_lost, phase waiting; `thaw spark3` and it serves again
   sudo tools/demo.py poweroff spark3   # power lost: node_lost; `boot spark3`: node_rebooted, serving again
   sudo tools/demo.py unplug spark2     # the cable out; `plug spark2` and it serves again
-  sudo tools/demo.py sh spark2 sh -c 'kill -STOP $(systemctl show -p MainPID --value dsv41-rank)'  # rank_hung
+  sudo tools/demo.py sh spark2 sh -c '{stall}'  # with a request in flight: rank_hung
 Tear it down:
   sudo tools/demo.py down""")
     return 0
@@ -224,7 +247,11 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     if argv[0] == "up":
-        return up()
+        engine = argv[2] if argv[1:2] == ["--engine"] and len(argv) == 3 else "sglang" if len(argv) == 1 else None
+        if engine not in ENGINES:
+            print(f"usage: tools/demo.py up [--engine {'|'.join(ENGINES)}]", file=sys.stderr)
+            return 2
+        return up(engine)
     if argv[0] == "down":
         return down()
     if argv[0] in NODE_COMMANDS:

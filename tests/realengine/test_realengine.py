@@ -190,7 +190,7 @@ def test_4c_a_workers_main_process_killed(rehearsal):
 def _kill_and_recover(nodes, name: str, pattern: str | None) -> None:
     head, node = head_of(nodes), nodes[name]
     client = Client(head)
-    before = rank_pids(status(head))
+    before = rank_pids(wait_serving(head, timeout=SERVE_S))
     seen = len(incidents(head, "rank_exit"))
     call = long_answer(client)
     victim = pid_of(node, pattern) if pattern else unit_pid(node, "dsv41-rank.service")
@@ -206,7 +206,7 @@ def _kill_and_recover(nodes, name: str, pattern: str | None) -> None:
 def test_5_a_stopped_worker_scheduler_is_hung_naming_it(rehearsal):
     head, spark3 = head_of(rehearsal), rehearsal["spark3"]
     client = Client(head)
-    before = rank_pids(status(head))
+    before = rank_pids(wait_serving(head, timeout=SERVE_S))
     seen = len(incidents(head, "rank_hung"))
     call = long_answer(client)
     stopped_at = time.monotonic()
@@ -220,7 +220,7 @@ def test_5_a_stopped_worker_scheduler_is_hung_naming_it(rehearsal):
 
 def test_6_a_powered_off_worker_is_lost_waited_for_and_serves_again_after_it_boots(rehearsal):
     head, spark3 = head_of(rehearsal), rehearsal["spark3"]
-    before = rank_pids(status(head))
+    before = rank_pids(wait_serving(head, timeout=SERVE_S))
     lost_seen = len(incidents(head, "node_lost"))
     spark3.power_cut()
     cut_at = time.monotonic()
@@ -235,6 +235,7 @@ def test_6_a_powered_off_worker_is_lost_waited_for_and_serves_again_after_it_boo
 def test_3_stop_with_a_request_in_flight_leaves_no_sglang_process(rehearsal):
     head = head_of(rehearsal)
     client = Client(head)
+    wait_serving(head, timeout=SERVE_S)
     call = long_answer(client)
     stopped = ctl(head, "stop")
     assert stopped.returncode == 0, stopped.stderr

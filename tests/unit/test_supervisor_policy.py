@@ -135,6 +135,21 @@ def test_blame_orders_ranks_by_their_first_process_end_when_a_launcher_outlived_
     assert policy.first_failure([replace(e, first_loss_at_unix_s=0.0) for e in exits]).node == "spark3"
 
 
+def test_a_rank_whose_sglang_process_ended_is_lost_before_its_unit_exits():
+    running = pb.RankState(active_state="active", invocation_id="inv-1", first_loss_at_unix_s=10.0,
+                           first_loss_detail="sglang::scheduler_TP0 (pid 421)")
+    lost = policy.new_exit("spark1", running, "inv-1", {}, now_unix_s=10.2)
+    assert lost.lost_at_unix_s == 10.0 and lost.describe() == "rank unit active: its sglang::scheduler_TP0 (pid 421) ended"
+    # not a rank this generation launched, one already known, or one being stopped
+    assert policy.new_exit("spark1", running, "inv-0", {}, 10.2) is None
+    assert policy.new_exit("spark1", running, "inv-1", {"spark1": lost}, 10.2) is None
+    stopping = pb.RankState(active_state="deactivating", invocation_id="inv-1", first_loss_at_unix_s=10.0)
+    assert policy.new_exit("spark1", stopping, "inv-1", {}, 10.2) is None
+    blame = policy.first_failure([lost, replace(ex("spark3", 10.3, ExitResult.SIGNAL, "killed", 9),
+                                                first_loss_at_unix_s=10.25, first_loss="x")])
+    assert blame.node == "spark1"
+
+
 def test_blame_is_decided_on_the_result_not_on_message_text():
     # a clean exit whose words mention signals is still not "ended from outside"
     tricky = RankExit("spark1", "i", 10.0, ExitResult.EXIT_CODE, "result signal oom-kill", "exited", 1, "failed")
