@@ -94,6 +94,17 @@ def rank_pb(state: RankStatus) -> pb.RankState:
                         first_loss_detail=state.first_loss_detail)
 
 
+def process_stopped(pid: int, proc_root: str = "/proc") -> bool:
+    """Whether the process is stopped (state T or t in /proc/PID/stat); False when it cannot be
+    read (gone, or in another PID namespace: a container's)."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
+
+
 def send_policy(request: pb.WatchMemoryRequest, interval_ms: int) -> SendPolicy | str:
     """The stream's SendPolicy, or what is wrong with the request."""
     if request.min_change_bytes > MAX_MIN_CHANGE_BYTES:
@@ -251,7 +262,7 @@ class AgentService(NodeCheckRpcs, PackRpcs, FileRpcs, JournalRpcs, DiagnosticsRp
 
     def _progress(self) -> list[pb.RankProgress]:
         return [pb.RankProgress(tp_rank=max(p.tp_rank, 0), forward_count=p.count, last_step_age_s=p.last_step_age_s,
-                                pid=p.pid, problem=p.problem)
+                                pid=p.pid, problem=p.problem, process_stopped=process_stopped(p.pid))
                 for p in progress_files.read_all(self._progress_dir)]
 
     def WatchRank(self, request, context):

@@ -20,6 +20,7 @@ class Heard:
     forward_count: int | None  # the node's rank's forward steps (the lowest, with several); None: no counter
     stopped_at: float | None  # when that rank last stepped, on our clock (arrival minus its age)
     rank_active: bool
+    process_stopped: bool = False  # a rank process of the node is stopped (SIGSTOP): it cannot step
 
 
 def lapsed(last_heard_at: float | None, now: float, lease_s: float, watching_since: float) -> bool:
@@ -49,9 +50,11 @@ def hung(heard: Mapping[str, Heard], order: Sequence[str], pending_since: float 
     forward, hang_s after). Decided only when every node's counter is fresh (heard within
     fresh_s) and every rank runs: a node that does not answer is a lost node, not a hang.
 
-    The rank blamed is the one whose counter stopped first: the lowest count (it never started
-    the step the others wait in), the earliest stop among those; when all counts are equal no rank
-    started the next step, and the rank that starts every step is rank 0, first in `order`."""
+    The rank blamed is one whose process is stopped (seen on real SGLang: with a worker's
+    scheduler stopped between steps, every rank's counter stops at the same count), else the one
+    whose counter stopped first: the lowest count (it never started the step the others wait in),
+    the earliest stop among those; when all counts are equal no rank started the next step, and the
+    rank that starts every step is rank 0, first in `order`."""
     if pending_since is None:
         return None
     views = {node: heard.get(node) for node in order}
@@ -68,7 +71,9 @@ def hung(heard: Mapping[str, Heard], order: Sequence[str], pending_since: float 
         return None
     lowest = min(v.forward_count for v in views.values())
     behind = [n for n in order if views[n].forward_count == lowest]
-    first = order[0] if len(behind) == len(order) else min(behind, key=lambda n: (views[n].stopped_at, order.index(n)))
+    stopped = [n for n in order if views[n].process_stopped]
+    first = stopped[0] if stopped else order[0] if len(behind) == len(order) else \
+        min(behind, key=lambda n: (views[n].stopped_at, order.index(n)))
     return Hang(first, views[first].forward_count, worst[0], worst[1])
 
 

@@ -354,7 +354,8 @@ class ClusterRuntime:
         lowest = min(counts, key=lambda p: p.forward_count) if counts else None
         self._heard[node] = liveness.Heard(
             now, message.boot_id, 0, lowest.forward_count if lowest else None,
-            now - lowest.last_step_age_s if lowest else None, message.rank.active_state == "active")
+            now - lowest.last_step_age_s if lowest else None, message.rank.active_state == "active",
+            any(p.process_stopped for p in message.progress))
         with self._lock:
             self._snapshot_heard = dict(self._heard)
         if node in self._lost:
@@ -429,7 +430,8 @@ class ClusterRuntime:
         if found is not None:
             self._trouble = Trouble("rank_hung", found.node, (
                 f"rank on {found.node} hung: no forward step for {found.stalled_s:.1f} s while work was pending "
-                f"(at step {found.forward_count}; HANG_TIMEOUT_S={float(self.cfg['HANG_TIMEOUT_S']):g})"))
+                f"(at step {found.forward_count}; HANG_TIMEOUT_S={float(self.cfg['HANG_TIMEOUT_S']):g})"
+                + ("; its rank process is stopped (SIGSTOP?)" if self._heard[found.node].process_stopped else "")))
 
     def _pump(self, seconds: float, until: Future | None = None, react: bool = True) -> None:
         """Waits `seconds` (or until `until` is done) applying inbox messages; raises Preempted when

@@ -175,6 +175,64 @@ def test_8_loop_abort_the_max_token_clamp_and_the_api_key_on_real_generation(reh
     assert code == 200 and client.key not in info and json.loads(info)["tp_size"] == 3
 
 
+def prompt(first: str, tokens: int) -> str:
+    """`tokens` bytes (one token each) ending in "." so that the answer ends at once: all prefill."""
+    return (first + "x" * tokens)[:tokens - 1] + "."
+
+
+def prefill_lines(journal: str) -> list[tuple[int, int]]:
+    """(#new-token, #queue-req) of each prefill batch the rank 0 scheduler logged."""
+    return [(int(m.group(1)), int(m.group(2))) for m in re.finditer(
+        r"Prefill batch, #new-seq: \d+, #new-token: (\d+), .*?#queue-req: (\d+)", journal)]
+
+
+def test_7_the_guards_inputs_on_the_real_scheduler_listing_abort_by_rid_and_the_gate(rehearsal):
+    head = head_of(rehearsal)
+    client = Client(head)
+    wait_serving(head, timeout=SERVE_S)
+    logged_before = len(prefill_lines(rank_journal(head)))
+    sizes = {"guard-a": 3000, "guard-b": 2500, "guard-c": 2000}
+    calls = {rid: Background(lambda rid=rid, n=n: client.post("/generate", {
+        "rid": rid, "text": prompt(rid[-1], n), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}))
+        for rid, n in sizes.items()}
+    seen: dict[str, set[str]] = {rid: set() for rid in sizes}
+    progress: dict[str, list[int]] = {rid: [] for rid in sizes}
+    deadline = time.monotonic() + 120
+    while any(c.thread.is_alive() for c in calls.values()) and time.monotonic() < deadline:
+        for record in in_flight(client):
+            if record["rid"] in sizes:
+                seen[record["rid"]].add(record["state"])
+                progress[record["rid"]].append(record["prefilled_tokens"])
+                assert record["prompt_tokens"] == sizes[record["rid"]] + 1  # the tokenizer's BOS
+        time.sleep(0.05)
+    for rid, call in calls.items():
+        answer = call.outcome(timeout=10)
+        assert isinstance(answer, dict) and answer["meta_info"]["prompt_tokens"] == sizes[rid] + 1, answer
+    # every request was listed while it was prefilled chunk by chunk (256 tokens), one at a time
+    assert all("prefilling" in states for states in seen.values()), seen
+    assert any("waiting" in states for states in seen.values()), seen
+    for rid, values in progress.items():
+        assert values == sorted(values) and max(values) <= sizes[rid] + 1, (rid, values)
+    # the scheduler's own lines: as many prefilled tokens as the prompts hold, in chunks of at most 256
+    batches = prefill_lines(rank_journal(head))[logged_before:]
+    assert sum(n for n, _ in batches) == sum(sizes.values()) + len(sizes), batches
+    assert max(n for n, _ in batches) <= 256 and any(queued for _, queued in batches), batches
+
+    # an abort by rid ends the request being prefilled at its next chunk, with finish_reason abort
+    call = Background(lambda: client.post("/generate", {"rid": "guard-abort", "text": prompt("q", 6000),
+                                                       "sampling_params": {"max_new_tokens": 4}}))
+    wait_for(lambda: any(r["rid"] == "guard-abort" and r["prefilled_tokens"] > 0 for r in in_flight(client)), 60,
+             "the request never started its prefill")
+    assert client.post("/abort_request", {"rid": "guard-abort"}) is not None
+    answer = call.outcome(timeout=60)
+    assert isinstance(answer, dict) and answer["meta_info"]["finish_reason"]["type"] == "abort", answer
+    assert answer["meta_info"]["prompt_tokens"] == 6001
+    wait_for(lambda: not [r for r in in_flight(client) if r["rid"] == "guard-abort"], 10, "still listed")
+    # the admission gate is armed in every rank and its all-reduce ran in the real TP 3 group
+    for name, node in rehearsal.items():
+        assert "dsv41-adapter: admission_gate installed" in rank_journal(node), name
+
+
 def test_4a_rank_0s_scheduler_killed(rehearsal):
     _kill_and_recover(rehearsal, "spark1", "sglang::scheduler")
 

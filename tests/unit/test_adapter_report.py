@@ -36,7 +36,7 @@ def test_the_report_collects_installed_adapters_across_processes_and_every_line_
 
 def test_the_rehearsal_profile_switches_on_only_adapters_a_dense_model_installs():
     head = rehearsal_plans()[0]
-    assert enabled_adapters(head) == {"tp3_pad", "mxfp8_b12x", "prefill_empty_cache", "loop_abort",
+    assert enabled_adapters(head) == {"tp3_pad", "mxfp8_b12x", "prefill_empty_cache", "admission_gate", "loop_abort",
                                       "max_new_tokens", "inflight", "api_key", "forward_progress"}
 
 

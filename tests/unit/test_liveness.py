@@ -65,6 +65,16 @@ def test_equal_counts_blame_rank_0_which_starts_every_step():
     assert found.node == "spark1"
 
 
+def test_a_rank_whose_process_is_stopped_is_named_whatever_the_counts():
+    # real SGLang, a worker's scheduler stopped between steps: every counter stops at the same count
+    stopped = {**views([7, 7, 7], [60.0, 61.0, 59.0]), "spark3": Heard(100.0, "boot", 0, 7, 59.0, True, True)}
+    assert hang(stopped).node == "spark3"
+    assert hang({**views([9, 8, 8], [80.0, 70.0, 60.0]), "spark1": Heard(100.0, "boot", 0, 9, 80.0, True, True)}
+                ).node == "spark1"
+    # a stopped process is still only a hang once work has waited past the allowance
+    assert hang(stopped, pending_since=95.0) is None
+
+
 def test_among_ranks_behind_the_earliest_stop_is_named():
     found = hang(views([9, 8, 8], [80.0, 70.0, 60.0]))
     assert found.node == "spark3"

@@ -84,3 +84,19 @@ def test_what_is_watched():
     assert watched(10, 10, "/opt/dsv41-engine/bin/python")
     assert watched(11, 10, "sglang::detokenizer")
     assert not watched(12, 10, "/opt/dsv41-engine/bin/python")  # a multiprocessing helper
+
+
+def test_a_stopped_process_is_seen_as_stopped_and_a_running_or_gone_one_is_not(tree):
+    from agent.service import process_stopped
+
+    (proc,) = tree("sglang::scheduler_TP1")
+    assert not process_stopped(proc.pid)
+    proc.send_signal(19)  # SIGSTOP
+    deadline = time.monotonic() + 5
+    while not process_stopped(proc.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(18)  # SIGCONT
+    proc.kill()
+    proc.wait()
+    assert not process_stopped(proc.pid)
