@@ -130,6 +130,8 @@ class RankExit:
 
     def outcome(self) -> str:
         """The exit without the unit state, for the list of ranks that followed."""
+        if self.first_loss and not self.result_name:
+            return f"its {self.first_loss} ended"
         return f"result {self.result_name or 'unknown'}, {self.code or 'exit'} status {self.status}"
 
 

@@ -31,7 +31,8 @@ def rehearsal(rootfs, tmp_path_factory):
     venv = engine_venv()
     model = tiny_model(venv, tmp_path_factory.mktemp("model"))
     debs = build_debs(tmp_path_factory.mktemp("debs"))
-    cluster = boot_rehearsal(rootfs, debs, venv, model)
+    # The scenarios' faults come minutes apart, within STABLE_SERVING_S: give the restarts room.
+    cluster = boot_rehearsal(rootfs, debs, venv, model, RESTART_MAX_ATTEMPTS="20")
     try:
         yield cluster.nodes
     finally:
@@ -203,19 +204,19 @@ def test_7_the_guards_inputs_on_the_real_scheduler_listing_abort_by_rid_and_the_
             if record["rid"] in sizes:
                 seen[record["rid"]].add(record["state"])
                 progress[record["rid"]].append(record["prefilled_tokens"])
-                assert record["prompt_tokens"] == sizes[record["rid"]] + 1  # the tokenizer's BOS
+                assert record["prompt_tokens"] == sizes[record["rid"]]  # one token a byte, no BOS on /generate
         time.sleep(0.05)
     for rid, call in calls.items():
         answer = call.outcome(timeout=10)
-        assert isinstance(answer, dict) and answer["meta_info"]["prompt_tokens"] == sizes[rid] + 1, answer
+        assert isinstance(answer, dict) and answer["meta_info"]["prompt_tokens"] == sizes[rid], answer
     # every request was listed while it was prefilled chunk by chunk (256 tokens), one at a time
     assert all("prefilling" in states for states in seen.values()), seen
     assert any("waiting" in states for states in seen.values()), seen
     for rid, values in progress.items():
-        assert values == sorted(values) and max(values) <= sizes[rid] + 1, (rid, values)
+        assert values == sorted(values) and max(values) <= sizes[rid], (rid, values)
     # the scheduler's own lines: as many prefilled tokens as the prompts hold, in chunks of at most 256
     batches = prefill_lines(rank_journal(head))[logged_before:]
-    assert sum(n for n, _ in batches) == sum(sizes.values()) + len(sizes), batches
+    assert sum(n for n, _ in batches) == sum(sizes.values()), batches
     assert max(n for n, _ in batches) <= 256 and any(queued for _, queued in batches), batches
 
     # an abort by rid ends the request being prefilled at its next chunk, with finish_reason abort
@@ -226,7 +227,7 @@ def test_7_the_guards_inputs_on_the_real_scheduler_listing_abort_by_rid_and_the_
     assert client.post("/abort_request", {"rid": "guard-abort"}) is not None
     answer = call.outcome(timeout=60)
     assert isinstance(answer, dict) and answer["meta_info"]["finish_reason"]["type"] == "abort", answer
-    assert answer["meta_info"]["prompt_tokens"] == 6001
+    assert answer["meta_info"]["prompt_tokens"] == 6000
     wait_for(lambda: not [r for r in in_flight(client) if r["rid"] == "guard-abort"], 10, "still listed")
     # the admission gate is armed in every rank and its all-reduce ran in the real TP 3 group
     for name, node in rehearsal.items():

@@ -148,6 +148,11 @@ def test_a_rank_whose_sglang_process_ended_is_lost_before_its_unit_exits():
     blame = policy.first_failure([lost, replace(ex("spark3", 10.3, ExitResult.SIGNAL, "killed", 9),
                                                 first_loss_at_unix_s=10.25, first_loss="x")])
     assert blame.node == "spark1"
+    follower = RankExit("spark2", "inv-2", 10.1, ExitResult.OTHER, "", "", 0, "active", first_loss_at_unix_s=10.1,
+                        first_loss="sglang::scheduler_TP1 (pid 300)")
+    assert policy.first_failure([follower, lost]).message == (
+        "rank on spark1 died first: rank unit active: its sglang::scheduler_TP0 (pid 421) ended; "
+        "then spark2 (its sglang::scheduler_TP1 (pid 300) ended)")
 
 
 def test_blame_is_decided_on_the_result_not_on_message_text():
