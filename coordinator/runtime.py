@@ -613,7 +613,9 @@ class ClusterRuntime:
             self._incident(cause.node, cause.kind, cause.message)
         text = (f"rank on {cause.node} exited: {self._exits[cause.node].describe()}"
                 if cause.kind in ("rank_exit", "memory_floor") else cause.message.split("; then ")[0])
-        self._stop_ranks(f"recovering: {text}", wait_memory=True)
+        # The group is broken: what is in flight cannot finish, and rank 0 would drain for the whole
+        # RANK_STOP_TIMEOUT_S (seen on real SGLang with a worker's scheduler stopped) before its kill.
+        self._stop_ranks(f"recovering: {text}", wait_memory=True, drain=False)
         # A node lost or booted again is not the group failing by itself: the bring-up after it spends
         # no restart attempt (it waits for the node instead); a rank that crashed or hung does.
         external = cause.kind in ("node_lost", "node_rebooted")
@@ -639,11 +641,15 @@ class ClusterRuntime:
             self._lost.setdefault(node, lost[node])
         return liveness.blame(list(self._exits.values()), lost, self._monotonic())
 
-    def _stop_ranks(self, why: str, final_phase: str | None = "stopped", wait_memory: bool = False) -> None:
-        """Rank 0 first (it drains), then the workers; then confirm on every node that nothing is left."""
+    def _stop_ranks(self, why: str, final_phase: str | None = "stopped", wait_memory: bool = False,
+                    drain: bool = True) -> None:
+        """Rank 0 first (it drains, unless `drain` is False), then the workers; then confirm on every
+        node that nothing is left."""
         self._activity = Activity.STOPPING
         self._set(phase="stopping", detail=why)
-        stopping.stop_ranks(self.clients, self.cfg.head.name, int(self.cfg["RANK_STOP_TIMEOUT_S"]), self._log,
+        deadline = int(self.cfg["RANK_STOP_TIMEOUT_S"])
+        stopping.stop_ranks(self.clients, self.cfg.head.name,
+                            deadline if drain else min(deadline, stopping.WORKER_STOP_GRACE_S), self._log,
                             call=self._call, lost=set(self._lost))
         self._activity = Activity.IDLE
         self._set(ranks_since=0.0)

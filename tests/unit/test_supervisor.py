@@ -86,6 +86,7 @@ class FakeAgent:
         self.boot = f"{node}-boot1"
         self.steps, self.stepped_at = 0, time.monotonic()
         self.last_exit = None  # the ExitInfo of the rank's last run, as the agent reports it
+        self.stop_deadlines = []  # the deadline of each StopRank
 
     def _call(self, what, timeout=None):
         self.journal.append((self.node, what))
@@ -149,6 +150,7 @@ class FakeAgent:
 
     def stop_rank(self, deadline_s):
         self._call("stop_rank")
+        self.stop_deadlines.append(deadline_s)
         was, self.running = self.running, ""
         return pb.StopRankResponse(outcome=pb.StopRankResponse.CLEAN if was else pb.StopRankResponse.WAS_NOT_RUNNING)
 
@@ -367,6 +369,8 @@ def test_a_rank_exit_while_serving_is_blamed_and_recovered(cluster):
     assert incident.node == "spark3", incident.message  # ended from outside, within the blame window
     assert incident.message.endswith("then spark1 (result exit-code, exited status 1)")
     wait_restarted(rt, agents, timeout=10)
+    # the broken group is not drained: rank 0 gets the workers' grace, not RANK_STOP_TIMEOUT_S
+    assert agents["spark1"].stop_deadlines[-1] == 5 < int(rt.cfg["RANK_STOP_TIMEOUT_S"])
 
 
 FLOOR = "available 0.700 GB below MEMORY_FLOOR_GB 0.800 GB: SIGTERM to every process of the rank"
