@@ -214,9 +214,11 @@ def test_7_the_guards_inputs_on_the_real_scheduler_listing_abort_by_rid_and_the_
     assert any("waiting" in states for states in seen.values()), seen
     for rid, values in progress.items():
         assert values == sorted(values) and max(values) <= sizes[rid], (rid, values)
-    # the scheduler's own lines: as many prefilled tokens as the prompts hold, in chunks of at most 256
+    # the scheduler's own lines: the prompts' tokens prefilled (less what its prefix cache held, a
+    # token or so; plus the coordinator's canaries, a few tokens each) in chunks of at most 256,
+    # with the others queued meanwhile
     batches = prefill_lines(rank_journal(head))[logged_before:]
-    assert sum(n for n, _ in batches) == sum(sizes.values()), batches
+    assert sum(sizes.values()) - len(sizes) <= sum(n for n, _ in batches) <= sum(sizes.values()) + 64, batches
     assert max(n for n, _ in batches) <= 256 and any(queued for _, queued in batches), batches
 
     # an abort by rid ends the request being prefilled at its next chunk, with finish_reason abort
