@@ -8,7 +8,8 @@ SIGKILL (the launchers kill their own tree, themselves included), so by the unit
 died first. A process's end is seen through a pidfd (its exact moment), else by polling.
 
 Watched: the unit's main process and the processes SGLang names `sglang::...` (scheduler,
-detokenizer, ...), found in the unit's control group; short-lived helpers are not.
+detokenizer, ...), found in the unit's control group; short-lived helpers are not. When the main
+process is the first to end nothing is noted: that is the unit's exit, which systemd reports.
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ class ProcessTreeWatch:
         if ended and not self._reported:
             at = self._clock()
             self._reported = True
-            self._rank.note_first_loss(self._invocation, at, " and ".join(self._watched[p][1] for p in sorted(ended)))
+            # The main process's end is the unit's own exit, which systemd reports with its status.
+            if self._rank.main_pid() not in ended:
+                self._rank.note_first_loss(self._invocation, at,
+                                           " and ".join(self._watched[p][1] for p in sorted(ended)))
         for pid in ended:
             fd = self._watched.pop(pid)[0]
             if fd is not None:

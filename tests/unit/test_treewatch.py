@@ -80,6 +80,24 @@ def test_the_first_sglang_process_to_end_is_reported_once_with_the_clock_of_its_
     watch.stop()
 
 
+def test_the_main_process_ending_first_is_left_to_systemds_report(tree, tmp_path):
+    main, scheduler = tree("python3", "sglang::scheduler_TP1")
+    rank = Rank(main.pid)
+    watch = ProcessTreeWatch(rank, (str(tmp_path),), clock=lambda: 1.0, scan_s=0.05)
+    watch.scan()
+    main.kill()
+    main.wait()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        watch._wait()
+    scheduler.kill()  # what systemd's kill of the rest of the unit would do
+    scheduler.wait()
+    watch.scan()
+    watch._wait()
+    assert rank.losses == []
+    watch.stop()
+
+
 def test_what_is_watched():
     assert watched(10, 10, "/opt/dsv41-engine/bin/python")
     assert watched(11, 10, "sglang::detokenizer")
