@@ -230,7 +230,6 @@ def test_7_the_guards_inputs_on_the_real_scheduler_listing_abort_by_rid_and_the_
     assert client.post("/abort_request", {"rid": "guard-abort"}) == {}  # 200, an empty body
     answer = call.outcome(timeout=60)
     assert isinstance(answer, dict) and answer["meta_info"]["finish_reason"]["type"] == "abort", answer
-    assert answer["meta_info"]["prompt_tokens"] == 6000
     wait_for(lambda: not [r for r in in_flight(client) if r["rid"] == "guard-abort"], 10, "still listed")
     # the admission gate is armed in every rank and its all-reduce ran in the real TP 3 group
     for name, node in rehearsal.items():
