@@ -60,7 +60,8 @@ class ProcessTreeWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="treewatch", daemon=True)
         self._invocation = ""
-        self._watched: dict[int, tuple[int | None, str]] = {}  # pid -> (pidfd or None, what it is)
+        # pid -> (pidfd or None, what it is, whether it is the unit's main process)
+        self._watched: dict[int, tuple[int | None, str, bool]] = {}
         self._reported = False
 
     def start(self) -> None:
@@ -108,24 +109,25 @@ class ProcessTreeWatch:
                 fd: int | None = os.pidfd_open(pid)
             except OSError:  # gone already, or no pidfds here: polled instead
                 fd = None
-            self._watched[pid] = (fd, f"{title.split('/')[-1] or 'pid'} (pid {pid})")
+            self._watched[pid] = (fd, f"{title.split('/')[-1] or 'pid'} (pid {pid})", pid == main)
 
     def _wait(self) -> None:
         """Until a watched process ends or the next scan is due; reports the first end of the run."""
-        fds = {fd: pid for pid, (fd, _) in self._watched.items() if fd is not None}
+        fds = {fd: pid for pid, (fd, _, _) in self._watched.items() if fd is not None}
         if fds:
             ready = select.select(list(fds), [], [], self._scan_s)[0]
             ended = [fds[fd] for fd in ready]
         else:
             self._stop.wait(self._scan_s)
             ended = []
-        ended += [pid for pid, (fd, _) in self._watched.items() if fd is None and not os.path.exists(
+        ended += [pid for pid, (fd, _, _) in self._watched.items() if fd is None and not os.path.exists(
             f"{self._proc}/{pid}")]
         if ended and not self._reported:
             at = self._clock()
             self._reported = True
-            # The main process's end is the unit's own exit, which systemd reports with its status.
-            if self._rank.main_pid() not in ended:
+            # The main process's end is the unit's own exit, which systemd reports with its status
+            # (known from the scan: by now systemd may already say MainPID=0).
+            if not any(self._watched[p][2] for p in ended):
                 self._rank.note_first_loss(self._invocation, at,
                                            " and ".join(self._watched[p][1] for p in sorted(ended)))
         for pid in ended:
@@ -134,7 +136,7 @@ class ProcessTreeWatch:
                 os.close(fd)
 
     def _forget(self) -> None:
-        for fd, _ in self._watched.values():
+        for fd, _, _ in self._watched.values():
             if fd is not None:
                 os.close(fd)
         self._watched.clear()
