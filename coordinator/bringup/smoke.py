@@ -1,9 +1,11 @@
 """smoke: a real completion through rank 0 (19+23 must come back as 42, finish_reason stop); the
-full smoke adds a JSON-schema answer, a tool call and one batch of MAX_RUNNING_REQUESTS."""
+full smoke adds a JSON-schema answer, a tool call and one batch of MAX_RUNNING_REQUESTS. Then every
+adapter the plan switches on must have reported installed (health.check_adapters)."""
 
 from __future__ import annotations
 
 from .. import serving
+from .health import check_adapters
 from .step import Step, StepContext
 
 
@@ -13,6 +15,7 @@ def run(ctx: StepContext, deadline: float) -> None:
                                             int(cfg["MAX_RUNNING_REQUESTS"]), timeout=deadline, api_key=ctx.api_key))
     if not result.ok:
         raise ctx.fail(ctx.head, result.detail)
+    check_adapters(ctx, require_installed=True)
 
 
 STEP = Step("smoke", "SMOKE_TIMEOUT_S", retryable=True, run=run, skip=lambda cfg: bool(cfg["SKIP_SMOKE"]))

@@ -47,6 +47,8 @@ def test_rank_0_fails_for_an_adapter_that_never_installed_and_a_worker_for_one_l
     missing = adapter_problem(head, read_report(lines(*everything[1:])))
     assert missing.startswith(f"adapters switched on but never reported installed: {sorted(enabled_adapters(head))[0]}")
     assert "PYTHONPATH" in adapter_problem(head, read_report([]))
+    # before a chat was served (the health step), only lines saying an adapter stayed out count
+    assert adapter_problem(head, read_report([]), require_installed=False) is None
     # a worker's rank runs no HTTP server: only what it says of itself counts
     assert adapter_problem(worker, read_report(lines("tp3_pad installed (x)"))) is None
     left_out = adapter_problem(worker, read_report(lines("loop_abort stays out: bad setting")))
