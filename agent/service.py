@@ -34,6 +34,7 @@ from .rpc_nodechecks import NodeCheckRpcs, host_view
 from .rpc_pack import PackRpcs
 from .settings import AgentSettings
 from .systemd import Systemd
+from .treewatch import process_stopped
 
 MIN_INTERVAL_MS, MAX_INTERVAL_MS = 20, 10_000
 MAX_UNREADABLE_TICKS = 25  # ticks in a row without a readable meminfo before a stream gives up
@@ -92,17 +93,6 @@ def rank_pb(state: RankStatus) -> pb.RankState:
                         stopping_cause=_CAUSES.get(state.stopping_cause, pb.ExitInfo.CAUSE_UNSPECIFIED),
                         stopping_detail=state.stopping_detail, first_loss_at_unix_s=state.first_loss_at_unix_s,
                         first_loss_detail=state.first_loss_detail)
-
-
-def process_stopped(pid: int, proc_root: str = "/proc") -> bool:
-    """Whether the process is stopped (state T or t in /proc/PID/stat); False when it cannot be
-    read (gone, or in another PID namespace: a container's)."""
-    try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
 
 
 def send_policy(request: pb.WatchMemoryRequest, interval_ms: int) -> SendPolicy | str:

@@ -43,6 +43,17 @@ def process_title(proc_root: str, pid: int) -> str:
         return ""
 
 
+def process_stopped(pid: int, proc_root: str = "/proc") -> bool:
+    """Whether the process is stopped (state T or t in /proc/PID/stat); False when it cannot be
+    read (gone, or in another PID namespace: a container's)."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
+
+
 def watched(pid: int, main_pid: int, title: str) -> bool:
     return pid == main_pid or title.startswith(SGLANG_TITLE)
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from agent.treewatch import ProcessTreeWatch, process_title, watched
+from agent.treewatch import ProcessTreeWatch, process_stopped, process_title, watched
 
 pytestmark = pytest.mark.unit
 
@@ -106,8 +106,6 @@ def test_what_is_watched():
 
 
 def test_a_stopped_process_is_seen_as_stopped_and_a_running_or_gone_one_is_not(tree):
-    from agent.service import process_stopped
-
     (proc,) = tree("sglang::scheduler_TP1")
     assert not process_stopped(proc.pid)
     proc.send_signal(19)  # SIGSTOP
