@@ -176,6 +176,13 @@ class AgentClient:
         return self._stub.ReadJournal(pb.ReadJournalRequest(lines=lines, follow=follow, units=list(units)),
                                       timeout=None if follow else 30)
 
+    def recent_journal(self, lines: int, units: tuple[str, ...], timeout: float = 30) -> list[pb.JournalLine]:
+        """The last `lines` lines of these units (AgentUnavailable when they cannot be read)."""
+        try:
+            return list(self.read_journal(lines, False, units))
+        except grpc.RpcError as exc:
+            raise AgentUnavailable(self.node, "ReadJournal", exc, self._tls_problem(exc)) from None
+
     def collect_diagnostics(self, journal_max_bytes: int, timeout: float) -> Iterator[pb.DiagnosticChunk]:
         """The node's files for dsv41ctl bundle, in chunks (AgentUnavailable when the stream fails)."""
         request = pb.CollectDiagnosticsRequest(journal_max_bytes=journal_max_bytes)

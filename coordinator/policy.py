@@ -111,6 +111,8 @@ class RankExit:
     # When its first SGLang process ended, if before the unit exited (0: not seen), and which.
     first_loss_at_unix_s: float = 0.0
     first_loss: str = ""
+    # Its own output said its collective failed because a peer went away (peerfailure.py): it followed.
+    peer_failure: str = ""
 
     @property
     def lost_at_unix_s(self) -> float:
@@ -118,21 +120,24 @@ class RankExit:
         return self.first_loss_at_unix_s or self.at_unix_s
 
     def describe(self) -> str:
+        engine = f"; its engine: {self.peer_failure}" if self.peer_failure else ""
         if self.floor and not self.result_name:
             return f"rank unit {self.active_state}: being stopped by the node's memory floor: {self.floor}"
         if self.first_loss and not self.result_name:
-            return f"rank unit {self.active_state}: its {self.first_loss} ended"
+            return f"rank unit {self.active_state}: its {self.first_loss} ended{engine}"
         why = f" (stopped by the node's memory floor: {self.floor})" if self.floor else ""
         lost = (f" ({self.first_loss} ended {self.at_unix_s - self.first_loss_at_unix_s:.1f} s before)"
                 if self.first_loss_at_unix_s else "")
         return (f"rank unit {self.active_state}: result {self.result_name or 'unknown'}, "
-                f"{self.code or 'exit'} status {self.status}{why}{lost}")
+                f"{self.code or 'exit'} status {self.status}{why}{lost}{engine}")
 
     def outcome(self) -> str:
         """The exit without the unit state, for the list of ranks that followed."""
         if self.first_loss and not self.result_name:
-            return f"its {self.first_loss} ended"
-        return f"result {self.result_name or 'unknown'}, {self.code or 'exit'} status {self.status}"
+            what = f"its {self.first_loss} ended"
+        else:
+            what = f"result {self.result_name or 'unknown'}, {self.code or 'exit'} status {self.status}"
+        return what + (f"; its engine: {self.peer_failure}" if self.peer_failure else "")
 
 
 def exit_result(info: pb.ExitInfo) -> ExitResult:
@@ -151,14 +156,21 @@ def new_exit(node: str, rank: pb.RankState, launched_invocation: str | None, kno
     """The exit this rank state reports, when it is news: an exit is known by the invocation it
     ended (streams can deliver an earlier rank's last state after a new launch, and one exit is
     reported several times: failed, then reset to inactive), and only for the rank this
-    generation launched on that node."""
-    if not launched_invocation or node in known:
+    generation launched on that node. A run first seen lost by its process's end is seen again
+    when its node's floor says it ended it (the floor's signal ends the scheduler at once, and the
+    agent can report that end before the cause it publishes right after sending)."""
+    if not launched_invocation:
         return None
-    if rank.stopping_cause == pb.ExitInfo.MEMORY_FLOOR and rank.invocation_id == launched_invocation:
+    earlier = known.get(node)
+    if rank.stopping_cause == pb.ExitInfo.MEMORY_FLOOR and rank.invocation_id == launched_invocation and (
+            earlier is None or (earlier.first_loss and not earlier.result_name and not earlier.floor)):
         # The node's floor is ending the run: it is lost to the group now, before it exits (a rank 0
         # drains first and tells the workers to go, whose exits would otherwise come first).
-        return RankExit(node, rank.invocation_id, now_unix_s, ExitResult.OTHER, "", "", 0, rank.active_state,
-                        rank.stopping_detail or "below MEMORY_FLOOR_GB")
+        return RankExit(node, rank.invocation_id, earlier.at_unix_s if earlier else now_unix_s, ExitResult.OTHER,
+                        "", "", 0, rank.active_state, rank.stopping_detail or "below MEMORY_FLOOR_GB",
+                        earlier.first_loss_at_unix_s if earlier else 0.0, earlier.first_loss if earlier else "")
+    if earlier is not None:
+        return None
     if rank.first_loss_at_unix_s and rank.invocation_id == launched_invocation and \
             rank.active_state in ("active", "activating"):  # deactivating: someone is stopping it
         # One of its SGLang processes ended: lost to the group now, though its launcher may take
@@ -185,20 +197,23 @@ class Blame:
 
 
 def first_failure(exits: Sequence[RankExit], window_s: float = BLAME_WINDOW_S) -> Blame:
-    """Who died first: ranks are ordered by when each was lost on its node (its first SGLang
-    process's end, else its unit's exit: a launcher may outlive its dead scheduler by seconds).
-    Those times on different nodes are only comparable to a few milliseconds (a peer notices a
-    dead socket at once): among ranks lost that close together, one ended from outside is the
-    cause. A rank its node's memory floor stopped is the cause in any case."""
+    """Who died first. A rank whose own output says its collective lost a peer followed another,
+    whenever its node saw it (a busy node's agent can note its rank's loss late); the others are
+    ordered by when each was lost on its node (its first SGLang process's end, else its unit's exit:
+    a launcher may outlive its dead scheduler by seconds). Those times on different nodes are only
+    comparable to a few milliseconds (a peer notices a dead socket at once): among ranks lost that
+    close together, one ended from outside is the cause. A rank its node's memory floor stopped is
+    the cause in any case. When every rank lost a peer (a network failure), time alone decides."""
     if not exits:
         raise ValueError("first_failure needs at least one exit")
     ordered = sorted(exits, key=lambda e: e.lost_at_unix_s)
-    close = [e for e in ordered if e.lost_at_unix_s - ordered[0].lost_at_unix_s <= window_s]
+    candidates = [e for e in ordered if not e.peer_failure] or ordered
+    close = [e for e in candidates if e.lost_at_unix_s - candidates[0].lost_at_unix_s <= window_s]
     external = [e for e in close if e.result in EXTERNAL]
     # A rank its node's floor stopped is the cause whenever it ended: the floor signalled it first,
     # and a rank 0 that drains on SIGTERM tells the workers to exit before it does.
     floors = [e for e in ordered if e.floor]
-    first = floors[0] if floors else external[0] if external else ordered[0]
+    first = floors[0] if floors else external[0] if external else candidates[0]
     message = f"rank on {first.node} died first: {first.describe()}"
     followers = [f"{e.node} ({e.outcome()})" for e in ordered if e is not first]
     if followers:

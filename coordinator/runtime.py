@@ -28,11 +28,13 @@ from . import plan as plan_mod
 from . import unexport as unexport_mod
 from .agents import AgentClient, AgentUnavailable
 from .bringup import BringUp, Preempted, StepContext, StepFailed
+from .bringup.health import RANK_UNIT
 from .packstate import incomplete
 from .config import ClusterConfig
 from .messages import (AutotuneResetJob, CanaryDone, CanarySent, PackStartJob, RankObserved, UnexportJob, Wake,
                        WatchLost, WorkSeen)
 from .parallel import on_each, spawn
+from .peerfailure import peer_failure
 from .policy import Action, Activity, RankExit, Request
 from .state import STARTING, Incident, Snapshot, generation_of
 
@@ -40,6 +42,11 @@ __all__ = ["ClusterRuntime", "Incident", "Snapshot", "StepFailed", "generation_o
 
 GIB = 1 << 30
 SETTLE_S = 0.5  # when one rank dies the others follow within moments: wait for them before blaming
+# A rank's last lines before its loss, read for a collective's "closed by peer": the traceback comes
+# moments before (a launcher sleeping 5 s for crash diagnostics logs more after).
+EVIDENCE_LINES = 2000
+EVIDENCE_LOOKBACK_S = 30.0
+EVIDENCE_TIMEOUT_S = 5.0
 MEMORY_POLL_S = 1.0
 JOB_WAIT_S = 150.0
 TICK_S = 0.25  # how often leases and hangs are checked when nothing arrives
@@ -639,7 +646,18 @@ class ClusterRuntime:
         lost = {n: (self._heard[n].at if n in self._heard else self._watching_since) for n in quiet}
         for node in lost:
             self._lost.setdefault(node, lost[node])
-        return liveness.blame(list(self._exits.values()), lost, self._monotonic())
+        return liveness.blame(self._with_engine_evidence(list(self._exits.values())), lost, self._monotonic())
+
+    def _with_engine_evidence(self, exits: list[RankExit]) -> list[RankExit]:
+        """Each exit with what its rank's own output said about a peer (peerfailure.py), read from
+        its journal around its loss; a node whose journal cannot be read gives none."""
+        def said(node: str) -> str:
+            since = self._exits[node].lost_at_unix_s - EVIDENCE_LOOKBACK_S
+            lines = self.clients[node].recent_journal(EVIDENCE_LINES, (RANK_UNIT,),
+                                                      timeout=EVIDENCE_TIMEOUT_S)
+            return peer_failure(line.message for line in lines if line.at_unix_s >= since)
+        found = self._call(lambda: on_each(said, [e.node for e in exits], catch=(AgentUnavailable,)))
+        return [replace(e, peer_failure=found[e.node]) if isinstance(found[e.node], str) else e for e in exits]
 
     def _stop_ranks(self, why: str, final_phase: str | None = "stopped", wait_memory: bool = False,
                     drain: bool = True) -> None:

@@ -58,7 +58,7 @@ def check_adapters(ctx: StepContext, require_installed: bool) -> None:
 
     def report(client) -> AdapterReport:
         since = client.status().rank.active_since_unix_s
-        return read_report(line.message for line in client.read_journal(JOURNAL_LINES, False, (RANK_UNIT,))
+        return read_report(line.message for line in client.recent_journal(JOURNAL_LINES, (RANK_UNIT,))
                            if line.at_unix_s >= since)
 
     for node, found in ctx.each(report).items():

@@ -55,6 +55,9 @@ class HeadMemory:
     def limit_to(self, headroom: int) -> None:
         (self.dir / "memory.limit_in_bytes").write_text(str(self.read("memory.usage_in_bytes") + headroom))
 
+    def unlimit(self) -> None:
+        (self.dir / "memory.limit_in_bytes").write_text("-1")
+
     def reset_peak(self) -> None:
         (self.dir / "memory.max_usage_in_bytes").write_text("0")
 

@@ -17,6 +17,7 @@ import pytest
 
 from tests.cluster.sparks import (build_debs, ctl, incidents, new_incident, rank_pids, status, unit_pid, wait_for,
                                   wait_serving)
+from tests.integration.test_guard_memory import HeadMemory
 from tests.realengine.rehearsal import api_key, boot_rehearsal, engine_venv, tiny_model
 
 pytestmark = pytest.mark.realengine
@@ -236,6 +237,63 @@ def test_7_the_guards_inputs_on_the_real_scheduler_listing_abort_by_rid_and_the_
         assert "dsv41-adapter: admission_gate installed" in rank_journal(node), name
 
 
+def listed(client: Client, rid: str) -> dict | None:
+    return next((r for r in in_flight(client) if r["rid"] == rid), None)
+
+
+def test_7b_the_admission_gate_holds_a_request_on_a_workers_memory_through_the_groups_all_reduce(rehearsal):
+    head, spark2 = head_of(rehearsal), rehearsal["spark2"]
+    client = Client(head)
+    wait_serving(head, timeout=SERVE_S)
+    # not held: the same request with every node's memory ample prefills at once
+    started = time.monotonic()
+    client.post("/generate", {"rid": "gate-free", "text": prompt("g", 300), "sampling_params": {"max_new_tokens": 2}})
+    free_s = time.monotonic() - started
+    # spark2's node: room below MEMORY_GUARD_GB (1 GB), above MEMORY_FLOOR_GB (0.5 GB); rank 0's
+    # node has gigabytes: only the group's all-reduce of the headroom can hold rank 0's admission
+    memory = HeadMemory(spark2)
+    memory.limit_to(800_000_000)
+    try:
+        call = Background(lambda: client.post("/generate", {"rid": "gate-held", "text": prompt("h", 300),
+                                                            "sampling_params": {"max_new_tokens": 2}}))
+        wait_for(lambda: listed(client, "gate-held"), 30, "the request never showed in /dsv41/inflight")
+        waited = time.monotonic()
+        held = []
+        while (record := listed(client, "gate-held")) and record["prefilled_tokens"] == 0:
+            held.append(record["state"])
+            assert time.monotonic() - waited < 60, held[-5:]
+            time.sleep(0.1)
+        held_s = time.monotonic() - waited
+        answer = call.outcome(timeout=60)
+    finally:
+        memory.unlimit()
+    assert set(held) == {"waiting"} and held_s >= 2.0 and held_s > 5 * free_s, (held_s, free_s, held[-5:])
+    print(f"gate: free request {free_s:.2f} s; held {held_s:.1f} s, then {answer['meta_info']['finish_reason']}")
+    assert answer["meta_info"]["finish_reason"]["type"] in ("length", "abort"), answer
+    # with the room back, a request goes in at once again
+    started = time.monotonic()
+    client.post("/generate", {"rid": "gate-after", "text": prompt("g", 300), "sampling_params": {"max_new_tokens": 2}})
+    assert time.monotonic() - started < max(2.0, 5 * free_s)
+
+
+def test_7c_the_node_floor_ends_the_real_process_tree_and_the_cluster_recovers(rehearsal):
+    head, spark3 = head_of(rehearsal), rehearsal["spark3"]
+    before = rank_pids(wait_serving(head, timeout=SERVE_S))
+    seen = len(incidents(head, "memory_floor"))
+    memory = HeadMemory(spark3)
+    memory.limit_to(300_000_000)  # room below MEMORY_FLOOR_GB (0.5 GB)
+    try:
+        incident = new_incident(head, "memory_floor", seen, timeout=30)
+        assert incident["DSV41_NODE_NAME"] == "spark3", incident["MESSAGE"]
+        assert "below MEMORY_FLOOR_GB" in incident["MESSAGE"], incident["MESSAGE"]
+        wait_for(lambda: not sglang_processes(spark3), 30, f"SGLang still runs on spark3: {sglang_processes(spark3)}")
+        floor = spark3.journal(unit="dsv41-agent.service", fields=None, matches=["DSV41_EVENT=memory_floor"])
+        assert floor and "SIGTERM to every process of the rank" in floor[0]["MESSAGE"], floor
+    finally:
+        memory.unlimit()
+    wait_serving(head, timeout=SERVE_S, changed_from=before)
+
+
 def test_4a_rank_0s_scheduler_killed(rehearsal):
     _kill_and_recover(rehearsal, "spark1", "sglang::scheduler")
 
@@ -258,6 +316,9 @@ def _kill_and_recover(nodes, name: str, pattern: str | None) -> None:
     node.run(["kill", "-9", str(victim)])
     incident = new_incident(head, "rank_exit", seen, timeout=90)
     assert incident["DSV41_NODE_NAME"] == name, incident["MESSAGE"]
+    # the peers' own output said their collective lost a peer (gloo: "closed/reset by peer")
+    cause, _, followers = incident["MESSAGE"].partition("; then ")
+    assert "its engine:" not in cause and "by peer" in followers, incident["MESSAGE"]
     outcome = call.outcome(timeout=120)
     assert not isinstance(outcome, dict) or outcome["meta_info"]["finish_reason"]["type"] != "length", outcome
     wait_serving(head, timeout=SERVE_S, changed_from=before)

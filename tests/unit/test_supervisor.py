@@ -87,6 +87,7 @@ class FakeAgent:
         self.steps, self.stepped_at = 0, time.monotonic()
         self.last_exit = None  # the ExitInfo of the rank's last run, as the agent reports it
         self.stop_deadlines = []  # the deadline of each StopRank
+        self.output = []  # lines the rank logged, after its adapters' (recent_journal)
 
     def _call(self, what, timeout=None):
         self.journal.append((self.node, what))
@@ -107,11 +108,14 @@ class FakeAgent:
         return pb.NodeStatus(node=self.node, agent_version="1", rank=self.rank(),
                              memory=pb.MemorySample(available_bytes=100 << 30))
 
-    def read_journal(self, lines, follow, units=()):
-        """The rank's output: every adapter reports installed, as in a rank that armed them."""
-        self._call("read_journal")
+    def recent_journal(self, lines, units, timeout=30):
+        """The rank's output: every adapter reports installed, as in a rank that armed them; then
+        `output`, lines the test gives it (at the time of the call)."""
+        self._call("read_journal", timeout)
+        now = time.time()
         return [pb.JournalLine(node=self.node, unit="dsv41-rank.service", message=f"{PREFIX}{name} installed (x)")
-                for name, _build in BUILDERS]
+                for name, _build in BUILDERS] + [pb.JournalLine(node=self.node, unit="dsv41-rank.service",
+                                                                message=m, at_unix_s=now) for m in self.output]
 
     def check_fabric(self, plan, timeout):
         self._call("check_fabric")
@@ -371,6 +375,46 @@ def test_a_rank_exit_while_serving_is_blamed_and_recovered(cluster):
     wait_restarted(rt, agents, timeout=10)
     # the broken group is not drained: rank 0 gets the workers' grace, not RANK_STOP_TIMEOUT_S
     assert agents["spark1"].stop_deadlines[-1] == 5 < int(rt.cfg["RANK_STOP_TIMEOUT_S"])
+
+
+def test_a_rank_whose_engine_said_a_peer_went_away_is_not_blamed_though_it_exited_first(cluster):
+    # SGLang over gloo, rank 0's scheduler killed: a worker's launcher killed its tree on gloo's error
+    # before rank 0's unit exited, both ended by SIGKILL
+    rt, agents, rank0, journal, _ = cluster()
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    agents["spark3"].output = ["Scheduler hit an exception: Traceback (most recent call last):",
+                               "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                               "by peer [10.0.0.1]:42374. This is typically caused by a remote worker crashing."]
+    now = time.time()
+    agents["spark3"].exit_rank(at=now)
+    agents["spark1"].exit_rank(at=now + 0.03)
+    incident = wait_incident(rt, "rank_exit")
+    assert incident.node == "spark1", incident.message
+    assert incident.message.endswith("then spark3 (result signal, killed status 9; its engine: Connection closed "
+                                     "by peer [10.0.0.1]:42374)")
+    wait_restarted(rt, agents, timeout=10)
+
+
+def test_blame_is_decided_when_a_nodes_journal_cannot_be_read(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    agents["spark1"].output = ["RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.3]:1"]
+    real = agents["spark3"].recent_journal
+
+    def unreadable(lines, units, timeout=30):
+        raise AgentUnavailable("spark3", "ReadJournal", DOWN)
+    agents["spark3"].recent_journal = unreadable
+    now = time.time()
+    agents["spark1"].exit_rank(at=now)
+    agents["spark3"].exit_rank(at=now + 0.03)
+    incident = wait_incident(rt, "rank_exit")
+    assert incident.node == "spark3", incident.message
+    agents["spark3"].recent_journal = real
+    wait_restarted(rt, agents, timeout=10)
 
 
 FLOOR = "available 0.700 GB below MEMORY_FLOOR_GB 0.800 GB: SIGTERM to every process of the rank"

@@ -155,6 +155,50 @@ def test_a_rank_whose_sglang_process_ended_is_lost_before_its_unit_exits():
         "then spark2 (its sglang::scheduler_TP1 (pid 300) ended)")
 
 
+def test_a_rank_whose_engine_lost_a_peer_followed_whenever_its_node_saw_it():
+    # Seen on SGLang 0.5.23 in a full CI run: rank 0's scheduler killed -9; spark3's launcher killed
+    # its tree on gloo's error and systemd stamped that exit before rank 0's busy agent noted its loss.
+    rank0 = RankExit("spark1", "inv-1", 10.030, ExitResult.OTHER, "", "", 0, "active", first_loss_at_unix_s=10.030,
+                     first_loss="sglang::scheduler_TP0 (pid 778)")
+    spark3 = replace(ex("spark3", 10.010, ExitResult.SIGNAL, "killed", 9),
+                     peer_failure="Connection closed by peer [192.168.241.11]:42374")
+    spark2 = replace(ex("spark2", 10.012, ExitResult.SIGNAL, "killed", 9),
+                     peer_failure="Read error [192.168.241.11]:42374: Connection reset by peer")
+    blame = policy.first_failure([spark3, spark2, rank0])
+    assert blame.node == "spark1"
+    assert blame.message == (
+        "rank on spark1 died first: rank unit active: its sglang::scheduler_TP0 (pid 778) ended; then "
+        "spark3 (result signal, killed status 9; its engine: Connection closed by peer [192.168.241.11]:42374), "
+        "spark2 (result signal, killed status 9; its engine: Read error [192.168.241.11]:42374: Connection reset "
+        "by peer)")
+    # without that evidence, time alone blamed spark3
+    assert policy.first_failure([replace(e, peer_failure="") for e in (spark3, spark2, rank0)]).node == "spark3"
+    # every rank lost a peer (a network failure): time decides, and the blamed rank says what it saw
+    everyone = [spark3, spark2, replace(rank0, peer_failure="Connection closed by peer [192.168.241.12]:1")]
+    blame = policy.first_failure(everyone)
+    assert blame.node == "spark3" and "its engine: Connection closed by peer [192.168.241.11]" in blame.message
+    # a rank stopped by its node's floor is still the cause
+    floor = replace(ex("spark2", 10.5), floor="MemAvailable 0.4 GiB", peer_failure="closed by peer")
+    assert policy.first_failure([rank0, floor]).node == "spark2"
+
+
+def test_a_run_seen_lost_by_its_process_end_is_seen_again_when_its_floor_says_it_ended_it():
+    # the floor's SIGTERM ends a real scheduler at once: its end can be reported before the cause
+    lost = pb.RankState(active_state="active", invocation_id="inv-1", first_loss_at_unix_s=10.0,
+                        first_loss_detail="sglang::scheduler_TP2 (pid 9)")
+    first = policy.new_exit("spark3", lost, "inv-1", {}, now_unix_s=10.1)
+    assert not first.floor
+    floor = pb.RankState(active_state="deactivating", invocation_id="inv-1", first_loss_at_unix_s=10.0,
+                         stopping_cause=pb.ExitInfo.MEMORY_FLOOR, stopping_detail="available 0.3 GB below ...")
+    again = policy.new_exit("spark3", floor, "inv-1", {"spark3": first}, now_unix_s=10.2)
+    assert again.floor == "available 0.3 GB below ..." and again.lost_at_unix_s == 10.0
+    assert policy.first_failure([again, ex("spark1", 9.99)]).floor
+    # once: the floor's exit, or one systemd reported, is not replaced
+    assert policy.new_exit("spark3", floor, "inv-1", {"spark3": again}, now_unix_s=10.3) is None
+    exited = ex("spark3", 10.0, ExitResult.SIGNAL, "killed", 9)
+    assert policy.new_exit("spark3", floor, "inv-1", {"spark3": exited}, now_unix_s=10.3) is None
+
+
 def test_blame_is_decided_on_the_result_not_on_message_text():
     # a clean exit whose words mention signals is still not "ended from outside"
     tricky = RankExit("spark1", "i", 10.0, ExitResult.EXIT_CODE, "result signal oom-kill", "exited", 1, "failed")
