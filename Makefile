@@ -8,9 +8,8 @@ PROTOS := protos/dsv41/v1/agent.proto protos/dsv41/v1/control.proto
 deps:
 	tools/install-test-deps.sh
 
-# Every tier; select with e.g. `make test TIERS=unit` or `make test TIERS="unit or sglang"`. The
-# real-engine tier is not in the default yet: `make test TIERS=realengine` (README says why).
-TIERS ?= unit or integration or cluster or sglang
+# Every tier; select with e.g. `make test TIERS=unit` or `make test TIERS="unit or sglang"`.
+TIERS ?= unit or integration or cluster or sglang or realengine
 test: deps
 	$(PYTHON) -m pytest -m "$(TIERS)" tests
 
