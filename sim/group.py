@@ -30,6 +30,12 @@ class GroupError(Exception):
     """The group cannot form; the message says why."""
 
 
+# What NCCL says when a peer's process ended (ncclRemoteError's string), said by the rank that lost
+# it as the real engine's collective does (gloo: "Connection closed by peer [ADDR]:PORT"): the
+# coordinator blames the rank that did not say it (coordinator/peerfailure.py).
+NCCL_REMOTE_ERROR = "NCCL error: remote process exited or there was a network error"
+
+
 class PeerLost(Exception):
     """A peer's connection closed or went silent."""
 
@@ -70,11 +76,11 @@ class Link:
                 raise PeerLost(f"no heartbeat for {timeout_s:g} s") from None
             except ConnectionResetError:
                 # A process killed with unread data in its socket resets instead of closing.
-                raise PeerLost("connection closed (reset)") from None
+                raise PeerLost(f"connection closed (reset); {NCCL_REMOTE_ERROR}") from None
             except OSError as exc:
                 raise PeerLost(f"connection error: {exc.strerror or exc}") from None
             if not data:
-                raise PeerLost("connection closed")
+                raise PeerLost(f"connection closed; {NCCL_REMOTE_ERROR}")
             self._buffer += data
         line, self._buffer = self._buffer.split(b"\n", 1)
         try:

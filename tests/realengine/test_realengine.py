@@ -199,13 +199,13 @@ def test_7_the_guards_inputs_on_the_real_scheduler_listing_abort_by_rid_and_the_
         "rid": rid, "text": prompt(rid[-1], n), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}))
         for rid, n in sizes.items()}
     seen: dict[str, set[str]] = {rid: set() for rid in sizes}
-    progress: dict[str, list[int]] = {rid: [] for rid in sizes}
+    progress: dict[str, list[tuple[str, int]]] = {rid: [] for rid in sizes}
     deadline = time.monotonic() + 120
     while any(c.thread.is_alive() for c in calls.values()) and time.monotonic() < deadline:
         for record in in_flight(client):
             if record["rid"] in sizes:
                 seen[record["rid"]].add(record["state"])
-                progress[record["rid"]].append(record["prefilled_tokens"])
+                progress[record["rid"]].append((record["state"], record["prefilled_tokens"]))
                 assert record["prompt_tokens"] == sizes[record["rid"]]  # one token a byte, no BOS on /generate
         time.sleep(0.05)
     for rid, call in calls.items():
@@ -214,8 +214,11 @@ def test_7_the_guards_inputs_on_the_real_scheduler_listing_abort_by_rid_and_the_
     # every request was listed while it was prefilled chunk by chunk (256 tokens), one at a time
     assert all("prefilling" in states for states in seen.values()), seen
     assert any("waiting" in states for states in seen.values()), seen
+    # A prefill only moves forward; a waiting request's figure is its prefix-cache match, which the
+    # scheduler looks up again at each pass and may shrink (seen: 1 token, then 0)
     for rid, values in progress.items():
-        assert values == sorted(values) and max(values) <= sizes[rid], (rid, values)
+        filling = [n for state, n in values if state == "prefilling"]
+        assert filling == sorted(filling) and max(n for _, n in values) <= sizes[rid], (rid, values)
     # the scheduler's own lines: the prompts' tokens prefilled (less what its prefix cache held, a
     # token or so; plus the coordinator's canaries, a few tokens each) in chunks of at most 256,
     # with the others queued meanwhile
@@ -276,11 +279,11 @@ def test_7b_the_admission_gate_holds_a_request_on_a_workers_memory_through_the_g
     finally:
         memory.unlimit()
     # A request alone is held for DSV41_ADMISSION_LONE_WAIT_S (5 s where the guard acts) for the
-    # guard to abort, then goes in; its prefill's transient on spark2, already below the guard,
-    # then reads as a fall, and the guard may abort it
+    # guard to abort, then goes in and ends at its "." (stop); its prefill's transient on spark2,
+    # already below the guard, may read as a fall, and the guard then aborts it (both were seen)
     assert 4.0 <= held_s and held_s > 5 * free_s and max(held) < 1e9, (held_s, free_s, held[-5:])
     print(f"gate: free request {free_s:.2f} s; held {held_s:.1f} s, then {answer['meta_info']['finish_reason']}")
-    assert answer["meta_info"]["finish_reason"]["type"] in ("length", "abort"), answer
+    assert answer["meta_info"]["finish_reason"]["type"] in ("stop", "abort"), answer
     # with the room back, a request goes in at once again
     started = time.monotonic()
     client.post("/generate", {"rid": "gate-after", "text": prompt("g", 300), "sampling_params": {"max_new_tokens": 2}})
