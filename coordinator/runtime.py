@@ -42,10 +42,11 @@ __all__ = ["ClusterRuntime", "Incident", "Snapshot", "StepFailed", "generation_o
 
 GIB = 1 << 30
 SETTLE_S = 0.5  # when one rank dies the others follow within moments: wait for them before blaming
-# A rank's last lines before its loss, read for a collective's "closed by peer": the traceback comes
-# moments before (a launcher sleeping 5 s for crash diagnostics logs more after).
+# A rank's lines around its loss, read for a collective's "closed by peer": the scheduler logs its
+# traceback moments before it ends (journald stamps lines as it reads them: a little later, at
+# times). Narrower than any run: an earlier run's lines are not this one's.
 EVIDENCE_LINES = 2000
-EVIDENCE_LOOKBACK_S = 30.0
+EVIDENCE_WINDOW_S = 10.0
 EVIDENCE_TIMEOUT_S = 5.0
 MEMORY_POLL_S = 1.0
 JOB_WAIT_S = 150.0
@@ -652,10 +653,10 @@ class ClusterRuntime:
         """Each exit with what its rank's own output said about a peer (peerfailure.py), read from
         its journal around its loss; a node whose journal cannot be read gives none."""
         def said(node: str) -> str:
-            since = self._exits[node].lost_at_unix_s - EVIDENCE_LOOKBACK_S
+            lost = self._exits[node].lost_at_unix_s
             lines = self.clients[node].recent_journal(EVIDENCE_LINES, (RANK_UNIT,),
                                                       timeout=EVIDENCE_TIMEOUT_S)
-            return peer_failure(line.message for line in lines if line.at_unix_s >= since)
+            return peer_failure(line.message for line in lines if abs(line.at_unix_s - lost) <= EVIDENCE_WINDOW_S)
         found = self._call(lambda: on_each(said, [e.node for e in exits], catch=(AgentUnavailable,)))
         return [replace(e, peer_failure=found[e.node]) if isinstance(found[e.node], str) else e for e in exits]
 

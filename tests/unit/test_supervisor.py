@@ -115,7 +115,13 @@ class FakeAgent:
         now = time.time()
         return [pb.JournalLine(node=self.node, unit="dsv41-rank.service", message=f"{PREFIX}{name} installed (x)")
                 for name, _build in BUILDERS] + [pb.JournalLine(node=self.node, unit="dsv41-rank.service",
-                                                                message=m, at_unix_s=now) for m in self.output]
+                                                                message=m, at_unix_s=now - ago)
+                                                   for m, ago in map(self._aged, self.output)]
+
+    @staticmethod
+    def _aged(line):
+        """An output line: its text, logged now; or (text, seconds ago)."""
+        return (line, 0.0) if isinstance(line, str) else line
 
     def check_fabric(self, plan, timeout):
         self._call("check_fabric")
@@ -394,6 +400,22 @@ def test_a_rank_whose_engine_said_a_peer_went_away_is_not_blamed_though_it_exite
     assert incident.node == "spark1", incident.message
     assert incident.message.endswith("then spark3 (result signal, killed status 9; its engine: Connection closed "
                                      "by peer [10.0.0.1]:42374)")
+    wait_restarted(rt, agents, timeout=10)
+
+
+def test_an_earlier_runs_words_are_not_evidence(cluster):
+    rt, agents, rank0, journal, _ = cluster()
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(rt, "serving")
+    # spark3's rank said its collective lost a peer, a minute ago: in the run before this one
+    agents["spark3"].output = [("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                                "[10.0.0.1]:1", 60.0)]
+    now = time.time()
+    agents["spark3"].exit_rank(at=now)
+    agents["spark1"].exit_rank(at=now + 0.03)
+    incident = wait_incident(rt, "rank_exit")
+    assert incident.node == "spark3" and "its engine" not in incident.message, incident.message
     wait_restarted(rt, agents, timeout=10)
 
 
