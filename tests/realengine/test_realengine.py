@@ -96,6 +96,14 @@ def head_of(nodes):
     return nodes["spark1"]
 
 
+def serving(head) -> dict:
+    """The cluster serving, as each scenario starts: started again if an earlier scenario's failure
+    left it stopped (that scenario has failed already; this one is not its casualty)."""
+    if status(head).get("phase") in ("stopped", "failed"):
+        ctl(head, "start")
+    return wait_serving(head, timeout=SERVE_S)
+
+
 def rank_journal(node) -> str:
     """The rank unit's output since its current start."""
     invocation = node.show("dsv41-rank.service", "InvocationID")["InvocationID"]
@@ -192,7 +200,7 @@ def prefill_lines(journal: str) -> list[tuple[int, int]]:
 def test_7_the_guards_inputs_on_the_real_scheduler_listing_abort_by_rid_and_the_gate(rehearsal):
     head = head_of(rehearsal)
     client = Client(head)
-    wait_serving(head, timeout=SERVE_S)
+    serving(head)
     logged_before = len(prefill_lines(rank_journal(head)))
     sizes = {"guard-a": 3000, "guard-b": 2500, "guard-c": 2000}
     calls = {rid: Background(lambda rid=rid, n=n: client.post("/generate", {
@@ -252,7 +260,7 @@ def listed(client: Client, rid: str) -> dict | None:
 def test_7b_the_admission_gate_holds_a_request_on_a_workers_memory_through_the_groups_all_reduce(rehearsal):
     head, spark2 = head_of(rehearsal), rehearsal["spark2"]
     client = Client(head)
-    wait_serving(head, timeout=SERVE_S)
+    serving(head)
     # not held: the same request with every node's memory ample prefills at once
     started = time.monotonic()
     client.post("/generate", {"rid": "gate-free", "text": prompt("g", 300), "sampling_params": {"max_new_tokens": 2}})
@@ -290,9 +298,23 @@ def test_7b_the_admission_gate_holds_a_request_on_a_workers_memory_through_the_g
     assert time.monotonic() - started < max(2.0, 5 * free_s)
 
 
+GUARD_ACTIONS = ("memory_abort", "memory_abort_all", "memory_stop", "memory_guard_rearmed")
+
+
+def guard_armed(head) -> bool:
+    """Whether the coordinator's memory guard is armed: it never acted, or its last event re-armed
+    it (after an action it escalates on the next fall: abort_all, then stop the ranks)."""
+    events = head.journal(fields=("DSV41_EVENT",), matches=[f"DSV41_EVENT={e}" for e in GUARD_ACTIONS])
+    return not events or events[-1]["DSV41_EVENT"] == "memory_guard_rearmed"
+
+
 def test_7c_the_node_floor_ends_the_real_process_tree_and_the_cluster_recovers(rehearsal):
     head, spark3 = head_of(rehearsal), rehearsal["spark3"]
-    before = rank_pids(wait_serving(head, timeout=SERVE_S))
+    before = rank_pids(serving(head))
+    # A node that falls below the floor falls below the guard on the way: an armed guard aborts what
+    # is in flight, one still escalating after 7b's episode (spark2 held below it) would stop the
+    # ranks itself, before the floor. Let it re-arm (MEMORY_GUARD's quiet time, 10 s).
+    wait_for(lambda: guard_armed(head), 60, "the memory guard did not re-arm")
     seen = len(incidents(head, "memory_floor"))
     memory = HeadMemory(spark3)
     memory.limit_to(300_000_000)  # room below MEMORY_FLOOR_GB (0.5 GB)
@@ -323,7 +345,7 @@ def test_4c_a_workers_main_process_killed(rehearsal):
 def _kill_and_recover(nodes, name: str, pattern: str | None) -> None:
     head, node = head_of(nodes), nodes[name]
     client = Client(head)
-    before = rank_pids(wait_serving(head, timeout=SERVE_S))
+    before = rank_pids(serving(head))
     seen = len(incidents(head, "rank_exit"))
     call = long_answer(client)
     victim = pid_of(node, pattern) if pattern else unit_pid(node, "dsv41-rank.service")
@@ -342,7 +364,7 @@ def _kill_and_recover(nodes, name: str, pattern: str | None) -> None:
 def test_5_a_stopped_worker_scheduler_is_hung_naming_it(rehearsal):
     head, spark3 = head_of(rehearsal), rehearsal["spark3"]
     client = Client(head)
-    before = rank_pids(wait_serving(head, timeout=SERVE_S))
+    before = rank_pids(serving(head))
     seen = len(incidents(head, "rank_hung"))
     call = long_answer(client)
     stopped_at = time.monotonic()
@@ -356,7 +378,7 @@ def test_5_a_stopped_worker_scheduler_is_hung_naming_it(rehearsal):
 
 def test_6_a_powered_off_worker_is_lost_waited_for_and_serves_again_after_it_boots(rehearsal):
     head, spark3 = head_of(rehearsal), rehearsal["spark3"]
-    before = rank_pids(wait_serving(head, timeout=SERVE_S))
+    before = rank_pids(serving(head))
     lost_seen = len(incidents(head, "node_lost"))
     spark3.power_cut()
     cut_at = time.monotonic()
@@ -371,7 +393,7 @@ def test_6_a_powered_off_worker_is_lost_waited_for_and_serves_again_after_it_boo
 def test_3_stop_with_a_request_in_flight_leaves_no_sglang_process(rehearsal):
     head = head_of(rehearsal)
     client = Client(head)
-    wait_serving(head, timeout=SERVE_S)
+    serving(head)
     call = long_answer(client)
     # rank 0 drains: the request decodes to its end (the loop abort), then every rank exits; the
     # phase says stopped only once every node confirmed its rank unit gone
