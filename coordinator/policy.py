@@ -6,7 +6,7 @@ and whether memory is back. No I/O and no clock of their own: times come in as a
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from dsv41.v1 import agent_pb2 as pb
@@ -119,8 +119,12 @@ class RankExit:
         """When the run was lost on its node: its first process's end, else the unit's exit."""
         return self.first_loss_at_unix_s or self.at_unix_s
 
+    @property
+    def _engine_said(self) -> str:
+        return f"; its engine: {self.peer_failure}" if self.peer_failure else ""
+
     def describe(self) -> str:
-        engine = f"; its engine: {self.peer_failure}" if self.peer_failure else ""
+        engine = self._engine_said
         if self.floor and not self.result_name:
             return f"rank unit {self.active_state}: being stopped by the node's memory floor: {self.floor}"
         if self.first_loss and not self.result_name:
@@ -137,7 +141,7 @@ class RankExit:
             what = f"its {self.first_loss} ended"
         else:
             what = f"result {self.result_name or 'unknown'}, {self.code or 'exit'} status {self.status}"
-        return what + (f"; its engine: {self.peer_failure}" if self.peer_failure else "")
+        return what + self._engine_said
 
 
 def exit_result(info: pb.ExitInfo) -> ExitResult:
@@ -166,9 +170,10 @@ def new_exit(node: str, rank: pb.RankState, launched_invocation: str | None, kno
             earlier is None or (earlier.first_loss and not earlier.result_name and not earlier.floor)):
         # The node's floor is ending the run: it is lost to the group now, before it exits (a rank 0
         # drains first and tells the workers to go, whose exits would otherwise come first).
-        return RankExit(node, rank.invocation_id, earlier.at_unix_s if earlier else now_unix_s, ExitResult.OTHER,
-                        "", "", 0, rank.active_state, rank.stopping_detail or "below MEMORY_FLOOR_GB",
-                        earlier.first_loss_at_unix_s if earlier else 0.0, earlier.first_loss if earlier else "")
+        floor = rank.stopping_detail or "below MEMORY_FLOOR_GB"
+        if earlier is not None:
+            return replace(earlier, active_state=rank.active_state, floor=floor)
+        return RankExit(node, rank.invocation_id, now_unix_s, ExitResult.OTHER, "", "", 0, rank.active_state, floor)
     if earlier is not None:
         return None
     if rank.first_loss_at_unix_s and rank.invocation_id == launched_invocation and \

@@ -652,12 +652,13 @@ class ClusterRuntime:
     def _with_engine_evidence(self, exits: list[RankExit]) -> list[RankExit]:
         """Each exit with what its rank's own output said about a peer (peerfailure.py), read from
         its journal around its loss; a node whose journal cannot be read gives none."""
+        lost_at = {e.node: e.lost_at_unix_s for e in exits}
+
         def said(node: str) -> str:
-            lost = self._exits[node].lost_at_unix_s
-            lines = self.clients[node].recent_journal(EVIDENCE_LINES, (RANK_UNIT,),
-                                                      timeout=EVIDENCE_TIMEOUT_S)
-            return peer_failure(line.message for line in lines if abs(line.at_unix_s - lost) <= EVIDENCE_WINDOW_S)
-        found = self._call(lambda: on_each(said, [e.node for e in exits], catch=(AgentUnavailable,)))
+            lines = self.clients[node].recent_journal(EVIDENCE_LINES, (RANK_UNIT,), timeout=EVIDENCE_TIMEOUT_S)
+            return peer_failure(line.message for line in lines
+                                if abs(line.at_unix_s - lost_at[node]) <= EVIDENCE_WINDOW_S)
+        found = self._call(lambda: on_each(said, lost_at, catch=(AgentUnavailable,)))
         return [replace(e, peer_failure=found[e.node]) if isinstance(found[e.node], str) else e for e in exits]
 
     def _stop_ranks(self, why: str, final_phase: str | None = "stopped", wait_memory: bool = False,

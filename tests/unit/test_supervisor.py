@@ -383,20 +383,38 @@ def test_a_rank_exit_while_serving_is_blamed_and_recovered(cluster):
     assert agents["spark1"].stop_deadlines[-1] == 5 < int(rt.cfg["RANK_STOP_TIMEOUT_S"])
 
 
-def test_a_rank_whose_engine_said_a_peer_went_away_is_not_blamed_though_it_exited_first(cluster):
-    # SGLang over gloo, rank 0's scheduler killed: a worker's launcher killed its tree on gloo's error
-    # before rank 0's unit exited, both ended by SIGKILL
+GLOO_CLOSED = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.1]:42374"
+
+
+def blame_of_two_exits(cluster, first, then, output, unreadable=None):
+    """Serving, `first`'s rank is SIGKILLed 30 ms before `then`'s, their ranks having logged `output`
+    (node -> lines); `unreadable`: a node whose journal cannot be read meanwhile. The incident, and
+    the runtime and agents, to see the cluster restart."""
     rt, agents, rank0, journal, _ = cluster()
     rank0.healthy.set()
     rt.run()
     wait_phase(rt, "serving")
-    agents["spark3"].output = ["Scheduler hit an exception: Traceback (most recent call last):",
-                               "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
-                               "by peer [10.0.0.1]:42374. This is typically caused by a remote worker crashing."]
+    for node, lines in output.items():
+        agents[node].output = lines
+    if unreadable:
+        def fail(lines, units, timeout=30):
+            raise AgentUnavailable(unreadable, "ReadJournal", DOWN)
+        agents[unreadable].recent_journal = fail
     now = time.time()
-    agents["spark3"].exit_rank(at=now)
-    agents["spark1"].exit_rank(at=now + 0.03)
+    agents[first].exit_rank(at=now)
+    agents[then].exit_rank(at=now + 0.03)
     incident = wait_incident(rt, "rank_exit")
+    if unreadable:
+        del agents[unreadable].recent_journal  # the class's again
+    return incident, rt, agents
+
+
+def test_a_rank_whose_engine_said_a_peer_went_away_is_not_blamed_though_it_exited_first(cluster):
+    # SGLang over gloo, rank 0's scheduler killed: a worker's launcher killed its tree on gloo's error
+    # before rank 0's unit exited, both ended by SIGKILL
+    incident, rt, agents = blame_of_two_exits(cluster, "spark3", "spark1", {"spark3": [
+        "Scheduler hit an exception: Traceback (most recent call last):",
+        GLOO_CLOSED + ". This is typically caused by a remote worker crashing."]})
     assert incident.node == "spark1", incident.message
     assert incident.message.endswith("then spark3 (result signal, killed status 9; its engine: Connection closed "
                                      "by peer [10.0.0.1]:42374)")
@@ -404,38 +422,16 @@ def test_a_rank_whose_engine_said_a_peer_went_away_is_not_blamed_though_it_exite
 
 
 def test_an_earlier_runs_words_are_not_evidence(cluster):
-    rt, agents, rank0, journal, _ = cluster()
-    rank0.healthy.set()
-    rt.run()
-    wait_phase(rt, "serving")
     # spark3's rank said its collective lost a peer, a minute ago: in the run before this one
-    agents["spark3"].output = [("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-                                "[10.0.0.1]:1", 60.0)]
-    now = time.time()
-    agents["spark3"].exit_rank(at=now)
-    agents["spark1"].exit_rank(at=now + 0.03)
-    incident = wait_incident(rt, "rank_exit")
+    incident, rt, agents = blame_of_two_exits(cluster, "spark3", "spark1", {"spark3": [(GLOO_CLOSED, 60.0)]})
     assert incident.node == "spark3" and "its engine" not in incident.message, incident.message
     wait_restarted(rt, agents, timeout=10)
 
 
 def test_blame_is_decided_when_a_nodes_journal_cannot_be_read(cluster):
-    rt, agents, rank0, journal, _ = cluster()
-    rank0.healthy.set()
-    rt.run()
-    wait_phase(rt, "serving")
-    agents["spark1"].output = ["RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.3]:1"]
-    real = agents["spark3"].recent_journal
-
-    def unreadable(lines, units, timeout=30):
-        raise AgentUnavailable("spark3", "ReadJournal", DOWN)
-    agents["spark3"].recent_journal = unreadable
-    now = time.time()
-    agents["spark1"].exit_rank(at=now)
-    agents["spark3"].exit_rank(at=now + 0.03)
-    incident = wait_incident(rt, "rank_exit")
+    incident, rt, agents = blame_of_two_exits(cluster, "spark1", "spark3", {"spark1": [GLOO_CLOSED]},
+                                              unreadable="spark3")
     assert incident.node == "spark3", incident.message
-    agents["spark3"].recent_journal = real
     wait_restarted(rt, agents, timeout=10)
 
 
