@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 from dsv41 import envfile
 
@@ -18,6 +18,7 @@ from . import adapterkeys, schema
 from . import values as v
 from .sglang_cli import canonicalize
 
+T = TypeVar("T")
 _WORKER_KEY = re.compile(r"(WORKER(\d+)_(IP|HOST)|NFS_SERVER_IP_(\d+))")
 
 
@@ -68,7 +69,58 @@ class ClusterConfig:
     # Rank-side keys set in the file that no adapter reads (adapterkeys): valid, but doing nothing.
     no_effect: tuple[ConfigError, ...] = field(default=())
 
-    def __getitem__(self, key: str) -> object:
+    # Typed reads: each checks the key's kind as the schema declares it (values.Kind), so a key read
+    # as another type, or a name the schema does not know, fails at its first read.
+    def integer(self, key: str) -> int:
+        return self._required(key, v.Kind.INTEGER, int)
+
+    def number(self, key: str) -> float:
+        return self._required(key, v.Kind.NUMBER, float)
+
+    def flag(self, key: str) -> bool:
+        return self._required(key, v.Kind.FLAG, bool)
+
+    def text(self, key: str) -> str:
+        return self._required(key, v.Kind.TEXT, str)
+
+    def words(self, key: str) -> tuple[str, ...]:
+        return self._required(key, v.Kind.WORDS, tuple)
+
+    def optional_integer(self, key: str) -> int | None:
+        return self._optional(key, v.Kind.INTEGER, int)
+
+    def optional_number(self, key: str) -> float | None:
+        return self._optional(key, v.Kind.NUMBER, float)
+
+    def optional_text(self, key: str) -> str | None:
+        return self._optional(key, v.Kind.TEXT, str)
+
+    def optional_words(self, key: str) -> tuple[str, ...] | None:
+        return self._optional(key, v.Kind.WORDS, tuple)
+
+    def optional_listen(self, key: str) -> v.Listen | None:
+        return self._optional(key, v.Kind.LISTEN, v.Listen)
+
+    def _required(self, key: str, kind: v.Kind, of: type[T]) -> T:
+        value = self._declared(key, kind, optional=False)
+        if not isinstance(value, of):
+            raise TypeError(f"{key} holds {value!r}, not the {kind.value} its schema declares")
+        return value
+
+    def _optional(self, key: str, kind: v.Kind, of: type[T]) -> T | None:
+        value = self._declared(key, kind, optional=True)
+        if value is not None and not isinstance(value, of):
+            raise TypeError(f"{key} holds {value!r}, not the {kind.value} its schema declares")
+        return value
+
+    def _declared(self, key: str, kind: v.Kind, *, optional: bool) -> object:
+        declared = schema.BY_NAME.get(key)
+        if declared is None:
+            raise KeyError(f"{key} is not a cluster.env key (coordinator/schema.py lists them)")
+        parser = declared.parse
+        if parser.kind is not kind or parser.optional != optional:
+            raise TypeError(f"{key} is {_kind_of(parser.kind, parser.optional)}; it was read as "
+                            f"{_kind_of(kind, optional)}")
         return self.settings[key]
 
     @property
@@ -80,6 +132,11 @@ class ClusterConfig:
             if node.name == name:
                 return node
         raise KeyError(f"no node {name!r} in {self.path}; nodes: {', '.join(n.name for n in self.nodes)}")
+
+
+def _kind_of(kind: v.Kind, optional: bool) -> str:
+    words = f"optional {kind.value}" if optional else kind.value
+    return ("an " if words[0] in "aeiou" else "a ") + words
 
 
 # Under systemd the coordinator runs as root: $HOME is not the home of the user whose paths the

@@ -153,9 +153,9 @@ def _from_agents(config: str, target: OutputFile, journal_bytes: int) -> list[st
     except (OSError, FileNotFoundError) as exc:
         raise _Failed(f"the coordinator is not running, and its certificate is not usable: {exc}") from None
     secrets: list[str] = []
-    if cfg["API_KEY_FILE"]:
+    if key_file := cfg.optional_text("API_KEY_FILE"):
         try:
-            secrets.append(pki.read_api_key(str(cfg["API_KEY_FILE"])))
+            secrets.append(pki.read_api_key(key_file))
         except (pki.PkiError, OSError) as exc:
             raise _Failed(f"cannot read API_KEY_FILE to keep the key out of the bundle: {exc}") from None
     clients = make_clients(cfg, tls)

@@ -45,7 +45,7 @@ class ServingProbe:
     def for_runtime(cls, runtime, api_key: str | None) -> "ServingProbe":
         cfg = runtime.cfg
         return cls(lambda: runtime.snapshot().phase == "serving", runtime.post,
-                   EngineApi(runtime.base_url, api_key, timeout_s=2.0), float(cfg["CANARY_INTERVAL_S"]))
+                   EngineApi(runtime.base_url, api_key, timeout_s=2.0), cfg.number("CANARY_INTERVAL_S"))
 
     def start(self) -> "ServingProbe":
         self._thread.start()

@@ -74,7 +74,7 @@ class ClusterRuntime:
         self._state_dir = state_dir
         self._api_key = api_key  # read from API_KEY_FILE by the daemon; reaches rank 0 as a 0600 file
         self._clock, self._monotonic = clock, monotonic
-        self.base_url = f"http://{cfg['HEAD_IP']}:{cfg['PORT']}"
+        self.base_url = f"http://{cfg.text('HEAD_IP')}:{cfg.integer('PORT')}"
         # Published state: written by the supervisor only, read by anyone under the lock.
         self._lock = threading.Lock()
         # Until the supervisor has looked for ranks to adopt, the cluster is neither stopped nor
@@ -128,7 +128,7 @@ class ClusterRuntime:
     def run(self, autostart: bool = True) -> None:
         """Starts the supervisor: re-adopt what runs, else bring the cluster up when asked to."""
         self._watching_since = self._monotonic()
-        heartbeat_ms = max(100, int(float(self.cfg["NODE_LEASE_S"]) * 250))  # four heartbeats a lease
+        heartbeat_ms = max(100, int(self.cfg.number("NODE_LEASE_S") * 250))  # four heartbeats a lease
         for client in self.clients.values():
             node = client.node
             self._watch_threads.append(client.watch_rank(
@@ -403,13 +403,13 @@ class ClusterRuntime:
         since = self._lost.get(node)
         when = time.strftime("%H:%M:%S", time.localtime(self._clock() - (now - since))) if since else "?"
         return (f"{node} lost: not heard from since {when} ({now - since:.1f} s, NODE_LEASE_S="
-                f"{float(self.cfg['NODE_LEASE_S']):g})") if since else f"{node} lost"
+                f"{self.cfg.number('NODE_LEASE_S'):g})") if since else f"{node} lost"
 
     def _check_liveness(self, react: bool) -> None:
         """Leases and hangs. While starting or serving, a lapsed lease is a lost node; while serving,
         a rank that takes no step while work is pending is hung."""
         now = self._monotonic()
-        lease = float(self.cfg["NODE_LEASE_S"])
+        lease = self.cfg.number("NODE_LEASE_S")
         newly = []
         for node in self.clients:
             last = self._heard.get(node)
@@ -433,12 +433,12 @@ class ClusterRuntime:
         if self._lost:
             return
         found = liveness.hung(self._heard, list(self.clients), self._pending_since, now,
-                              float(self.cfg["HANG_TIMEOUT_S"]), float(self.cfg["HANG_FIRST_STEP_TIMEOUT_S"]),
+                              self.cfg.number("HANG_TIMEOUT_S"), self.cfg.number("HANG_FIRST_STEP_TIMEOUT_S"),
                               fresh_s=lease / 2)
         if found is not None:
             self._trouble = Trouble("rank_hung", found.node, (
                 f"rank on {found.node} hung: no forward step for {found.stalled_s:.1f} s while work was pending "
-                f"(at step {found.forward_count}; HANG_TIMEOUT_S={float(self.cfg['HANG_TIMEOUT_S']):g})"
+                f"(at step {found.forward_count}; HANG_TIMEOUT_S={self.cfg.number('HANG_TIMEOUT_S'):g})"
                 + ("; its rank process is stopped (SIGSTOP?)" if self._heard[found.node].process_stopped else "")))
 
     def _pump(self, seconds: float, until: Future | None = None, react: bool = True) -> None:
@@ -500,8 +500,8 @@ class ClusterRuntime:
         waited = False  # the last try stopped for an unreachable node: trying again spends no attempt
         while True:
             if cause is not None and not waited:
-                max_attempts = int(self.cfg["RESTART_MAX_ATTEMPTS"])
-                restart = policy.next_restart(attempts, max_attempts, float(self.cfg["RESTART_BACKOFF_S"]))
+                max_attempts = self.cfg.integer("RESTART_MAX_ATTEMPTS")
+                restart = policy.next_restart(attempts, max_attempts, self.cfg.number("RESTART_BACKOFF_S"))
                 if restart.give_up:
                     self._set(phase="failed", restart_attempt=attempts,
                               detail=f"{cause} (gave up after {max_attempts} restart attempt(s))")
@@ -544,7 +544,7 @@ class ClusterRuntime:
         limit) fails it with the reason it was waited for."""
         self._activity = Activity.WAITING
         started = self._monotonic()
-        limit = float(self.cfg["NODE_WAIT_TIMEOUT_S"])
+        limit = self.cfg.integer("NODE_WAIT_TIMEOUT_S")
         names = ", ".join(nodes)
         self._set(phase="waiting", detail=f"waiting for {names}: {why.reason}; the bring-up resumes when "
                                           f"{'its agent answers' if len(nodes) == 1 else 'their agents answer'}")
@@ -586,7 +586,7 @@ class ClusterRuntime:
                 self._ranks_run = True
                 self._set(ranks_since=self._clock())  # the memory guard watches from here on
             self._set(phase=step.name, detail="")
-            deadline = float(self.cfg[step.deadline_key])
+            deadline = self.cfg.integer(step.deadline_key)
             started = self._monotonic()
             self._log.info("step_started", f"bring-up: {step.name}", step=step.name)
             step.run(self._context(step.name), deadline)
@@ -599,7 +599,7 @@ class ClusterRuntime:
         self._pump(0)  # an exit or a stop that came with the last answer
         self._activity = Activity.IDLE
         ranks = len(self._bring.plans)
-        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {ranks}/{ranks} ranks",
+        self._set(phase="serving", detail=f"serving on :{self.cfg.integer('PORT')}, {ranks}/{ranks} ranks",
                   serving_since=self._clock())
         self._log.info("serving", f"cluster serving at {self.base_url} ({ranks}/{ranks} ranks, generation "
                        f"{self.snapshot().generation})", generation=self.snapshot().generation)
@@ -637,7 +637,7 @@ class ClusterRuntime:
         went dark, and ranks before the exits that followed it."""
         since = self._monotonic()
         self._settle()
-        lease = float(self.cfg["NODE_LEASE_S"])
+        lease = self.cfg.number("NODE_LEASE_S")
         quiet = liveness.unaccounted(list(self.clients), self._exits, self._heard, since)
         if quiet:
             answers = self._call(lambda: on_each(lambda n: self.clients[n].status(timeout=lease), quiet,
@@ -667,7 +667,7 @@ class ClusterRuntime:
         node that nothing is left."""
         self._activity = Activity.STOPPING
         self._set(phase="stopping", detail=why)
-        deadline = int(self.cfg["RANK_STOP_TIMEOUT_S"])
+        deadline = self.cfg.integer("RANK_STOP_TIMEOUT_S")
         stopping.stop_ranks(self.clients, self.cfg.head.name,
                             deadline if drain else min(deadline, stopping.WORKER_STOP_GRACE_S), self._log,
                             call=self._call, lost=set(self._lost))
@@ -682,8 +682,8 @@ class ClusterRuntime:
 
     def _wait_memory_back(self) -> None:
         """A restart must not stack a new rank on memory the old one has not returned yet."""
-        need = int(float(self.cfg["RANK_MEMORY_GIB"]) * GIB)
-        end = self._monotonic() + float(self.cfg["MEMORY_RECOVERY_TIMEOUT_S"])
+        need = int(self.cfg.number("RANK_MEMORY_GIB") * GIB)
+        end = self._monotonic() + self.cfg.integer("MEMORY_RECOVERY_TIMEOUT_S")
         short = sorted(n for n in self.clients if n not in self._lost)  # a lost node is waited for in preflight
         while short and self._monotonic() < end:
             def available(node: str) -> int | None:
@@ -722,7 +722,7 @@ class ClusterRuntime:
         if not adopt.answers(ctx):
             return False
         ranks = len(found.plans)
-        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {ranks}/{ranks} ranks (re-adopted)",
+        self._set(phase="serving", detail=f"serving on :{self.cfg.integer('PORT')}, {ranks}/{ranks} ranks (re-adopted)",
                   serving_since=self._clock())
         self._log.info("adopted", f"re-adopted a serving cluster ({ranks} ranks, generation "
                        f"{self._bring.generation}) without restarting it")

@@ -53,7 +53,7 @@ def adapter_problem(plan: NodePlan, report: AdapterReport, require_installed: bo
 
 
 def check_adapters(ctx: StepContext, require_installed: bool) -> None:
-    if ctx.cfg["RANK_ENGINE"] == "sim":
+    if ctx.cfg.text("RANK_ENGINE") == "sim":
         return  # the stand-in runs no adapter code: it is its own stand-in for what they do
 
     def report(client) -> AdapterReport:

@@ -11,7 +11,7 @@ POLL_S = 0.5
 
 
 def run(ctx: StepContext, deadline: float) -> None:
-    if not ctx.cfg["NFS_SHARE"]:
+    if not ctx.cfg.flag("NFS_SHARE"):
         return
     head = ctx.head
     head_plan = ctx.bring.plan(head)

@@ -380,7 +380,7 @@ def test_a_rank_exit_while_serving_is_blamed_and_recovered(cluster):
     assert incident.message.endswith("then spark1 (result exit-code, exited status 1)")
     wait_restarted(rt, agents, timeout=10)
     # the broken group is not drained: rank 0 gets the workers' grace, not RANK_STOP_TIMEOUT_S
-    assert agents["spark1"].stop_deadlines[-1] == 5 < int(rt.cfg["RANK_STOP_TIMEOUT_S"])
+    assert agents["spark1"].stop_deadlines[-1] == 5 < rt.cfg.integer("RANK_STOP_TIMEOUT_S")
 
 
 GLOO_CLOSED = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.1]:42374"
