@@ -20,6 +20,7 @@ from dsv41.v1 import control_pb2 as pb
 
 from .ctl_cluster import ControlUnavailable, _stub
 from .sockets import CONTROL_SOCKET
+from .state import Phase
 
 
 def add_commands(sub, default_config: str) -> None:
@@ -161,7 +162,8 @@ def _from_agents(config: str, target: OutputFile, journal_bytes: int) -> list[st
     clients = make_clients(cfg, tls)
     try:
         views = node_views(cfg, clients, {}, {})
-        status = cluster_status(cfg, Snapshot(phase="unknown", detail="the coordinator is not running"), views, False)
+        not_running = Snapshot(phase=Phase.UNKNOWN, detail="the coordinator is not running")
+        status = cluster_status(cfg, not_running, views, False)
         sources = bundle_sources(cfg, status, [], {}, "dsv41ctl (the coordinator was not running)")
         return BundleWriter(cfg, clients, secrets).write(target, sources, journal_bytes)
     finally:

@@ -16,6 +16,7 @@ from dsv41.v1 import control_pb2_grpc
 
 from .ctl_pki import expiry_warning
 from .sockets import CONTROL_GROUP, CONTROL_SOCKET, STATUS_GROUP, status_socket
+from .state import Phase
 
 # The status path imports only what it needs: dsv41ctl's start-up time is most of its latency.
 
@@ -143,7 +144,7 @@ def fetch_status(args) -> pb.ClusterStatus:
     finally:
         for client in clients.values():
             client.close()
-    return cluster_status(cfg, Snapshot(phase="unknown", detail="the coordinator is not running"), views, False)
+    return cluster_status(cfg, Snapshot(phase=Phase.UNKNOWN, detail="the coordinator is not running"), views, False)
 
 
 def _age(seconds: float) -> str:
@@ -170,8 +171,8 @@ def _seconds(value: float) -> str:
 def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -> None:
     paint = _colour(out)
     now = time.time() if now is None else now
-    good = st.phase == "serving"
-    phase = paint(st.phase.upper(), "32" if good else ("31" if st.phase in ("failed", "unknown") else "33"))
+    good = st.phase == Phase.SERVING
+    phase = paint(st.phase.upper(), "32" if good else ("31" if st.phase in (Phase.FAILED, Phase.UNKNOWN) else "33"))
     head = f"cluster: {phase}"
     if good:
         head += f"  {st.ranks_running}/{st.ranks_total} ranks  up {_age(now - st.serving_since_unix_s)}  {st.endpoint}"
@@ -234,7 +235,7 @@ def _status(args, out: TextIO, err: TextIO) -> int:
         out.write("\n")
     else:
         render_status(st, out)
-    return 0 if st.phase == "serving" else 1
+    return 0 if st.phase == Phase.SERVING else 1
 
 
 @control_command
@@ -244,12 +245,12 @@ def _action(args, out: TextIO, err: TextIO) -> int:
     request = {"start": pb.StartRequest, "stop": pb.StopRequest, "restart": pb.RestartRequest}[args.action]()
     reply = method(request, timeout=30)
     print(reply.message, file=out)
-    want = "stopped" if args.action == "stop" else "serving"
+    want = Phase.STOPPED if args.action == "stop" else Phase.SERVING
     end = time.monotonic() + args.wait
     status = reply.status
     while args.wait and time.monotonic() < end:
         status = stub.GetStatus(pb.ClusterStatusRequest(), timeout=15)
-        if status.phase == want or status.phase == "failed":
+        if status.phase == want or status.phase == Phase.FAILED:
             break
         time.sleep(0.5)
     if args.wait:

@@ -27,6 +27,7 @@ from .guard.runner import MemoryGuard
 from .hook import IncidentHook
 from .probe import ServingProbe
 from .runtime import ClusterRuntime
+from .state import Phase
 from .sockets import CONTROL_SOCKET
 
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
@@ -59,7 +60,7 @@ def make_clients(cfg: config_mod.ClusterConfig, tls: Tls | None) -> dict[str, Ag
 
 def status_line(runtime: ClusterRuntime, clock=time.time) -> str:
     snap = runtime.snapshot()
-    if snap.phase == "serving":
+    if snap.phase == Phase.SERVING:
         up = int(clock() - snap.serving_since)
         total = len(runtime.clients)
         running = sum(1 for r in snap.ranks.values() if r.active_state == "active")

@@ -12,6 +12,7 @@ from adapter.log import AdapterLog, AdapterReport, read_report
 
 from .. import serving
 from ..plan import NodePlan
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 
 POLL_S = 0.2
@@ -67,4 +68,4 @@ def check_adapters(ctx: StepContext, require_installed: bool) -> None:
             raise ctx.fail(node, problem)
 
 
-STEP = Step("health", "HEALTH_TIMEOUT_S", retryable=True, run=run)
+STEP = Step(Phase.HEALTH, "HEALTH_TIMEOUT_S", retryable=True, ranks=Ranks.STARTING, run=run)

@@ -14,6 +14,7 @@ from ..agents import AgentUnavailable
 from ..parallel import on_each
 from ..state import generation_of
 from .images import image_problems
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 from .tables import render_plans
 
@@ -94,4 +95,4 @@ def run(ctx: StepContext, deadline: float) -> None:
     ctx.bring.generation = generation_of(ctx.bring.plans)
 
 
-STEP = Step("preflight", "PREFLIGHT_TIMEOUT_S", retryable=False, run=run)
+STEP = Step(Phase.PREFLIGHT, "PREFLIGHT_TIMEOUT_S", retryable=False, ranks=Ranks.NONE, run=run)

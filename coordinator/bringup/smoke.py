@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .. import serving
 from .health import check_adapters
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 
 
@@ -18,4 +19,5 @@ def run(ctx: StepContext, deadline: float) -> None:
     check_adapters(ctx, require_installed=True)
 
 
-STEP = Step("smoke", "SMOKE_TIMEOUT_S", retryable=True, run=run, skip=lambda cfg: cfg.flag("SKIP_SMOKE"))
+STEP = Step(Phase.SMOKE, "SMOKE_TIMEOUT_S", retryable=True, ranks=Ranks.STARTING, run=run,
+            skip=lambda cfg: cfg.flag("SKIP_SMOKE"))

@@ -17,6 +17,7 @@ from ..agents import AgentClient, AgentUnavailable
 from ..config import ClusterConfig
 from ..parallel import on_each
 from ..plan import NodePlan
+from ..state import Phase, Ranks
 
 T = TypeVar("T")
 
@@ -44,9 +45,10 @@ class Preempted(Exception):
 
 @dataclass(frozen=True)
 class Step:
-    name: str  # also the phase shown while it runs
+    name: Phase  # the phase shown while it runs
     deadline_key: str  # the cluster.env key holding its deadline in seconds
     retryable: bool  # whether a restart can fix its failure (a rank that crashed can start again)
+    ranks: Ranks  # whether ranks run during it: from the first that says so on, the memory guard watches
     run: Callable[["StepContext", float], None]
     skip: Callable[[ClusterConfig], bool] = lambda cfg: False
 
