@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
@@ -210,18 +210,19 @@ def parse(text: str, path: str, environ: Mapping[str, str],
     _cross_checks(settings, raw, nodes, err)
     for key, message in _passthrough_conflicts(settings, passthrough):
         err(key, message, passthrough[key])
-    if file_problem is not None and settings.get("INCIDENT_HOOK"):
-        problem = file_problem(str(settings["INCIDENT_HOOK"]))
+    hook = _parsed(settings, "INCIDENT_HOOK", str)
+    if file_problem is not None and hook:
+        problem = file_problem(hook)
         if problem:
             err("INCIDENT_HOOK", problem, raw["INCIDENT_HOOK"])
     if errors:
         raise ConfigInvalid(sorted(errors, key=lambda e: (e.line is None, e.line or 0)))
-    warnings = [*_home_warnings(entries, environ), *_warnings(settings)]
     readers = adapterkeys.implemented() if implemented is None else implemented
     idle = [ConfigError(label, lines[k], k, given[k], adapterkeys.NO_EFFECT)
             for k in adapterkeys.without_effect(schema.KEYS, readers) if k in given]
-    return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(warnings),
-                         tuple(sorted(idle, key=lambda e: e.line or 0)))
+    cfg = ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused),
+                        no_effect=tuple(sorted(idle, key=lambda e: e.line or 0)))
+    return replace(cfg, warnings=(*_home_warnings(entries, environ), *_warnings(cfg)))
 
 
 def _home_warnings(entries: list[envfile.Entry], environ: Mapping[str, str]) -> list[str]:
@@ -238,7 +239,7 @@ def _nodes(settings: Mapping[str, object], given: Mapping[str, str], err) -> lis
     if not isinstance(nnodes, int):
         return []
     share = settings.get("NFS_SHARE", True)
-    nodes = [Node(str(settings.get("HEAD_HOST", "spark1")), 0, str(settings.get("HEAD_IP", "")), None)]
+    nodes = [Node(_parsed(settings, "HEAD_HOST", str) or "spark1", 0, _parsed(settings, "HEAD_IP", str) or "", None)]
     for k in range(1, nnodes):
         parsed: dict[str, str | None] = {}
         for pattern, (parser, doc) in schema.WORKER_KEYS.items():
@@ -378,7 +379,7 @@ def _check_extra_args(words: tuple[str, ...], raw: str, s: Mapping[str, object],
                 f"remove it: {_SECRET_FLAGS[flag]}")
         if flag == "--speculative-num-draft-tokens" and s.get("SPEC_ALGO") == "DSPARK":
             given = inline or (words[i + 1] if i + 1 < len(words) else "")
-            want = int(s.get("DSPARK_BLOCK_SIZE", 0)) + 1
+            want = (_parsed(s, "DSPARK_BLOCK_SIZE", int) or 0) + 1
             if given != str(want):
                 err("EXTRA_SGLANG_ARGS", f"--speculative-num-draft-tokens must be DSPARK_BLOCK_SIZE + 1 = {want} "
                     "(DSpark verifies the block plus one token); better leave it out", raw)
@@ -402,15 +403,23 @@ def _passthrough_conflicts(s: Mapping[str, object], passthrough: Mapping[str, st
     return out
 
 
-def _warnings(s: Mapping[str, object]) -> list[str]:
+def _parsed(s: Mapping[str, object], key: str, of: type[T]) -> T | None:
+    """A key's value while the file is checked: None where it did not parse (its error is listed)."""
+    value = s.get(key)
+    return value if isinstance(value, of) else None
+
+
+def _warnings(cfg: ClusterConfig) -> list[str]:
     out = []
-    if s["RANK_RUNTIME"] == "container" and s["IMAGE"] and not v.is_pinned_image(str(s["IMAGE"])):
-        out.append(f"IMAGE={s['IMAGE']} is a tag: agents run images by digest only (a tag can be moved to other "
+    image = cfg.optional_text("IMAGE")
+    if cfg.text("RANK_RUNTIME") == "container" and image and not v.is_pinned_image(image):
+        out.append(f"IMAGE={image} is a tag: agents run images by digest only (a tag can be moved to other "
                    "content); set IMAGE to the build's ID, `docker image inspect --format '{{.Id}}' "
-                   f"{s['IMAGE']}`, and list that ID in every node's ALLOWED_IMAGES")
-    if s["DSV41_VERIFY_CAP"] and not s["DSV41_BLOCK_VERIFY"]:
+                   f"{image}`, and list that ID in every node's ALLOWED_IMAGES")
+    if cfg.number("DSV41_VERIFY_CAP") and not cfg.flag("DSV41_BLOCK_VERIFY"):
         out.append("DSV41_VERIFY_CAP is set but DSV41_BLOCK_VERIFY=0: sampled rows are then verified token by token "
                    "(the recipe measured the cap with block verification)")
-    if s["SPEC_ALGO"] != "DSPARK" and (s["DSPARK_SPS_TABLE"] or s["DSPARK_STS_TABLE"]):
+    if cfg.text("SPEC_ALGO") != "DSPARK" and (cfg.optional_text("DSPARK_SPS_TABLE")
+                                              or cfg.optional_text("DSPARK_STS_TABLE")):
         out.append("DSPARK_*_TABLE is set but SPEC_ALGO is not DSPARK: the tables are not used")
     return out

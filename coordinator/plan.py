@@ -223,10 +223,10 @@ def sglang_args(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> li
         args += ["--speculative-algorithm", cfg.text("SPEC_ALGO")]
     if cfg.text("SPEC_ALGO") == "DSPARK":
         args += ["--speculative-dspark-block-size", str(cfg.integer("DSPARK_BLOCK_SIZE"))]
-        if cfg.optional_text("DSPARK_SPS_TABLE") in tables:
-            args += ["--speculative-dspark-sps-table-path", str(cfg.optional_text("DSPARK_SPS_TABLE"))]
-        if cfg.optional_text("DSPARK_STS_TABLE") in tables:
-            args += ["--speculative-dspark-confidence-sts-path", str(cfg.optional_text("DSPARK_STS_TABLE"))]
+        if (sps := cfg.optional_text("DSPARK_SPS_TABLE")) and sps in tables:
+            args += ["--speculative-dspark-sps-table-path", sps]
+        if (sts := cfg.optional_text("DSPARK_STS_TABLE")) and sts in tables:
+            args += ["--speculative-dspark-confidence-sts-path", sts]
     args += [
         "--nnodes", str(cfg.integer("NNODES")),
         "--node-rank", str(node.rank),
