@@ -351,7 +351,8 @@ def test_a_restart_during_a_bring_up_stops_and_brings_up_once_more(cluster):
     rt.run()
     wait_phase(drive, "health")
     rt.request("restart")
-    drive.until(lambda: sum(a.starts for a in agents.values()) >= 6, 10, lambda: {n: a.starts for n, a in agents.items()})
+    drive.until(lambda: sum(a.starts for a in agents.values()) >= 6, 10,
+                lambda: {n: a.starts for n, a in agents.items()})
     wait_phase(drive, "health")
     assert all(a.starts == 2 for a in agents.values())
     assert calls(journal, "stop_rank")[:1] == ["spark1"]
