@@ -84,7 +84,8 @@ def node_views(cfg: ClusterConfig, clients: dict[str, AgentClient], fingerprints
             out.status.CopyFrom(clients[node.name].status(timeout=timeout, wait_for_ready=True))
             out.agent_reachable = True
         except AgentUnavailable as exc:
-            out.agent_error = f"{exc.code}: {exc.details}"
+            # Silent since its last heartbeat, when the coordinator has its lease; at least this call's timeout.
+            out.agent_error = exc.meaning(max(lease_age, exc.waited_s or timeout))
         return out
     with ThreadPoolExecutor(max_workers=len(cfg.nodes)) as pool:
         return list(pool.map(view, cfg.nodes))

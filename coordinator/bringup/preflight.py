@@ -38,14 +38,14 @@ def statuses(ctx: StepContext) -> dict[str, pb.NodeStatus]:
         result = results[node]
         if not isinstance(result, AgentUnavailable):
             continue
-        if result.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and not result.explained:
+        if result.unreachable:
             away.append((node, result))
             continue
-        raise ctx.fail(node, f"agent at {ctx.clients[node].target}: {result.code}: {result.details}")
+        raise ctx.fail(node, f"agent at {ctx.clients[node].target}: {result.meaning()}")
     if away:
         node, exc = away[0]
         raise ctx.fail_unreachable(tuple(n for n, _ in away),
-                                   f"agent at {ctx.clients[node].target}: {exc.code}: {exc.details}")
+                                   f"agent at {ctx.clients[node].target} {exc.meaning(exc.waited_s or timeout)}")
     return {node: results[node] for node in nodes}
 
 

@@ -108,9 +108,9 @@ class StepContext:
         """The step's failure for an agent that did not answer or refused: names the node and says
         which; one that could not be reached is transient."""
         target = self.clients[node].target
-        if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and not exc.explained:
-            return self.fail(node, f"agent at {target} unreachable: {exc.code}: {exc.details}", transient=True)
-        return self.fail(node, f"agent at {target}: {exc.what}: {exc.code}: {exc.details}")
+        if exc.unreachable:
+            return self.fail(node, f"agent at {target} {exc.meaning()}", transient=True)
+        return self.fail(node, f"agent at {target}: {exc.what}: {exc.meaning()}")
 
     def ask(self, node: str, fn: Callable[[AgentClient], T], mutates: bool = False) -> T:
         """fn(client of node), interruptibly; an agent error is this step's failure naming the node."""
