@@ -30,7 +30,7 @@ from .memory import MemorySampler, PsiTrigger, RankMemoryReader, TriggerWatcher
 from .rank import RankManager
 from .rankspec import RANK_UNIT
 from dsv41.sdnotify import SdNotify
-from .service import AgentService, ensure_dirs
+from .service import AgentService, build_handlers, ensure_dirs
 from .treewatch import ProcessTreeWatch
 from .systemd import Systemd, SystemdError
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                          options=server_options(s), interceptors=interceptors,
                          maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     agent_pb2_grpc.add_AgentServicer_to_server(
-        AgentService(s, systemd, rank, sampler, triggers, events, started), server)
+        AgentService(build_handlers(s, systemd, rank, sampler, triggers, events, started)), server)
     # gRPC listens on a socket only root can reach; the port is the relay's, which counts connections.
     private = runtime_dir()
     os.makedirs(private, mode=0o700, exist_ok=True)

@@ -13,7 +13,7 @@ import pytest
 from agent import floor as f
 from agent.rank import MEMORY_FLOOR, ExitRecord
 from agent.rankspec import NO_FLOOR, FloorSpec, SpecInvalid, check_floor, floor_from_fields, unit_properties
-from agent.service import exit_pb
+from agent.rpc_rank import exit_pb
 from dsv41.v1 import agent_pb2 as pb
 
 pytestmark = pytest.mark.unit
