@@ -22,14 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from adapter.log import AdapterLog
+from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch
 from adapter.settings import env_flag
+from dsv41 import rankadapters
 
 NAME = "draft_head_fp8"
 KEY = "DSV41_DRAFT_HEAD_FP8"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (KEY,)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 DRAFT_MODEL = "sglang.srt.models.deepseek_v4_dspark"
 DSPARK = "sglang.srt.models.dspark"
 

@@ -41,13 +41,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adapter.engram import format as fmt
-from adapter.engram.settings import ENV_KEYS as STORE_ENV_KEYS
+from dsv41 import engram_format as fmt
 from adapter.engram.settings import StoreSettings
 from adapter.engram.stats import RankStats
-from adapter.log import PREFIX, AdapterLog
+from dsv41.adapterlog import PREFIX, AdapterLog
 from adapter.patching import AFTER, AROUND, BEFORE, ON_IMPORT, AdapterSpec, Patch, Refused
 from adapter.settings import SettingError, env_choice, env_flag
+from dsv41 import rankadapters
 
 NAME = "engram_offload"
 ENGRAM_MODULE = "sglang.srt.layers.engram"
@@ -55,9 +55,8 @@ STAGING_MODULE = "sglang.srt.layers.engram_staging"
 MODEL_MODULE = "sglang.srt.models.deepseek_v4"
 FIX = fmt.REPACK_HINT  # "re-pack with `dsv41ctl pack --start`"
 # SGLang's own Engram layouts; each would allocate a table of its own.
-CONFLICTS = ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS")
-ENV_KEYS = ("OFFLOAD_MODE", "DSV41_PACKED_DIR", "DSV41_ENGRAM_PREFETCH", "DSV41_ENGRAM_PREFETCH_CHECK",
-            *STORE_ENV_KEYS, *CONFLICTS)
+CONFLICTS = rankadapters.ENGRAM_CONFLICTS
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 TABLE_SUFFIXES = (".engram.embed.weight", ".engram.embed.scale")
 DEFAULT_PACKED_DIR = "/engram"
 READ_FAILED = f"{NAME}: reading Engram rows failed: "

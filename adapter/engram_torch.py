@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from adapter.engram.native import NativeReader
 from adapter.engram.store import RowStore, StoreError
 

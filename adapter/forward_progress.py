@@ -1,7 +1,7 @@
 """forward_progress: count every forward step of this rank for its node's agent.
 
 A BEFORE hook on `Scheduler.run_batch` (where SGLang itself counts `forward_ct`) bumps the rank's
-counter in /dev/shm (adapter/progress.py): a store into a shared page, no system call, nothing
+counter in /dev/shm (dsv41/progress.py): a store into a shared page, no system call, nothing
 that talks to the agent. The agent carries the count in its heartbeat; when a TP group hangs in a
 collective, the rank whose counter stopped first is the one that never started the step the
 others wait in. Always on in an armed rank (there is nothing to tune), and it stays out rather
@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.patching import BEFORE, AdapterSpec, Patch
-from adapter.progress import DIRECTORY, ProgressWriter
+from dsv41.progress import DIRECTORY, ProgressWriter
+from dsv41 import rankadapters
 
 NAME = "forward_progress"
 # DSV41_PROGRESS_DIR moves the counter (tests on one machine); a rank's agent reads /dev/shm.
-ENV_KEYS = ("DSV41_PROGRESS_DIR",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.managers.scheduler"
 
 

@@ -21,10 +21,11 @@ from typing import Any
 from adapter.loop_detect import LoopDetector, LoopRules, TokenKind
 from adapter.patching import AFTER, ON_IMPORT, AdapterSpec, Patch, PatchError
 from adapter.settings import env_flag, env_int
+from dsv41 import rankadapters
 
 NAME = "loop_abort"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_LOOP_ABORT", "DSV41_LOOP_NGRAM", "DSV41_LOOP_REPEATS", "DSV41_LOOP_LINE_REPEATS")
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.managers.schedule_batch"
 DETECTOR_ATTR = "_dsv41_loop_detector"
 SAME_TOKENS = 64

@@ -15,10 +15,11 @@ from typing import Any
 
 from adapter.patching import BEFORE, AdapterSpec, Patch
 from adapter.settings import env_int
+from dsv41 import rankadapters
 
 NAME = "max_new_tokens"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_MAX_NEW_TOKENS",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.entrypoints.openai.serving_chat"
 DEFAULT = 32768
 MAXIMUM = 1 << 24

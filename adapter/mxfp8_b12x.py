@@ -26,13 +26,14 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from adapter.log import AdapterLog
+from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
 from adapter.settings import env_choice
+from dsv41 import rankadapters
 
 NAME = "mxfp8_b12x"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_MXFP8_BACKEND",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 UTILS = "sglang.srt.layers.quantization.fp8_utils"
 FP8 = "sglang.srt.layers.quantization.fp8"
 BACKENDS = ("b12x", "cudnn", "cutlass")

@@ -25,10 +25,11 @@ from typing import Any
 
 from adapter.patching import BEFORE, AdapterSpec, Patch
 from adapter.settings import env_int
+from dsv41 import rankadapters
 
 NAME = "prefill_empty_cache"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_PREFILL_EMPTY_CACHE_TOKENS",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.managers.scheduler"
 DEFAULT = 8192
 MAXIMUM = 1 << 24

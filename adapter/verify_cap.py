@@ -42,15 +42,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from adapter.log import AdapterLog
+from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AROUND, BEFORE, ON_IMPORT, AdapterSpec, Patch, Refused, refusing
 from adapter.settings import SettingError
+from dsv41 import rankadapters
 
 NAME = "verify_cap"
 KEY = "DSV41_VERIFY_CAP"
 MODE_KEY = "SGLANG_RAGGED_VERIFY_MODE"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (KEY, MODE_KEY)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODEL = "sglang.srt.models.deepseek_v4"
 DRAFT_MODEL = "sglang.srt.models.deepseek_v4_dspark"
 V2 = "sglang.srt.models.deepseek_v2"

@@ -33,14 +33,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adapter.log import AdapterLog
+from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch, Refused
 from adapter.settings import env_flag
+from dsv41 import rankadapters
 
 NAME = "wo_a_w8"
 KEY, MID_KEY, DROP_KEY, DRAFT_KEY = "DSV41_WO_A_W8", "DSV41_WO_A_W8_MID", "DSV41_WO_A_W8_DROP", "DSV41_WO_A_W8_DRAFT"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (KEY, MID_KEY, DROP_KEY, DRAFT_KEY)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODEL = "sglang.srt.models.deepseek_v4"
 DRAFT_MODEL = "sglang.srt.models.deepseek_v4_dspark"
 SMALL_ROWS = 8  # one request's verify (DSpark block 5 + 1) and decode rows

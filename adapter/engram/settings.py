@@ -8,9 +8,6 @@ from dataclasses import dataclass
 
 MAX_IO_THREADS = 1024
 MAX_CACHE_WAYS = 64
-# The variables from_env reads (the engram_offload adapter declares them as its own).
-ENV_KEYS = ("DSV41_IO_THREADS", "DSV41_CACHE_GIB", "DSV41_CACHE_WAYS", "DSV41_STATS_SECONDS",
-            "DSV41_RESIDENT_SCALES")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from adapter import boot
-from adapter.log import AdapterLog
+from dsv41.adapterlog import AdapterLog
 from tests.rankentry import adapter_entry, rank_env
 
 pytestmark = pytest.mark.unit

@@ -8,9 +8,9 @@ import io
 import pytest
 
 from adapter import engram_offload as eo
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from adapter.engram.settings import StoreSettings
-from adapter.log import AdapterLog
+from dsv41.adapterlog import AdapterLog
 from adapter.patching import ON_IMPORT, Refused
 from adapter.settings import SettingError
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from adapter.engram import native
 from adapter.engram.settings import StoreSettings
 from adapter.engram.stats import RankStats
