@@ -47,7 +47,7 @@ from typing import Any
 from dsv41.adapterlog import AdapterLog
 from adapter.patching import AROUND, AdapterSpec, Patch
 from adapter.scheduler_requests import kv_in_use as scheduler_kv_in_use
-from adapter.settings import env_float, env_int
+from dsv41.ranksettings import env_float, env_int
 from dsv41 import rankadapters
 
 NAME = "admission_gate"

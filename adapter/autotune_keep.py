@@ -30,7 +30,6 @@ from typing import Any
 
 from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AdapterSpec, Patch
-from adapter.settings import env_flag
 from dsv41 import rankadapters
 
 NAME = "autotune_keep"
@@ -158,7 +157,7 @@ def build(
     argv: Callable[[], Sequence[str]] | None = None,
     log: AdapterLog | None = None,
 ) -> AdapterSpec | None:
-    if not env_flag(env, "DSV41_AUTOTUNE_KEEP", True):
+    if not rankadapters.DSV41_AUTOTUNE_KEEP.read(env):
         return None
     keeper = AutotuneCacheKeeper(argv if argv is not None else (lambda: sys.argv), lambda: os.environ, log)
     return AdapterSpec(

@@ -33,7 +33,7 @@ from adapter import (
 )
 from dsv41.adapterlog import AdapterLog
 from adapter.patching import AdapterSpec, Installer, arm, armed_finder
-from adapter.settings import SettingError
+from dsv41.ranksettings import SettingError
 from dsv41 import rankadapters
 
 ARM_VARIABLE = rankadapters.ARM_VARIABLE

@@ -23,11 +23,11 @@ from typing import Any
 
 from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AROUND, BEFORE, AdapterSpec, Patch, Refused, refusing
-from adapter.settings import SettingError
+from dsv41.ranksettings import SettingError
 from dsv41 import rankadapters
 
 NAME = "draft_tau"
-KEY = "DSV41_DRAFT_TAU"
+KEY = rankadapters.DSV41_DRAFT_TAU.name
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
 ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 DRAFT = "sglang.srt.speculative.dspark_components.dspark_draft"
@@ -71,7 +71,7 @@ class DraftTau:
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
     try:
-        tau = parse_tau(env.get(KEY, ""))
+        tau = parse_tau(env.get(KEY, "").strip() or rankadapters.DSV41_DRAFT_TAU.when_absent)
     except SettingError as e:
         return refusing(NAME, DRAFT, str(e))
     if tau is None:

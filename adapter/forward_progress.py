@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.patching import BEFORE, AdapterSpec, Patch
-from dsv41.progress import DIRECTORY, ProgressWriter
+from dsv41.progress import ProgressWriter
 from dsv41 import rankadapters
 
 NAME = "forward_progress"
@@ -43,10 +43,7 @@ class ForwardProgress:
 
 
 def build(env: Mapping[str, str]) -> AdapterSpec:
-    directory = env.get("DSV41_PROGRESS_DIR", "").strip() or DIRECTORY
-    if not os.path.isabs(directory):
-        from adapter.settings import SettingError
-        raise SettingError(f"DSV41_PROGRESS_DIR={directory!r}: must be an absolute path")
+    directory = rankadapters.DSV41_PROGRESS_DIR.read(env)
     adapter = ForwardProgress(directory)
     return AdapterSpec(name=NAME, state=adapter, detail=f"forward steps counted in {directory}",
                        patches=(Patch(MODULE, "Scheduler.run_batch", BEFORE, adapter.before_batch,

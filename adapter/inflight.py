@@ -74,7 +74,7 @@ from adapter import reqstate
 from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
 from dsv41.progress import DIRECTORY
 from adapter.scheduler_requests import SchedulerRequests
-from adapter.settings import SettingError, env_flag
+from dsv41.ranksettings import SettingError, env_flag
 from dsv41 import rankadapters
 
 NAME = "inflight"

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.patching import AFTER, BEFORE, AdapterSpec, Patch
-from adapter.settings import SettingError, env_flag
+from dsv41.ranksettings import SettingError
 from dsv41 import rankadapters
 
 NAME = "reasoning_effort"
@@ -76,9 +76,9 @@ class ReasoningEffort:
 
 
 def build(env: Mapping[str, str]) -> AdapterSpec | None:
-    if not env_flag(env, "DSV41_REASONING_EFFORT_REMAP", True):
+    if not rankadapters.DSV41_REASONING_EFFORT_REMAP.read(env):
         return None
-    adapter = ReasoningEffort(default_budget(env.get("SGLANG_DSV41_REASONING_EFFORT")))
+    adapter = ReasoningEffort(default_budget(rankadapters.SGLANG_DSV41_REASONING_EFFORT.read(env)))
     tiers = ", ".join(f"{k}={v}" for k, v in PUBLISHER_TIERS.items())
     return AdapterSpec(
         name=NAME,

@@ -26,7 +26,6 @@ from typing import Any
 
 from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, BEFORE, AdapterSpec, Patch
-from adapter.settings import env_flag
 from adapter.tp_padding import ModelDims, PadPlan, plan_padding
 from dsv41 import rankadapters
 
@@ -203,7 +202,7 @@ def _param_is_scale(param: Any) -> bool:
 
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
-    if not env_flag(env, "DSV41_TP_PAD", True):
+    if not rankadapters.DSV41_TP_PAD.read(env):
         return None
     pad = Tp3Pad(log)
     return AdapterSpec(

@@ -44,12 +44,12 @@ from typing import Any
 
 from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AROUND, BEFORE, ON_IMPORT, AdapterSpec, Patch, Refused, refusing
-from adapter.settings import SettingError
+from dsv41.ranksettings import SettingError
 from dsv41 import rankadapters
 
 NAME = "verify_cap"
-KEY = "DSV41_VERIFY_CAP"
-MODE_KEY = "SGLANG_RAGGED_VERIFY_MODE"
+KEY = rankadapters.DSV41_VERIFY_CAP.name
+MODE_KEY = rankadapters.SGLANG_RAGGED_VERIFY_MODE.name
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
 ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODEL = "sglang.srt.models.deepseek_v4"
@@ -264,10 +264,10 @@ def _tp_broadcast(values: Any) -> None:
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
     try:
-        threshold = parse_cap(env.get(KEY, ""))
+        threshold = parse_cap(rankadapters.DSV41_VERIFY_CAP.read(env))
     except SettingError as e:
         return refusing(NAME, VERIFY, str(e))
-    mode = env.get(MODE_KEY, "").strip()
+    mode = rankadapters.SGLANG_RAGGED_VERIFY_MODE.read(env)
     if threshold is None:
         return None
     if mode not in ("", "static"):

@@ -1,7 +1,8 @@
-"""Each adapter declares the variables it reads (ENV_KEYS), and dsv41ctl config check derives from
-those declarations which rank-side keys take effect: a declaration must be exactly what build()
-reads, neither less (a key would be reported as having no effect) nor more (a key would be claimed
-as implemented)."""
+"""dsv41/rankadapters.py declares the variables each adapter reads (its module's ENV_KEYS) and the one
+that switches it on, and dsv41ctl config check and the health step derive from those declarations
+which rank-side keys take effect and which adapters a rank arms: a declaration must be exactly what
+build() reads, neither less (a key would be reported as having no effect) nor more (a key would be
+claimed as implemented), and decide on and off as build() does."""
 
 from __future__ import annotations
 
