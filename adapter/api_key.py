@@ -33,10 +33,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.keyfile import VARIABLE, KeyFileError, read_key_file
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch, Refused
 from adapter.redact import REDACTED, SECRET_FIELDS, redact_secrets
 from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "api_key"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.

@@ -28,9 +28,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AdapterSpec, Patch
 from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "autotune_keep"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.

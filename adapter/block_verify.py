@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import BEFORE, ON_IMPORT, AdapterSpec, Patch, Refused, refusing
-from dsv41.ranksettings import SettingError
 from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
 NAME = "block_verify"
 KEY = rankadapters.DSV41_BLOCK_VERIFY.name

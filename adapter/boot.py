@@ -31,10 +31,10 @@ from adapter import (
     verify_cap,
     wo_a_w8,
 )
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import AdapterSpec, Installer, arm, armed_finder
-from dsv41.ranksettings import SettingError
 from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
 ARM_VARIABLE = rankadapters.ARM_VARIABLE
 

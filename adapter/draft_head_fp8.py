@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch
 from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "draft_head_fp8"
 KEY = rankadapters.DSV41_DRAFT_HEAD_FP8.name

@@ -41,13 +41,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsv41 import engram_format as fmt
 from adapter.engram.settings import StoreSettings
 from adapter.engram.stats import RankStats
-from dsv41.adapterlog import PREFIX, AdapterLog
 from adapter.patching import AFTER, AROUND, BEFORE, ON_IMPORT, AdapterSpec, Patch, Refused
-from dsv41.ranksettings import SettingError
+from dsv41 import engram_format as fmt
 from dsv41 import rankadapters
+from dsv41.adapterlog import PREFIX, AdapterLog
+from dsv41.ranksettings import SettingError
 
 NAME = "engram_offload"
 ENGRAM_MODULE = "sglang.srt.layers.engram"

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, ON_IMPORT, AdapterSpec, Patch, Refused, refusing
-from dsv41.ranksettings import SettingError
 from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
 NAME = "folded_fence"
 KEY = rankadapters.DSV41_FOLDED_FENCE.name

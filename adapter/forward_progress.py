@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.patching import BEFORE, AdapterSpec, Patch
-from dsv41.progress import ProgressWriter
 from dsv41 import rankadapters
+from dsv41.progress import ProgressWriter
 
 NAME = "forward_progress"
 # DSV41_PROGRESS_DIR moves the counter (tests on one machine); a rank's agent reads /dev/shm.

@@ -26,9 +26,9 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
 from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "mxfp8_b12x"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.patching import AFTER, BEFORE, AdapterSpec, Patch
-from dsv41.ranksettings import SettingError
 from dsv41 import rankadapters
+from dsv41.ranksettings import SettingError
 
 NAME = "reasoning_effort"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.

@@ -24,10 +24,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, BEFORE, AdapterSpec, Patch
 from adapter.tp_padding import ModelDims, PadPlan, plan_padding
 from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "tp3_pad"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.

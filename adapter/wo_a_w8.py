@@ -33,9 +33,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch, Refused
 from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "wo_a_w8"
 KEY, MID_KEY, DROP_KEY, DRAFT_KEY = (s.name for s in rankadapters.BY_NAME["wo_a_w8"].settings)

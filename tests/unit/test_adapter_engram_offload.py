@@ -8,10 +8,10 @@ import io
 import pytest
 
 from adapter import engram_offload as eo
-from dsv41 import engram_format as fmt
 from adapter.engram.settings import StoreSettings
-from dsv41.adapterlog import AdapterLog
 from adapter.patching import ON_IMPORT, Refused
+from dsv41 import engram_format as fmt
+from dsv41.adapterlog import AdapterLog
 from dsv41.ranksettings import SettingError
 
 pytestmark = pytest.mark.unit

@@ -11,9 +11,9 @@ import pytest
 
 from adapter import autotune_keep, prefill_empty_cache
 from adapter.autotune_keep import AutotuneCacheKeeper, launch_args, launch_fingerprint
-from dsv41.autotune_cache import clear_autotune_caches, default_cache_root
-from dsv41.adapterlog import AdapterLog
 from adapter.prefill_empty_cache import PrefillEmptyCache, should_empty_cache
+from dsv41.adapterlog import AdapterLog
+from dsv41.autotune_cache import clear_autotune_caches, default_cache_root
 
 pytestmark = pytest.mark.unit
 
