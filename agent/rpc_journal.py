@@ -6,7 +6,7 @@ import os
 
 import grpc
 
-from adapter.autotune_keep import clear_autotune_caches
+from dsv41.autotune_cache import clear_autotune_caches
 from dsv41.v1 import agent_pb2 as pb
 
 UNITS = ("dsv41-agent.service", "dsv41-rank.service", "dsv41-pack.service")

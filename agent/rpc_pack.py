@@ -12,7 +12,7 @@ from typing import Callable
 
 import grpc
 
-import adapter
+import dsv41
 import agent
 from agent.pack.state import pack_state
 from dsv41.v1 import agent_pb2 as pb
@@ -57,8 +57,8 @@ PACK_SANDBOX: tuple[tuple[str, str, object], ...] = (
 
 
 def _module_path() -> str:
-    """Where this agent's packages (agent, dsv41, adapter) are importable from, for the job's PYTHONPATH."""
-    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))) for m in (agent, adapter)]
+    """Where this agent's packages (agent, dsv41) are importable from, for the job's PYTHONPATH."""
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))) for m in (agent, dsv41)]
     return os.pathsep.join(dict.fromkeys(dirs))
 
 

@@ -21,7 +21,7 @@ from dsv41.v1 import agent_pb2 as pb
 from dsv41.v1 import agent_pb2_grpc
 from dsv41.version import VERSION
 
-from adapter import progress as progress_files
+from dsv41 import progress as progress_files
 
 from .auth import cert_not_after
 from .bootid import boot_id

@@ -9,7 +9,7 @@ from typing import Mapping
 
 from adapter import admission_gate, prefill_empty_cache
 from adapter.admission_gate import GateSettings
-from adapter.settings import SettingError, env_int
+from dsv41.ranksettings import SettingError, env_int
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,8 @@ installed). A rank that exits meanwhile fails the step at once (the supervisor s
 
 from __future__ import annotations
 
-import io
-
-from adapter.boot import build_specs
-from adapter.log import AdapterLog, AdapterReport, read_report
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterReport, read_report
 
 from .. import serving
 from ..plan import NodePlan
@@ -35,7 +33,7 @@ def run(ctx: StepContext, deadline: float) -> None:
 
 def enabled_adapters(plan: NodePlan) -> frozenset[str]:
     """The adapters the node's rank environment switches on, as the rank itself decides."""
-    return frozenset(spec.name for spec in build_specs(plan.rank_spec.env, AdapterLog(io.StringIO())))
+    return rankadapters.switched_on(plan.rank_spec.env)
 
 
 def adapter_problem(plan: NodePlan, report: AdapterReport, require_installed: bool = True) -> str | None:

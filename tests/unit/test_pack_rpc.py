@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from test_pack_checkpoint import ROWS, write_checkpoint
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from agent.pack.packer import PackJob, Packer
 from agent.pathtrust import PathTrust
 from agent.rpc_pack import PackRpcs

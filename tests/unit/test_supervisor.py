@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from adapter.boot import BUILDERS
-from adapter.log import PREFIX
+from dsv41.adapterlog import PREFIX
 from coordinator import config
 from coordinator.agents import AgentUnavailable
 from coordinator.messages import Wake, WorkSeen
