@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Sequence, TextIO
+from typing import TYPE_CHECKING, Callable, Sequence, TextIO
 
 from dsv41.adapterlog import PREFIX as ADAPTER_PREFIX  # the stand-in's gate lines read as the rank's adapter writes them
 from dsv41.progress import ProgressWriter
@@ -19,6 +19,9 @@ from .args import SimArgs, parse, with_key_file
 from .engine import Engine, EngineConfig
 from .group import GroupError, Head, StepHung, Worker
 from .settings import Settings
+
+if TYPE_CHECKING:  # imported at run time only by the head (http.server is large)
+    from .api import ApiState
 
 DEFAULT_CHUNK = 8192  # SGLang picks per GPU when --chunked-prefill-size is absent
 DEFAULT_MAX_RUNNING = 64
@@ -124,23 +127,9 @@ def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
 
     head: Head | None = None
     if int(args.nnodes) > 1:
-        def on_lost(rank: int, reason: str) -> None:
-            log(f"lost rank {rank} ({reason}); the TP group cannot continue, exiting")
-            assert head is not None
-            head.report_lost(rank, reason)
-            _die(log, f"exit 1: rank {rank} lost")
-
-        head = Head(args, settings.peer_timeout_s, settings.heartbeat_s, log, on_lost)
-        try:
-            head.listen()
-            formed = head.gather(settings.rendezvous_timeout_s, stop)
-        except GroupError as exc:
-            log(f"error: {exc}")
-            return 1
-        if not formed:
-            head.shutdown_workers()
-            log("stopped before the group formed; exit 0")
-            return 0
+        head = _form_group(args, settings, log, stop)
+        if isinstance(head, int):
+            return head
 
     progress = progress_writer(args, log)
     watchdog_s = float(args.watchdog_timeout)
@@ -181,9 +170,42 @@ def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
     while not stop.wait(0.5):
         pass
 
+    _drain(state, engine, head, settings, log, received[0] if received else "stop")
+    server.shutdown()
+    engine.close()
+    log("drained; all ranks told to exit; exit 0")
+    return 0
+
+
+def _form_group(args: SimArgs, settings: Settings, log: Log, stop: threading.Event) -> Head | int:
+    """The head waiting for its workers; an exit status when the group did not form."""
+    head: Head | None = None
+
+    def on_lost(rank: int, reason: str) -> None:
+        log(f"lost rank {rank} ({reason}); the TP group cannot continue, exiting")
+        assert head is not None
+        head.report_lost(rank, reason)
+        _die(log, f"exit 1: rank {rank} lost")
+
+    head = Head(args, settings.peer_timeout_s, settings.heartbeat_s, log, on_lost)
+    try:
+        head.listen()
+        formed = head.gather(settings.rendezvous_timeout_s, stop)
+    except GroupError as exc:
+        log(f"error: {exc}")
+        return 1
+    if not formed:
+        head.shutdown_workers()
+        log("stopped before the group formed; exit 0")
+        return 0
+    return head
+
+
+def _drain(state: ApiState, engine: Engine, head: Head | None, settings: Settings, log: Log, why: str) -> None:
+    """As SGLang's server on SIGTERM: refuse new requests, let those in flight finish, then end the group."""
     state.set_state("draining")
     engine.stop_accepting()
-    log(f"{received[0] if received else 'stop'} received: /health answers 503, new requests are refused; "
+    log(f"{why} received: /health answers 503, new requests are refused; "
         f"draining {len(engine.inflight())} in-flight requests (up to {settings.drain_timeout_s:g} s), "
         "then shutting down all ranks")
     if not engine.wait_idle(settings.drain_timeout_s):
@@ -195,10 +217,6 @@ def run_head(args: SimArgs, settings: Settings, log: Log) -> int:
         stuck = head.shutdown_workers()
         if stuck:
             log(f"ranks {stuck} did not confirm the shutdown")
-    server.shutdown()
-    engine.close()
-    log("drained; all ranks told to exit; exit 0")
-    return 0
 
 
 def run_worker(args: SimArgs, settings: Settings, log: Log) -> int:
