@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
+import importlib
 import sys
-import textwrap
 from typing import Sequence, TextIO
 
-from . import ctl_bundle
-from . import ctl_cluster
-from . import ctl_pki
-
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
+# The module that declares and runs each command (None: this one), in the order `dsv41ctl --help` lists
+# them. A command imports only its own module: start-up is most of `dsv41ctl status`'s latency, and
+# status needs neither the configuration's modules nor the certificate code.
+COMMAND_MODULES = {
+    "config": None, "status": "ctl_cluster", "start": "ctl_cluster", "stop": "ctl_cluster",
+    "restart": "ctl_cluster", "events": "ctl_cluster", "pack": "ctl_cluster", "autotune": "ctl_cluster",
+    "share": "ctl_cluster", "logs": "ctl_cluster", "pki": "ctl_pki", "bundle": "ctl_bundle",
+}
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse_one_command(argv)
+    if args is None:  # no command, or a usage error: the whole parser answers as it always did
+        args = _parser().parse_args(argv)
     if not getattr(args, "handler", None):
-        parser.print_help(err)
+        _parser().print_help(err)
         return 2
     try:
         return args.handler(args, out, err)
@@ -28,10 +32,60 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextI
         return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv41ctl", description="Control the dsv41 cluster.")
-    sub = parser.add_subparsers(dest="command")
+class _Unparsed(Exception):
+    """The parser of one command met something it does not answer for itself (a usage error)."""
 
+
+class _OneCommandParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _Unparsed(message)
+
+
+def _parse_one_command(argv: list[str]) -> argparse.Namespace | None:
+    """The namespace from a parser that declares only argv's command (the same namespace the whole
+    parser gives); None when argv does not start with a command or does not parse, so that the whole
+    parser prints the help or the error with every command in it."""
+    if not argv or argv[0] not in COMMAND_MODULES:
+        return None
+    try:
+        return _parser(argv[0]).parse_args(argv)
+    except _Unparsed:
+        return None
+
+
+class _Discarded:
+    """What declaring a command other than the one parsed gives: a parser that keeps nothing."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: self
+
+
+class _OnlyCommand:
+    """The subparsers a module declares its commands into when one command is parsed."""
+
+    def __init__(self, sub, command: str):
+        self._sub, self._command = sub, command
+
+    def add_parser(self, name: str, **kwargs):
+        return self._sub.add_parser(name, **kwargs) if name == self._command else _Discarded()
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with a command, one that declares only that command (and imports only its
+    module), whose usage errors raise _Unparsed instead of printing a usage that lists it alone."""
+    parser_class = argparse.ArgumentParser if command is None else _OneCommandParser
+    parser = parser_class(prog="dsv41ctl", description="Control the dsv41 cluster.")
+    sub = parser.add_subparsers(dest="command")
+    declare = sub if command is None else _OnlyCommand(sub, command)
+    modules = dict.fromkeys(COMMAND_MODULES.values() if command is None else [COMMAND_MODULES[command]])
+    if None in modules:
+        _add_config_commands(declare)
+    for name in filter(None, modules):
+        importlib.import_module(f".{name}", __package__).add_commands(declare, DEFAULT_CONFIG)
+    return parser
+
+
+def _add_config_commands(sub) -> None:
     cfg = sub.add_parser("config", help="check and show the cluster configuration")
     cfg_sub = cfg.add_subparsers(dest="config_command")
     check = cfg_sub.add_parser("check", help="validate a cluster.env; exit 1 with every error")
@@ -46,10 +100,6 @@ def _parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=_config_show)
     keys = cfg_sub.add_parser("keys", help="list every key cluster.env may hold")
     keys.set_defaults(handler=_config_keys)
-    ctl_cluster.add_commands(sub, DEFAULT_CONFIG)
-    ctl_pki.add_commands(sub, DEFAULT_CONFIG)
-    ctl_bundle.add_commands(sub, DEFAULT_CONFIG)
-    return parser
 
 
 def _load(path: str, err: TextIO):
@@ -92,6 +142,7 @@ def _config_show(args, out: TextIO, err: TextIO) -> int:
         return 1
     body = node_plan.to_json()
     if args.json:
+        import json
         json.dump(body, out, indent=2, sort_keys=False)
         out.write("\n")
         return 0
@@ -100,6 +151,9 @@ def _config_show(args, out: TextIO, err: TextIO) -> int:
 
 
 def _print_plan(body: dict, out: TextIO) -> None:
+    import json
+    import shlex
+    import textwrap
     print(f"node {body['node']}  rank {body['rank']}  address {body['address']}  "
           f"runtime {body['runtime']}  fingerprint {body['fingerprint']}", file=out)
     print("argv:", file=out)

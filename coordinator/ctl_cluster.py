@@ -3,7 +3,6 @@ autotune, share."""
 
 from __future__ import annotations
 
-import json
 import os
 import textwrap
 import time
@@ -28,6 +27,11 @@ INDENT = 13  # a node's detail lines start under its RANK UNIT column
 
 class ControlUnavailable(Exception):
     pass
+
+
+class ConfigUnusable(Exception):
+    """cluster.env is invalid (the message: its errors); raised where the status is read from the agents,
+    so that the path through the coordinator never loads the configuration's modules."""
 
 
 def _usable(path: str) -> bool:
@@ -136,7 +140,10 @@ def fetch_status(args) -> pb.ClusterStatus:
     from .control import cluster_status, node_views
     from .daemon import load_tls, make_clients
     from .runtime import Snapshot
-    cfg = config_mod.load(args.config)
+    try:
+        cfg = config_mod.load(args.config)
+    except config_mod.ConfigInvalid as exc:
+        raise ConfigUnusable(str(exc)) from exc
     try:
         tls = load_tls(cfg)
     except (OSError, FileNotFoundError):
@@ -250,16 +257,17 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, w
 
 
 def _status(args, out: TextIO, err: TextIO) -> int:
-    from .config import ConfigInvalid
     try:
         st = fetch_status(args)
     except PermissionError as exc:
         print(str(exc), file=err)
         return 4
-    except ConfigInvalid as exc:
+    except ConfigUnusable as exc:
         print(f"coordinator not running, and {args.config} is invalid:\n{exc}", file=err)
         return 3
     if args.json:
+        import json
+
         from google.protobuf import json_format
         body = json_format.MessageToDict(st, preserving_proto_field_name=True, including_default_value_fields=True)
         json.dump(body, out, indent=2, sort_keys=True)

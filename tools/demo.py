@@ -75,18 +75,18 @@ def _node_command(cluster, line: str) -> str:
 
 
 def _boot(engine: str, debs: Path):
-    from tests.harness.nspawn import build_rootfs
+    from testbed.nspawn import build_rootfs
 
     if engine == "sim":
-        from tests.cluster.sparks import boot_sparks
+        from testbed.sparks import boot_sparks
         return boot_sparks(build_rootfs(), debs, SMOKE_QUICK="0")
-    from tests.realengine.rehearsal import boot_rehearsal, engine_venv, tiny_model
+    from testbed.rehearsal import boot_rehearsal, engine_venv, tiny_model
     venv = engine_venv()
     return boot_rehearsal(build_rootfs(), debs, venv, tiny_model(venv, Path(tempfile.mkdtemp(prefix="dsv41-demo-model-"))))
 
 
 def _supervise(ready_fd: int, engine: str) -> None:
-    from tests.cluster.sparks import build_debs, ctl, wait_serving
+    from testbed.sparks import build_debs, ctl, wait_serving
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

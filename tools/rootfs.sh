@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds (once) the Debian bookworm base root file system that the systemd-nspawn
-# test harness (tests/harness/nspawn.py) boots every node from, and prints its path.
+# node harness (testbed/nspawn.py) boots every node from, and prints its path.
 #
 # The result is cached under ${DSV41_ROOTFS_CACHE:-/var/cache/dsv41-test}/bookworm-<hash>,
 # where <hash> covers the package list and this script: a re-run is instant, a

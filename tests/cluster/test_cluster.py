@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.sparks import (SIM, boot_sparks, build_debs, coordinator_events, ctl, incidents, install,
-                                  install_nfs_client_standin, new_incident, rank_pids, status, unit_pid, wait_for,
-                                  wait_serving)
+from testbed.sparks import SIM, boot_sparks, build_debs, ctl, install, rank_pids, status, wait_serving
+from tests.cluster.sparks import (coordinator_events, incidents, install_nfs_client_standin, new_incident, unit_pid,
+                                  wait_for)
 from tests.integration.simcluster import cluster_env
 from tests.integration.test_guard_memory import GUARD_BYTES, GUARD_ENV, HEADROOM, RUNAWAY_TOKENS, HeadMemory, run_once
 from tests.integration.test_mount_unit import model_dir

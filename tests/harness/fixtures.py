@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tests.harness.nspawn import Bridge, Cluster, HarnessError, Node, build_rootfs, host_problems
+from testbed.nspawn import Bridge, Cluster, HarnessError, Node, build_rootfs, host_problems
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import grpc
 
 from dsv41.v1 import agent_pb2 as pb
 from dsv41.v1 import agent_pb2_grpc
-from tests.harness.nspawn import Node
+from testbed.nspawn import Node
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = "/opt/dsv41-src"

@@ -15,7 +15,8 @@ import grpc
 
 from dsv41.v1 import control_pb2 as cpb
 from dsv41.v1 import control_pb2_grpc
-from tests.harness.nspawn import Cluster
+from testbed.nspawn import Cluster
+from testbed.sparks import sim_cluster_env
 from tests.integration.agentnode import REPO, SRC, install_agent
 
 AGENT_PORT = 7441
@@ -24,29 +25,8 @@ ADAPTER = "/usr/share/dsv41/rank"
 
 
 def cluster_env(nodes: dict, port: int = 8888, **extra: str | None) -> str:
-    names = list(nodes)
-    head, workers = nodes[names[0]], [nodes[n] for n in names[1:]]
-    lines = {
-        "HEAD_IP": head.address, "HEAD_HOST": names[0], "AGENT_PORT": str(AGENT_PORT),
-        "FABRIC_IFACE": "host0", "FABRIC_MTU": "1500", "GLOO_SOCKET_IFNAME": "host0", "NCCL_SOCKET_IFNAME": "host0",
-        "IB_HCA": "rocep1s0f0,rocep1s0f1", "NCCL_NET": "Socket", "NCCL_IB_DISABLE": "1",
-        "MODEL_DIR": "/var/tmp/model", "COMMON_MODEL": "/var/tmp/model",
-        "BASE_IMAGE": "lmsysorg/sglang:dev-dsv41@sha256:" + "0" * 64, "PORT": str(port),
-        "NFS_SHARE": "0", "NNODES": str(len(nodes)), "TP_SIZE": str(len(nodes)), "DIST_PORT": "20000",
-        "OFFLOAD_MODE": "host", "CONTEXT_LENGTH": "65536", "MEM_FRACTION_STATIC": "0.9",
-        "MAX_TOTAL_TOKENS": "131072", "DSV41_MAX_NEW_TOKENS": "1024", "ENGRAM_DIR": "/var/tmp/engram",
-        "RANK_RUNTIME": "host", "RANK_ENGINE": "sim", "SIM_RANK_COMMAND": SIM, "RANK_MEMORY_GIB": "0.05",
-        "INSECURE_NO_TLS": "1", "RESTART_BACKOFF_S": "0.2", "RANK_STOP_TIMEOUT_S": "10",
-        "HEALTH_TIMEOUT_S": "60", "MEMORY_RECOVERY_TIMEOUT_S": "10",
-        # Off by default: these coordinators run on the test machine itself, where concurrent runs
-        # would race for the one default port. A test that wants metrics names a port.
-        "METRICS_LISTEN": "",
-    }
-    for k, worker in enumerate(workers, start=1):
-        lines[f"WORKER{k}_IP"] = worker.address
-        lines[f"WORKER{k}_HOST"] = names[k]
-    lines.update(extra)
-    return "".join(f"{k}={v}\n" for k, v in lines.items() if v is not None)  # None: the key's default
+    """cluster.env for nodes running the agent and the stand-in from this source tree."""
+    return sim_cluster_env(nodes, SIM, port, **extra)
 
 
 def boot(rootfs, names=("spark1", "spark2", "spark3"), **options) -> Cluster:

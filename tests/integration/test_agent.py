@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from dsv41.v1 import agent_pb2 as pb
-from tests.harness.nspawn import Node
+from testbed.nspawn import Node
 from tests.integration.agentnode import channel, free_port, install_agent, spec, wait
 from tests.integration.test_guard_memory import HeadMemory
 

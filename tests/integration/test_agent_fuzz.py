@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsv41.v1 import agent_pb2 as pb
-from tests.harness.nspawn import Node
+from testbed.nspawn import Node
 from tests.integration.agentnode import channel, free_port, install_agent
 
 pytestmark = pytest.mark.integration

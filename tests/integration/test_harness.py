@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.fixtures import bridge, cluster, node, rootfs  # noqa: F401
-from tests.harness.nspawn import BootError, Cluster, Node
+from testbed.nspawn import BootError, Cluster, Node
 
 pytestmark = pytest.mark.integration
 

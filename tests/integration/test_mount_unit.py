@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from dsv41.v1 import agent_pb2 as pb
-from tests.harness.nspawn import Node
+from testbed.nspawn import Node
 from tests.integration.agentnode import DROP_IN, REPO, SRC, STANDIN, channel, copy_source, free_port, spec, wait
 
 pytestmark = pytest.mark.integration

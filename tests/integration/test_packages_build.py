@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.debs import debs_module
+from testbed.debs import debs_module
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.debs import debs_module
-from tests.harness.nspawn import Node
+from testbed.debs import debs_module
+from testbed.nspawn import Node
 
 pytestmark = pytest.mark.integration
 

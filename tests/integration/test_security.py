@@ -23,7 +23,7 @@ from coordinator import pki
 from coordinator.agents import AgentClient, AgentUnavailable, Tls
 from dsv41.v1 import agent_pb2 as pb
 from dsv41.v1 import agent_pb2_grpc
-from tests.harness.nspawn import Node
+from testbed.nspawn import Node
 from tests.integration.agentnode import REPO, SRC, free_port, install_agent, spec, wait
 from tests.integration.simcluster import cluster_env
 from tests.integration.test_agent_fuzz import ALLOWED_CODES, specs

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.sparks import (build_debs, ctl, incidents, new_incident, rank_pids, status, unit_pid, wait_for,
-                                  wait_serving)
+from testbed.rehearsal import api_key, boot_rehearsal, engine_venv, tiny_model
+from testbed.sparks import build_debs, ctl, rank_pids, status, wait_serving
+from tests.cluster.sparks import incidents, new_incident, unit_pid, wait_for
 from tests.integration.test_guard_memory import HeadMemory
-from tests.realengine.rehearsal import api_key, boot_rehearsal, engine_venv, tiny_model
 
 pytestmark = pytest.mark.realengine
 

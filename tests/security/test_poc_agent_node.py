@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from dsv41.v1 import agent_pb2 as pb
-from tests.harness.nspawn import Node
+from testbed.nspawn import Node
 from tests.integration.agentnode import channel, free_port, install_agent, spec, wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.harness.nspawn import Node
+from testbed.nspawn import Node
 from tests.integration.agentnode import REPO, SRC, free_port, wait
 from tests.integration.simcluster import cluster_env
 from tests.integration.test_security import ctl

@@ -16,7 +16,7 @@ from agent import settings as agent_settings
 from coordinator import config as cluster_config
 from coordinator import schema as cluster_schema
 from dsv41.version import VERSION
-from tests.debs import debs_module
+from testbed.debs import debs_module
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Boot real systemd nodes in systemd-nspawn containers for the integration and cluster tiers.
+"""Boot real systemd nodes in systemd-nspawn containers for the test tiers, the demo and the benches.
 
 Needs root on a Linux host with systemd-nspawn, nsenter, ip and overlayfs (PID 1 of the host
 need not be systemd). Every node boots the shared base tree from ``tools/rootfs.sh`` through
@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 ROOTFS_SCRIPT = REPO_ROOT / "tools" / "rootfs.sh"
 HOST_TOOLS = ("systemd-nspawn", "nsenter", "ip", "mount", "umount")
 NODE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -1,5 +1,5 @@
-"""packaging/debs.py for the tests that build packages (packaging/ is no Python package: its name
-would shadow python3-packaging)."""
+"""packaging/debs.py for what builds the packages (the tests, the demo, the benches): packaging/ is
+no Python package (its name would shadow python3-packaging)."""
 
 import importlib.util
 import sys

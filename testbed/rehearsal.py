@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.cluster.sparks import install
-from tests.harness.nspawn import Cluster, Node
+from testbed.nspawn import Cluster, Node
+from testbed.sparks import install
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "docs" / "cpu-rehearsal.env"
 ENGINE = "/opt/dsv41-engine"  # where every node sees the engine's environment (read-only)
 REHEARSAL = "/srv/dsv41-rehearsal"  # the model (read-only) and the node's engram directory
