@@ -13,7 +13,7 @@ import posixpath
 from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping
 
-from adapter.admission_gate import LONE_WAIT_S
+from dsv41.admission import LONE_WAIT_S
 
 from .config import ClusterConfig, Node
 from .guard.settings import cost_model

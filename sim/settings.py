@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from adapter import admission_gate, prefill_empty_cache
-from adapter.admission_gate import GateSettings
 from adapter.settings import SettingError, env_int
+from dsv41.admission import GateSettings
 
 
 @dataclass(frozen=True)
