@@ -63,3 +63,18 @@ def test_the_guard_imports_nothing_of_the_adapter():
              if (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "adapter")
              or (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "adapter" for a in node.names))]
     assert not found, found
+
+
+def test_every_guard_setting_has_a_meaning_and_goes_into_the_start_event():
+    from dataclasses import fields
+
+    from coordinator.guard.settings import GuardSettings, log_fields, meanings
+
+    settings = GuardSettings()
+    logged = log_fields(settings)
+    assert all(meanings()[f.name] for f in fields(GuardSettings))
+    for f in fields(GuardSettings):
+        if f.name == "cost":
+            assert {k for k in logged if k.startswith("cost_")} == {f"cost_{c.name}" for c in fields(settings.cost)}
+        else:
+            assert logged["guard_mode" if f.name == "mode" else f.name] == getattr(settings, f.name)
