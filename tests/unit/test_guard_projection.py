@@ -12,11 +12,11 @@ import statistics
 import pytest
 
 from coordinator.guard import projection
+from coordinator.guard.engine import parse_inflight
+from dsv41.admission import GateSettings
 from dsv41.cost import CostModel
 from dsv41.inflight import InflightRequest
-from coordinator.guard.engine import parse_inflight
 from sim.allocator import CachingAllocator, CountedMemory
-from dsv41.admission import GateSettings
 from sim.engine import Engine, EngineConfig
 from sim.kvpool import KvPool
 

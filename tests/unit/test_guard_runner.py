@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from coordinator.guard import policy as p
-from dsv41.cost import CostModel
 from coordinator.guard.engine import EngineApi, EngineError, parse_inflight
 from coordinator.guard.events import event_of
 from coordinator.guard.runner import MemoryGuard
+from dsv41.cost import CostModel
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 
