@@ -18,6 +18,7 @@ from dsv41.inflight import InflightList, InflightRequest
 
 from .kinds import Why
 from .projection import Projection
+
 # With more requests in flight than this, sets of more than two victims are grown greedily: each
 # projection steps the whole queue through the allocator, and there are n-choose-k sets of k.
 EXHAUSTIVE_UP_TO = 8
