@@ -24,6 +24,15 @@ protos:
 check-protos:
 	tools/gen-protos.sh --check
 
+# docs/configuration.md, the reference of every cluster.env key, from coordinator/schema.py (a unit
+# test fails when the committed file is stale; `check-config-reference` says how, with a diff).
+.PHONY: config-reference check-config-reference
+config-reference:
+	$(PYTHON) tools/config-reference.py
+
+check-config-reference:
+	$(PYTHON) tools/config-reference.py --check
+
 # Debian packages (packaging/README.md): built from the last commit (DEBS_SOURCE=worktree: from
 # the working tree as it is) into packaging/out/, reproducibly; `make debs VERSION_SUFFIX=+1` builds
 # a higher version for upgrades; `make debs-lintian` checks them (exit 1 on any lintian error).

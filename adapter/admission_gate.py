@@ -46,15 +46,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv41.admission import LONE_WAIT_S, GateSettings, admits, pieces_bytes, step_bytes
-
-from adapter.log import AdapterLog
+from dsv41.adapterlog import AdapterLog
 from adapter.patching import AROUND, AdapterSpec, Patch
 from adapter.scheduler_requests import kv_in_use as scheduler_kv_in_use
-from adapter.settings import env_float, env_int
+from dsv41.ranksettings import env_float, env_int
+from dsv41 import rankadapters
 
 NAME = "admission_gate"
-ENV_KEYS = ("DSV41_ADMISSION_GUARD_BYTES", "DSV41_ADMISSION_TOKEN_BYTES", "DSV41_ADMISSION_TRANSIENT_BYTES",
-            "DSV41_ADMISSION_LONE_WAIT_S")
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 POLICY_MODULE = "sglang.srt.managers.schedule_policy"
 MAXIMUM_BYTES = 1 << 50

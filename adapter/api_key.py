@@ -33,13 +33,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.keyfile import VARIABLE, KeyFileError, read_key_file
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch, Refused
 from adapter.redact import REDACTED, SECRET_FIELDS, redact_secrets
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "api_key"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (VARIABLE,)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 ARGS_MODULE = "sglang.srt.server_args"
 LOGGING_MODULE = "sglang.srt.entrypoints.engine"
 DUMP_MODULE = "sglang.srt.managers.tokenizer_manager"

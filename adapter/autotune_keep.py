@@ -12,11 +12,8 @@ per-invocation variables). When SGLang asks for the cache path
 (`flashinfer_autotune_cache_path`) and the recorded fingerprint differs, the old cache is deleted
 so this boot retunes; the new fingerprint is written either way.
 
-Forcing a retune (what `dsv41ctl autotune reset` does on every node through its agent): call
-`clear_autotune_caches(root)` with the SGLang cache root (`default_cache_root()` reads
-SGLANG_CACHE_DIR / ~/.cache/sglang) while the rank is stopped; it removes every
-`flashinfer/autotune/*/*/*/rank_*.json` and `rank_*.launch` under it and returns their paths.
-This module imports nothing from SGLang or torch, so the agent can import it directly.
+Forcing a retune (what `dsv41ctl autotune reset` does on every node through its agent) is
+dsv41/autotune_cache.py's `clear_autotune_caches`, which removes both kinds of file.
 
 DSV41_AUTOTUNE_KEEP=0 leaves SGLang's own cache handling alone.
 """
@@ -31,13 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, AdapterSpec, Patch
-from adapter.settings import env_flag
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "autotune_keep"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_AUTOTUNE_KEEP",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.model_executor.runner.flashinfer_autotune"
 ENV_PREFIXES = ("SGLANG_", "DSV41_", "FLASHINFER_", "TORCH_", "PYTORCH_", "CUDA_", "TRITON_", "NVIDIA_")
 # Set per boot (or per systemd invocation) without changing what the kernels do.
@@ -57,7 +54,6 @@ PER_BOOT_ENV = frozenset(
     }
 )
 PER_BOOT_FLAGS = frozenset({"--dist-init-addr", "--host", "--port", "--nccl-port", "--api-key", "--admin-api-key"})
-CACHE_GLOB = ("flashinfer", "autotune", "*", "*", "*")
 
 
 def launch_args(argv: Sequence[str]) -> list[str]:
@@ -156,36 +152,12 @@ class AutotuneCacheKeeper:
         return None
 
 
-def default_cache_root(env: Mapping[str, str] | None = None, home: str | None = None) -> Path:
-    """SGLang's cache root: $SGLANG_CACHE_DIR, else ~/.cache/sglang."""
-    e = os.environ if env is None else env
-    raw = e.get("SGLANG_CACHE_DIR", "").strip()
-    if raw:
-        return Path(os.path.expanduser(raw))
-    return Path(home if home is not None else os.path.expanduser("~")) / ".cache" / "sglang"
-
-
-def clear_autotune_caches(root: Path) -> list[Path]:
-    """Remove every rank's FlashInfer tactic cache and launch record under `root`; their paths."""
-    removed: list[Path] = []
-    base = Path(root).joinpath(*CACHE_GLOB[:2])
-    pattern = "/".join(CACHE_GLOB[2:])
-    for directory in sorted(base.glob(pattern)):
-        if not directory.is_dir():
-            continue
-        for path in sorted(directory.glob("rank_*")):
-            if path.suffix in (".json", ".launch") and path.is_file():
-                path.unlink(missing_ok=True)
-                removed.append(path)
-    return removed
-
-
 def build(
     env: Mapping[str, str],
     argv: Callable[[], Sequence[str]] | None = None,
     log: AdapterLog | None = None,
 ) -> AdapterSpec | None:
-    if not env_flag(env, "DSV41_AUTOTUNE_KEEP", True):
+    if not rankadapters.DSV41_AUTOTUNE_KEEP.read(env):
         return None
     keeper = AutotuneCacheKeeper(argv if argv is not None else (lambda: sys.argv), lambda: os.environ, log)
     return AdapterSpec(

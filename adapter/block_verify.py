@@ -21,14 +21,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapter.log import AdapterLog
 from adapter.patching import BEFORE, ON_IMPORT, AdapterSpec, Patch, Refused, refusing
-from adapter.settings import SettingError, env_flag
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
 NAME = "block_verify"
-KEY = "DSV41_BLOCK_VERIFY"
+KEY = rankadapters.DSV41_BLOCK_VERIFY.name
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (KEY,)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 VERIFY = "sglang.srt.speculative.dspark_components.dspark_verify"
 SAMPLING_GRAPH = "sglang.srt.speculative.dspark_components.dspark_sampling_accept_graph"
 
@@ -50,7 +51,7 @@ class BlockVerify:
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
     try:
-        on = env_flag(env, KEY, False)
+        on = rankadapters.DSV41_BLOCK_VERIFY.read(env)
     except SettingError as e:
         return refusing(NAME, VERIFY, str(e))
     if not on:

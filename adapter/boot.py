@@ -31,11 +31,12 @@ from adapter import (
     verify_cap,
     wo_a_w8,
 )
-from adapter.log import AdapterLog
 from adapter.patching import AdapterSpec, Installer, arm, armed_finder
-from adapter.settings import SettingError
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
-ARM_VARIABLE = "DSV41_SOURCE"
+ARM_VARIABLE = rankadapters.ARM_VARIABLE
 
 Builder = Callable[[Mapping[str, str], AdapterLog], AdapterSpec | None]
 
@@ -64,14 +65,8 @@ BUILDERS: tuple[tuple[str, Builder], ...] = tuple((module.NAME, build) for modul
 
 
 def env_keys() -> dict[str, tuple[str, ...]]:
-    """{variable: the adapters that read it}, from each adapter module's ENV_KEYS declaration
-    (and DSV41_SOURCE, which arms them all). Importable without SGLang or torch: the coordinator
-    derives from it which rank-side keys have an effect."""
-    readers: dict[str, tuple[str, ...]] = {ARM_VARIABLE: ("boot",)}
-    for module, _build in ADAPTERS:
-        for key in module.ENV_KEYS:
-            readers[key] = readers.get(key, ()) + (module.NAME,)
-    return readers
+    """{variable: the adapters that read it}: dsv41/rankadapters.py declares them for both sides."""
+    return rankadapters.env_keys()
 
 
 def armed(env: Mapping[str, str]) -> bool:

@@ -22,14 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch
-from adapter.settings import env_flag
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "draft_head_fp8"
-KEY = "DSV41_DRAFT_HEAD_FP8"
+KEY = rankadapters.DSV41_DRAFT_HEAD_FP8.name
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (KEY,)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 DRAFT_MODEL = "sglang.srt.models.deepseek_v4_dspark"
 DSPARK = "sglang.srt.models.dspark"
 
@@ -108,7 +108,7 @@ class DraftHeadFp8:
 
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
-    if not env_flag(env, KEY, False):
+    if not rankadapters.DSV41_DRAFT_HEAD_FP8.read(env):
         return None
     adapter = DraftHeadFp8(log)
     return AdapterSpec(name=NAME, detail="the DSpark draft projects through an fp8 copy of the shared LM head",

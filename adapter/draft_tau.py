@@ -21,14 +21,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, AROUND, BEFORE, AdapterSpec, Patch, Refused, refusing
-from adapter.settings import SettingError
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
 NAME = "draft_tau"
-KEY = "DSV41_DRAFT_TAU"
+KEY = rankadapters.DSV41_DRAFT_TAU.name
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (KEY,)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 DRAFT = "sglang.srt.speculative.dspark_components.dspark_draft"
 VERIFY = "sglang.srt.speculative.dspark_components.dspark_verify"
 BLOCKWISE = "sglang.kernels.ops.speculative.dspark.blockwise_rejection"
@@ -70,7 +71,7 @@ class DraftTau:
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
     try:
-        tau = parse_tau(env.get(KEY, ""))
+        tau = parse_tau(env.get(KEY, "").strip() or rankadapters.DSV41_DRAFT_TAU.when_absent)
     except SettingError as e:
         return refusing(NAME, DRAFT, str(e))
     if tau is None:

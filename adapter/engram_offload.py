@@ -41,13 +41,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adapter.engram import format as fmt
-from adapter.engram.settings import ENV_KEYS as STORE_ENV_KEYS
 from adapter.engram.settings import StoreSettings
 from adapter.engram.stats import RankStats
-from adapter.log import PREFIX, AdapterLog
 from adapter.patching import AFTER, AROUND, BEFORE, ON_IMPORT, AdapterSpec, Patch, Refused
-from adapter.settings import SettingError, env_choice, env_flag
+from dsv41 import engram_format as fmt
+from dsv41 import rankadapters
+from dsv41.adapterlog import PREFIX, AdapterLog
+from dsv41.ranksettings import SettingError
 
 NAME = "engram_offload"
 ENGRAM_MODULE = "sglang.srt.layers.engram"
@@ -55,11 +55,9 @@ STAGING_MODULE = "sglang.srt.layers.engram_staging"
 MODEL_MODULE = "sglang.srt.models.deepseek_v4"
 FIX = fmt.REPACK_HINT  # "re-pack with `dsv41ctl pack --start`"
 # SGLang's own Engram layouts; each would allocate a table of its own.
-CONFLICTS = ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS")
-ENV_KEYS = ("OFFLOAD_MODE", "DSV41_PACKED_DIR", "DSV41_ENGRAM_PREFETCH", "DSV41_ENGRAM_PREFETCH_CHECK",
-            *STORE_ENV_KEYS, *CONFLICTS)
+CONFLICTS = rankadapters.ENGRAM_CONFLICTS
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 TABLE_SUFFIXES = (".engram.embed.weight", ".engram.embed.scale")
-DEFAULT_PACKED_DIR = "/engram"
 READ_FAILED = f"{NAME}: reading Engram rows failed: "
 # The Python path's host functions run on the CUDA driver's thread and need the GIL: with the
 # default switch interval (5 ms) a scheduler thread busy in Python holds a read back by up to that
@@ -79,20 +77,19 @@ class OffloadSettings:
 def settings_from_env(env: Mapping[str, str]) -> OffloadSettings | None:
     """None unless OFFLOAD_MODE=nvme (unset or host: SGLang keeps its own table); SettingError for
     a value the adapter cannot use."""
-    mode = env_choice(env, "OFFLOAD_MODE", "", ("nvme", "host"))
+    mode = rankadapters.OFFLOAD_MODE.read(env)
     if mode != "nvme":
         return None
-    packed_dir = env.get("DSV41_PACKED_DIR", "").strip() or DEFAULT_PACKED_DIR
-    if not os.path.isabs(packed_dir):
-        raise SettingError(f"DSV41_PACKED_DIR={packed_dir!r}: expected an absolute path")
-    prefetch = env_flag(env, "DSV41_ENGRAM_PREFETCH", False)
-    check = env_flag(env, "DSV41_ENGRAM_PREFETCH_CHECK", False)
+    packed_dir = rankadapters.DSV41_PACKED_DIR.read(env)
+    prefetch = rankadapters.DSV41_ENGRAM_PREFETCH.read(env)
+    check = rankadapters.DSV41_ENGRAM_PREFETCH_CHECK.read(env)
     try:
         store = StoreSettings.from_env(env)
     except ValueError as e:
         raise SettingError(str(e)) from None
-    for key in CONFLICTS:
-        if env_flag(env, key, False):
+    for conflict in CONFLICTS:
+        if conflict.read(env):
+            key = conflict.name
             raise SettingError(f"{key}=1 makes SGLang hold the Engram tables itself, which OFFLOAD_MODE=nvme "
                                f"serves from the packed shards: unset {key}")
     return OffloadSettings(packed_dir, prefetch, check, store)

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from adapter.engram import format as fmt
 from adapter.engram.native import NativeReader
 from adapter.engram.store import RowStore, StoreError
+from dsv41 import engram_format as fmt
 
 DIM = fmt.WEIGHT_BYTES  # values per row
 # Buffers of the synchronous and prefetch paths come in power-of-two classes of at least this many

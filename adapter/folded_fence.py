@@ -22,14 +22,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, ON_IMPORT, AdapterSpec, Patch, Refused, refusing
-from adapter.settings import SettingError, env_flag
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
 NAME = "folded_fence"
-KEY = "DSV41_FOLDED_FENCE"
+KEY = rankadapters.DSV41_FOLDED_FENCE.name
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (KEY,)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 VERIFY = "sglang.srt.speculative.dspark_components.dspark_verify"
 SAMPLING_GRAPH = "sglang.srt.speculative.dspark_components.dspark_sampling_accept_graph"
 
@@ -64,7 +65,7 @@ class FoldedFence:
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
     try:
-        on = env_flag(env, KEY, False)
+        on = rankadapters.DSV41_FOLDED_FENCE.read(env)
     except SettingError as e:
         return refusing(NAME, VERIFY, str(e))
     if not on:

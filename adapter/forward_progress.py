@@ -1,7 +1,7 @@
 """forward_progress: count every forward step of this rank for its node's agent.
 
 A BEFORE hook on `Scheduler.run_batch` (where SGLang itself counts `forward_ct`) bumps the rank's
-counter in /dev/shm (adapter/progress.py): a store into a shared page, no system call, nothing
+counter in /dev/shm (dsv41/progress.py): a store into a shared page, no system call, nothing
 that talks to the agent. The agent carries the count in its heartbeat; when a TP group hangs in a
 collective, the rank whose counter stopped first is the one that never started the step the
 others wait in. Always on in an armed rank (there is nothing to tune), and it stays out rather
@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.patching import BEFORE, AdapterSpec, Patch
-from adapter.progress import DIRECTORY, ProgressWriter
+from dsv41 import rankadapters
+from dsv41.progress import ProgressWriter
 
 NAME = "forward_progress"
 # DSV41_PROGRESS_DIR moves the counter (tests on one machine); a rank's agent reads /dev/shm.
-ENV_KEYS = ("DSV41_PROGRESS_DIR",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.managers.scheduler"
 
 
@@ -42,10 +43,7 @@ class ForwardProgress:
 
 
 def build(env: Mapping[str, str]) -> AdapterSpec:
-    directory = env.get("DSV41_PROGRESS_DIR", "").strip() or DIRECTORY
-    if not os.path.isabs(directory):
-        from adapter.settings import SettingError
-        raise SettingError(f"DSV41_PROGRESS_DIR={directory!r}: must be an absolute path")
+    directory = rankadapters.DSV41_PROGRESS_DIR.read(env)
     adapter = ForwardProgress(directory)
     return AdapterSpec(name=NAME, state=adapter, detail=f"forward steps counted in {directory}",
                        patches=(Patch(MODULE, "Scheduler.run_batch", BEFORE, adapter.before_batch,

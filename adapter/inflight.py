@@ -43,13 +43,14 @@ from dsv41.inflight import PATH, SCHEDULER_SOURCE, InflightRequest, payload
 
 from adapter import reqstate
 from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
-from adapter.progress import DIRECTORY
+from dsv41.progress import DIRECTORY
 from adapter.scheduler_requests import SchedulerRequests
-from adapter.settings import SettingError, env_flag
+from dsv41.ranksettings import SettingError, env_flag
+from dsv41 import rankadapters
 
 NAME = "inflight"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_INFLIGHT_ROUTE", "DSV41_PROGRESS_DIR")
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 HTTP_SERVER = "sglang.srt.entrypoints.http_server"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
 SCHEDULER = "sglang.srt.managers.scheduler"

@@ -20,11 +20,11 @@ from typing import Any
 
 from adapter.loop_detect import LoopDetector, LoopRules, TokenKind
 from adapter.patching import AFTER, ON_IMPORT, AdapterSpec, Patch, PatchError
-from adapter.settings import env_flag, env_int
+from dsv41 import rankadapters
 
 NAME = "loop_abort"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_LOOP_ABORT", "DSV41_LOOP_NGRAM", "DSV41_LOOP_REPEATS", "DSV41_LOOP_LINE_REPEATS")
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.managers.schedule_batch"
 DETECTOR_ATTR = "_dsv41_loop_detector"
 SAME_TOKENS = 64
@@ -32,13 +32,13 @@ SAME_TOKENS = 64
 
 def rules_from_env(env: Mapping[str, str]) -> LoopRules | None:
     """The rules, or None when DSV41_LOOP_ABORT switches the adapter off."""
-    if not env_flag(env, "DSV41_LOOP_ABORT", True):
+    if not rankadapters.DSV41_LOOP_ABORT.read(env):
         return None
     return LoopRules(
-        ngram=env_int(env, "DSV41_LOOP_NGRAM", 32, 2, 1 << 20),
-        repeats=env_int(env, "DSV41_LOOP_REPEATS", 4, 2, 1 << 20),
+        ngram=rankadapters.DSV41_LOOP_NGRAM.read(env),
+        repeats=rankadapters.DSV41_LOOP_REPEATS.read(env),
         same_tokens=SAME_TOKENS,
-        line_repeats=env_int(env, "DSV41_LOOP_LINE_REPEATS", 8, 2, 1 << 20),
+        line_repeats=rankadapters.DSV41_LOOP_LINE_REPEATS.read(env),
     )
 
 

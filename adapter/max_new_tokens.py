@@ -14,14 +14,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.patching import BEFORE, AdapterSpec, Patch
-from adapter.settings import env_int
+from dsv41 import rankadapters
 
 NAME = "max_new_tokens"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_MAX_NEW_TOKENS",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.entrypoints.openai.serving_chat"
-DEFAULT = 32768
-MAXIMUM = 1 << 24
+SETTING = rankadapters.DSV41_MAX_NEW_TOKENS
+DEFAULT = int(SETTING.default)
+MAXIMUM = int(SETTING.high)
 
 
 def limit_output(
@@ -57,7 +58,7 @@ class MaxNewTokens:
 
 
 def build(env: Mapping[str, str]) -> AdapterSpec | None:
-    limit = env_int(env, "DSV41_MAX_NEW_TOKENS", DEFAULT, 0, MAXIMUM)
+    limit = SETTING.read(env)
     if limit == 0:
         return None
     adapter = MaxNewTokens(limit)

@@ -26,16 +26,16 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
-from adapter.settings import env_choice
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "mxfp8_b12x"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_MXFP8_BACKEND",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 UTILS = "sglang.srt.layers.quantization.fp8_utils"
 FP8 = "sglang.srt.layers.quantization.fp8"
-BACKENDS = ("b12x", "cudnn", "cutlass")
+BACKENDS = rankadapters.DSV41_MXFP8_BACKEND.choices
 ROUTED = ("b12x", "cudnn")
 TOLERANCE = 2e-2
 PREFERRED, FALLBACK = "preferred", "fallback"
@@ -189,7 +189,7 @@ class Mxfp8B12x:
 
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
-    backend = env_choice(env, "DSV41_MXFP8_BACKEND", "b12x", BACKENDS)
+    backend = rankadapters.DSV41_MXFP8_BACKEND.read(env)
     adapter = Mxfp8B12x(backend, log)
     routing = f"route to FlashInfer {backend} per shape" if backend in ROUTED else "SGLang's kernel choice"
     patches = [

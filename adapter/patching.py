@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapter.log import PREFIX, AdapterLog
+from dsv41.adapterlog import PREFIX, AdapterLog
 
 BEFORE = "before"  # hook(*args, **kwargs) -> None or (args, kwargs)
 AFTER = "after"  # hook(result, *args, **kwargs) -> None (keep result) or a new result

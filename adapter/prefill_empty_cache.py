@@ -24,14 +24,15 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from adapter.patching import BEFORE, AdapterSpec, Patch
-from adapter.settings import env_int
+from dsv41 import rankadapters
 
 NAME = "prefill_empty_cache"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_PREFILL_EMPTY_CACHE_TOKENS",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.managers.scheduler"
-DEFAULT = 8192
-MAXIMUM = 1 << 24
+SETTING = rankadapters.DSV41_PREFILL_EMPTY_CACHE_TOKENS
+DEFAULT = int(SETTING.default)
+MAXIMUM = int(SETTING.high)
 
 
 def should_empty_cache(is_extend: bool, prompt_lengths: Iterable[int], threshold: int) -> bool:
@@ -77,7 +78,7 @@ class PrefillEmptyCache:
 
 
 def build(env: Mapping[str, str], empty_cache: Callable[[], None] = _cuda_empty_cache) -> AdapterSpec | None:
-    threshold = env_int(env, "DSV41_PREFILL_EMPTY_CACHE_TOKENS", DEFAULT, 0, MAXIMUM)
+    threshold = SETTING.read(env)
     if threshold == 0:
         return None
     adapter = PrefillEmptyCache(threshold, empty_cache)

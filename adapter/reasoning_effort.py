@@ -21,11 +21,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapter.patching import AFTER, BEFORE, AdapterSpec, Patch
-from adapter.settings import SettingError, env_flag
+from dsv41 import rankadapters
+from dsv41.ranksettings import SettingError
 
 NAME = "reasoning_effort"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_REASONING_EFFORT_REMAP", "SGLANG_DSV41_REASONING_EFFORT")
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODULE = "sglang.srt.entrypoints.openai.serving_deepseek_recipe"
 SPEC = "dsv41"  # SGLang's chat encoding spec name for V4.1; V4 ("dsv4") takes only tiers
 PUBLISHER_TIERS = {"low": 50, "high": 75, "xhigh": 88, "max": 100}
@@ -75,9 +76,9 @@ class ReasoningEffort:
 
 
 def build(env: Mapping[str, str]) -> AdapterSpec | None:
-    if not env_flag(env, "DSV41_REASONING_EFFORT_REMAP", True):
+    if not rankadapters.DSV41_REASONING_EFFORT_REMAP.read(env):
         return None
-    adapter = ReasoningEffort(default_budget(env.get("SGLANG_DSV41_REASONING_EFFORT")))
+    adapter = ReasoningEffort(default_budget(rankadapters.SGLANG_DSV41_REASONING_EFFORT.read(env)))
     tiers = ", ".join(f"{k}={v}" for k, v in PUBLISHER_TIERS.items())
     return AdapterSpec(
         name=NAME,

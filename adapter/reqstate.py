@@ -1,5 +1,5 @@
 """Rank 0's scheduler's view of its requests, shared with rank 0's HTTP process through a small
-file in /dev/shm (the approach of adapter/progress.py).
+file in /dev/shm (the approach of dsv41/progress.py).
 
 SGLang's scheduler runs in its own process (`sglang::scheduler_TP0`); the HTTP/tokenizer process,
 where GET /dsv41/inflight is served, knows a request's prompt but not whether it waits, is being
@@ -38,7 +38,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable
 
-from adapter.progress import create_shared
+from dsv41.progress import create_shared
 
 DIRECTORY = "/dev/shm"
 PREFIX = "dsv41-requests-tp"

@@ -24,14 +24,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, BEFORE, AdapterSpec, Patch
-from adapter.settings import env_flag
 from adapter.tp_padding import ModelDims, PadPlan, plan_padding
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "tp3_pad"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = ("DSV41_TP_PAD",)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 CONFIG = "sglang.srt.configs.model_config"
 PARAMETER = "sglang.srt.layers.parameter"
 LINEAR = "sglang.srt.layers.linear"
@@ -202,7 +202,7 @@ def _param_is_scale(param: Any) -> bool:
 
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
-    if not env_flag(env, "DSV41_TP_PAD", True):
+    if not rankadapters.DSV41_TP_PAD.read(env):
         return None
     pad = Tp3Pad(log)
     return AdapterSpec(

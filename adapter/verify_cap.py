@@ -42,15 +42,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, AROUND, BEFORE, ON_IMPORT, AdapterSpec, Patch, Refused, refusing
-from adapter.settings import SettingError
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
 NAME = "verify_cap"
-KEY = "DSV41_VERIFY_CAP"
-MODE_KEY = "SGLANG_RAGGED_VERIFY_MODE"
+KEY = rankadapters.DSV41_VERIFY_CAP.name
+MODE_KEY = rankadapters.SGLANG_RAGGED_VERIFY_MODE.name
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (KEY, MODE_KEY)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODEL = "sglang.srt.models.deepseek_v4"
 DRAFT_MODEL = "sglang.srt.models.deepseek_v4_dspark"
 V2 = "sglang.srt.models.deepseek_v2"
@@ -263,10 +264,10 @@ def _tp_broadcast(values: Any) -> None:
 
 def build(env: Mapping[str, str], log: AdapterLog) -> AdapterSpec | None:
     try:
-        threshold = parse_cap(env.get(KEY, ""))
+        threshold = parse_cap(rankadapters.DSV41_VERIFY_CAP.read(env))
     except SettingError as e:
         return refusing(NAME, VERIFY, str(e))
-    mode = env.get(MODE_KEY, "").strip()
+    mode = rankadapters.SGLANG_RAGGED_VERIFY_MODE.read(env)
     if threshold is None:
         return None
     if mode not in ("", "static"):

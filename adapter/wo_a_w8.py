@@ -33,14 +33,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, AROUND, AdapterSpec, Patch, Refused
-from adapter.settings import env_flag
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterLog
 
 NAME = "wo_a_w8"
-KEY, MID_KEY, DROP_KEY, DRAFT_KEY = "DSV41_WO_A_W8", "DSV41_WO_A_W8_MID", "DSV41_WO_A_W8_DROP", "DSV41_WO_A_W8_DRAFT"
+KEY, MID_KEY, DROP_KEY, DRAFT_KEY = (s.name for s in rankadapters.BY_NAME["wo_a_w8"].settings)
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
-ENV_KEYS = (KEY, MID_KEY, DROP_KEY, DRAFT_KEY)
+ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 MODEL = "sglang.srt.models.deepseek_v4"
 DRAFT_MODEL = "sglang.srt.models.deepseek_v4_dspark"
 SMALL_ROWS = 8  # one request's verify (DSpark block 5 + 1) and decode rows
@@ -66,8 +66,9 @@ class WoASettings:
 def settings_from_env(env: Mapping[str, str]) -> WoASettings | None:
     """None when DSV41_WO_A_W8 is off: _MID, _DROP and _DRAFT only configure the twin (the packaged
     defaults set them, so switching W8 off alone is the rollback)."""
-    on = env_flag(env, KEY, False)
-    mid, drop, draft = (env_flag(env, k, False) for k in (MID_KEY, DROP_KEY, DRAFT_KEY))
+    on = rankadapters.DSV41_WO_A_W8.read(env)
+    mid, drop, draft = (s.read(env) for s in (rankadapters.DSV41_WO_A_W8_MID, rankadapters.DSV41_WO_A_W8_DROP,
+                                               rankadapters.DSV41_WO_A_W8_DRAFT))
     return WoASettings(mid=mid, drop=drop, draft=draft) if on else None
 
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 
@@ -30,7 +31,7 @@ from .memory import MemorySampler, PsiTrigger, RankMemoryReader, TriggerWatcher
 from .rank import RankManager
 from .rankspec import RANK_UNIT
 from dsv41.sdnotify import SdNotify
-from .service import AgentService, ensure_dirs
+from .service import AgentService, build_handlers, ensure_dirs
 from .treewatch import ProcessTreeWatch
 from .systemd import Systemd, SystemdError
 
@@ -74,6 +75,119 @@ def _status_line(s: settings_mod.AgentSettings, rank: RankManager) -> str:
     return f"serving on {s.listen}; {rank_text}"
 
 
+class _StartFailed(Exception):
+    """The agent cannot start: `event` and the text go to the journal, `code` is the exit status."""
+
+    def __init__(self, code: int, text: str, event: str = "agent_failed") -> None:
+        super().__init__(text)
+        self.code, self.event = code, event
+
+
+@dataclass
+class _Watches:
+    """What runs beside the gRPC service and is stopped with it."""
+    floor: NodeFloor
+    tree: ProcessTreeWatch
+    triggers: TriggerWatcher
+
+    def stop(self) -> None:
+        self.triggers.stop()
+        self.floor.stop()
+        self.tree.stop()
+
+
+def _start_watches(s: settings_mod.AgentSettings, log: EventLog, events: EventHub, systemd: Systemd,
+                   rank: RankManager) -> _Watches:
+    # The node's last line runs before anything else can be asked of the agent: a rank it re-adopts
+    # is guarded at once. Its own sampler: the streams' is read from their threads.
+    container = ContainerProcesses()
+    floor = NodeFloor(rank, MemorySampler(),
+                      lambda signum: signal_rank(lambda n: systemd.kill(RANK_UNIT, n), container, signum),
+                      events, s.node)
+    floor.start()
+    tree = ProcessTreeWatch(rank, rank.cgroup_roots)
+    tree.start()
+    trigger = PsiTrigger()
+    if not trigger.armed:
+        log.warning("psi_trigger_unavailable", f"PSI trigger not armed ({trigger.error}); sampling only")
+    return _Watches(floor, tree, TriggerWatcher(trigger))
+
+
+def _tls(s: settings_mod.AgentSettings, log: EventLog, config: str
+         ) -> tuple[grpc.ServerCredentials | None, PinFile | None]:
+    try:
+        creds = _credentials(s, log)
+    except (OSError, ValueError) as exc:
+        raise _StartFailed(2, f"unusable TLS files (TLS_CA/TLS_CERT/TLS_KEY in {config}): {exc}") from exc
+    if not creds:
+        return None, None
+    try:
+        return creds, PinFile(s.tls_pin, problem=lambda why: log.warning("tls_pin_reload_failed", why))
+    except ValueError as exc:
+        raise _StartFailed(2, f"TLS_PIN: {exc}") from exc
+
+
+def _grpc_server(s: settings_mod.AgentSettings, events: EventHub, service: AgentService,
+                 creds: grpc.ServerCredentials | None, pins: PinFile | None) -> grpc.Server:
+    """The service on a socket only root can reach; the port is the relay's, which counts connections."""
+    # TLS proves the caller holds a cluster certificate; only the coordinator's, and only the one
+    # this node's bundle pins, may drive this node (a rotated-away certificate is refused).
+    interceptors = [CallerCheck(s.coordinator_name, lambda method, why: events.warning(
+        "caller_refused", f"refused {method}: {why}", method=method),
+        pins.pins if pins else None)] if creds else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="rpc"),
+                         options=server_options(s), interceptors=interceptors,
+                         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+    agent_pb2_grpc.add_AgentServicer_to_server(service, server)
+    private = runtime_dir()
+    os.makedirs(private, mode=0o700, exist_ok=True)
+    os.chmod(private, 0o700)
+    upstream = os.path.join(private, "agent.sock")
+    try:
+        os.unlink(upstream)
+    except FileNotFoundError:
+        pass
+    try:
+        bound = server.add_secure_port(f"unix:{upstream}", creds) if creds else \
+            server.add_insecure_port(f"unix:{upstream}")
+    except RuntimeError as exc:
+        raise _StartFailed(1, f"cannot listen on {upstream}: {exc}") from exc
+    if not bound:
+        raise _StartFailed(1, f"cannot listen on {upstream}: cannot bind")
+    return server
+
+
+def _relay(s: settings_mod.AgentSettings, events: EventHub) -> Relay:
+    upstream = os.path.join(runtime_dir(), "agent.sock")
+    relay = Relay(upstream, Limits(s.max_connections, s.max_connections_per_source),
+                  refused=lambda peer, why: events.warning("connection_refused", why, source=peer.source_key))
+    host, _, port = s.listen.rpartition(":")
+    try:
+        relay.listen_tcp(host.strip("[]"), int(port), "agent")
+    except OSError as exc:
+        raise _StartFailed(1, f"cannot listen on {s.listen}: {exc.strerror or exc}") from exc
+    return relay
+
+
+def _serve_until_stopped(s: settings_mod.AgentSettings, rank: RankManager, notify: SdNotify) -> None:
+    """READY=1, then STATUS= kept current and the watchdog petted until SIGTERM or SIGINT."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    notify.ready(_status_line(s, rank))
+    watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+    period = watchdog_usec / 2e6 if watchdog_usec else 10.0
+    last_status = ""
+    while not stop.wait(min(period, 10.0)):
+        if watchdog_usec:
+            notify.watchdog()
+        line = _status_line(s, rank)
+        if line != last_status:
+            notify.status(line)
+            last_status = line
+    notify.stopping()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv41-agent", description="dsv41 node agent")
     parser.add_argument("--config", default=settings_mod.DEFAULT_PATH, help="agent.env (default %(default)s)")
@@ -88,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     log = EventLog("dsv41-agent", {"DSV41_NODE": s.node})
     events = EventHub(log)
-    notify = SdNotify.from_env()
     ensure_dirs(s)
     try:
         systemd = Systemd()
@@ -99,99 +212,27 @@ def main(argv: list[str] | None = None) -> int:
         log.error("agent_failed", f"cannot reach systemd over D-Bus: {exc}")
         return 1
     sampler = MemorySampler(rank_memory=RankMemoryReader(rank.control_group))
-    # The node's last line runs before anything else can be asked of the agent: a rank it re-adopts
-    # is guarded at once. Its own sampler: the streams' is read from their threads.
-    container = ContainerProcesses()
-    floor = NodeFloor(rank, MemorySampler(),
-                      lambda signum: signal_rank(lambda n: systemd.kill(RANK_UNIT, n), container, signum),
-                      events, s.node)
-    floor.start()
-    tree = ProcessTreeWatch(rank, rank.cgroup_roots)
-    tree.start()
-    trigger = PsiTrigger()
-    if not trigger.armed:
-        log.warning("psi_trigger_unavailable", f"PSI trigger not armed ({trigger.error}); sampling only")
-    triggers = TriggerWatcher(trigger)
-
+    watches = _start_watches(s, log, events, systemd, rank)
     try:
-        creds = _credentials(s, log)
-    except (OSError, ValueError) as exc:
-        log.error("agent_failed", f"unusable TLS files (TLS_CA/TLS_CERT/TLS_KEY in {args.config}): {exc}")
-        return 2
-    pins = None
-    if creds:
-        try:
-            pins = PinFile(s.tls_pin, problem=lambda why: log.warning("tls_pin_reload_failed", why))
-        except ValueError as exc:
-            log.error("agent_failed", f"TLS_PIN: {exc}")
-            return 2
-    # TLS proves the caller holds a cluster certificate; only the coordinator's, and only the one
-    # this node's bundle pins, may drive this node (a rotated-away certificate is refused).
-    interceptors = [CallerCheck(s.coordinator_name, lambda method, why: events.warning(
-        "caller_refused", f"refused {method}: {why}", method=method),
-        pins.pins if pins else None)] if creds else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="rpc"),
-                         options=server_options(s), interceptors=interceptors,
-                         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
-    agent_pb2_grpc.add_AgentServicer_to_server(
-        AgentService(s, systemd, rank, sampler, triggers, events, started), server)
-    # gRPC listens on a socket only root can reach; the port is the relay's, which counts connections.
-    private = runtime_dir()
-    os.makedirs(private, mode=0o700, exist_ok=True)
-    os.chmod(private, 0o700)
-    upstream = os.path.join(private, "agent.sock")
-    try:
-        os.unlink(upstream)
-    except FileNotFoundError:
-        pass
-    try:
-        bound = server.add_secure_port(f"unix:{upstream}", creds) if creds else \
-            server.add_insecure_port(f"unix:{upstream}")
-    except RuntimeError as exc:
-        bound, error = 0, exc
-    else:
-        error = None
-    if not bound:
-        log.error("agent_failed", f"cannot listen on {upstream}: {error or 'cannot bind'}")
-        return 1
-    relay = Relay(upstream, Limits(s.max_connections, s.max_connections_per_source),
-                  refused=lambda peer, why: events.warning("connection_refused", why, source=peer.source_key))
-    host, _, port = s.listen.rpartition(":")
-    try:
-        relay.listen_tcp(host.strip("[]"), int(port), "agent")
-    except OSError as exc:
-        log.error("agent_failed", f"cannot listen on {s.listen}: {exc.strerror or exc}")
-        return 1
+        creds, pins = _tls(s, log, args.config)
+        service = AgentService(build_handlers(s, systemd, rank, sampler, watches.triggers, events, started))
+        server = _grpc_server(s, events, service, creds, pins)
+        relay = _relay(s, events)
+    except _StartFailed as exc:
+        log.error(exc.event, str(exc))
+        return exc.code
     if creds is None:
         log.warning("agent_insecure", f"serving on {s.listen} WITHOUT TLS (INSECURE_NO_TLS=1): anyone who can "
                     "reach this port can start processes as root")
     server.start()
     relay.start()
-
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     log.info("agent_started", f"dsv41-agent {VERSION} serving on {s.listen}", version=VERSION, listen=s.listen)
-    notify.ready(_status_line(s, rank))
+    _serve_until_stopped(s, rank, SdNotify.from_env())
 
-    watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
-    period = watchdog_usec / 2e6 if watchdog_usec else 10.0
-    last_status = ""
-    while not stop.wait(min(period, 10.0)):
-        if watchdog_usec:
-            notify.watchdog()
-        line = _status_line(s, rank)
-        if line != last_status:
-            notify.status(line)
-            last_status = line
-
-    notify.stopping()
     log.info("agent_stopping", "dsv41-agent stopping; the rank unit is left as it is")
     relay.stop()
     server.stop(grace=2.0).wait(5.0)
-    triggers.stop()
-    floor.stop()
-    tree.stop()
+    watches.stop()
     systemd.close()
     return 0
 

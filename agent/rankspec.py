@@ -380,57 +380,81 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
         if fact not in KNOWN_FILLS:
             raise SpecInvalid(f"agent_fills {key}={fact}: unknown fact; known: {', '.join(KNOWN_FILLS)}")
     requested = [(check_path(s, "bind source"), check_path(t, "bind target"), bool(ro)) for s, t, ro in binds]
+    if runtime == "host":
+        trust, targets, checked_binds = _check_host_launch(argv, env, requested, settings)
+        cache_dir = settings.rank_cache_dir
+    else:
+        trust, targets, checked_binds = _check_container_launch(argv, env, requested, settings)
+        cache_dir = settings.container_cache_dir
+    pre, post = tuple(tuple(c) for c in exec_start_pre), tuple(tuple(c) for c in exec_stop_post)
+    _check_unit_fields(runtime, pre, post, stop_timeout_s, memory_max, memory_high)
+    _check_identity(fingerprint, rank, generation, fabric_address, bool(fills), hcas)
+    floor = check_floor(memory_floor, floor_kill_after_ms, floor_interval_ms)
+    return RankLaunch(runtime, argv, env, dict(fills), checked_binds, pre, post, stop_timeout_s, memory_max,
+                      memory_high, fingerprint, rank, generation, fabric_address, tuple(hcas), tuple(trust),
+                      tuple(dict.fromkeys(targets)), cache_dir, floor)
+
+
+Checked = tuple[list[PathUse], list[str], tuple[Bind, ...]]  # paths to trust, targets that must not exist, binds
+
+
+def _check_host_launch(argv: tuple[str, ...], env: Mapping[str, str], requested: list[tuple[str, str, bool]],
+                       settings: AgentSettings) -> Checked:
     trust: list[PathUse] = []
     targets: list[str] = []
-    if runtime == "host":
-        exe, first = _check_host_entry(argv, settings)
-        # A missing one fails the start (status 203); only who may create it matters here.
-        trust.append(PathUse(exe, "executable", code=True, must_exist=False))
-        code_dirs = set(path_tokens(env.get("LD_LIBRARY_PATH", "")))
-        checked = []
-        for source, target, ro in requested:
-            if not ro:
-                raise SpecDenied(f"bind {source}:{target}: read-write binds are refused for the host runtime")
-            trust.append(_check_source(source, True, runtime, settings, code=target in code_dirs))
-            target = _check_host_target(target)
-            if not under(target, settings.allowed_paths):
-                targets.append(target)
-            checked.append(Bind(source, target, True))
-        bind_targets = [b.target for b in checked]
-        readable = _readable_roots(settings)
-        absent: list[tuple[str, str]] = []
-        trust += _host_env_paths(env, settings, bind_targets, readable, absent)
-        targets += [path for path, _ in absent]
-        for arg in argv[first:]:
-            for path in path_tokens(arg):
-                if under(path, bind_targets):
-                    continue
-                if under(path, [settings.rank_cache_dir]):
-                    trust.append(PathUse(settings.rank_cache_dir, "argv (cache directory)", code=True))
-                elif under(path, readable):
-                    trust.append(PathUse(path, f"argv {arg}", must_exist=False))
-                else:
-                    targets.append(check_bind_path(path, f"argv {arg}"))  # nothing may exist there
-        cache_dir = settings.rank_cache_dir
-        checked_binds = tuple(checked)
-    else:
-        volumes, _ = _check_docker(argv, env, settings)
-        code_targets = {CONTAINER_ADAPTER_DIR, *path_tokens(env.get("LD_LIBRARY_PATH", ""))}
-        for source, target, ro in volumes:
-            if not ro and target != CONTAINER_CACHE:
-                raise SpecDenied(f"-v {source}:{target}:rw: the only read-write bind is the cache at {CONTAINER_CACHE}")
-            trust.append(_check_source(source, ro, runtime, settings, code=target in code_targets))
-        for path in path_tokens(env.get("LD_LIBRARY_PATH", "")):
-            if not any(ro and target == path for _, target, ro in volumes):
-                raise SpecDenied(f"env LD_LIBRARY_PATH entry {path}: must be a read-only bind target of the container")
-        if "PYTHONPATH" in env and not any(t == CONTAINER_ADAPTER_DIR and ro and s == settings.adapter_dir
-                                           for s, t, ro in volumes):
-            raise SpecDenied(f"env PYTHONPATH={CONTAINER_ADAPTER_DIR}: needs -v {settings.adapter_dir}:"
-                             f"{CONTAINER_ADAPTER_DIR}:ro")
-        checked_binds = tuple(Bind(s, t, ro) for s, t, ro in requested)
-        cache_dir = settings.container_cache_dir
+    exe, first = _check_host_entry(argv, settings)
+    # A missing one fails the start (status 203); only who may create it matters here.
+    trust.append(PathUse(exe, "executable", code=True, must_exist=False))
+    code_dirs = set(path_tokens(env.get("LD_LIBRARY_PATH", "")))
+    checked = []
+    for source, target, ro in requested:
+        if not ro:
+            raise SpecDenied(f"bind {source}:{target}: read-write binds are refused for the host runtime")
+        trust.append(_check_source(source, True, "host", settings, code=target in code_dirs))
+        target = _check_host_target(target)
+        if not under(target, settings.allowed_paths):
+            targets.append(target)
+        checked.append(Bind(source, target, True))
+    bind_targets = [b.target for b in checked]
+    readable = _readable_roots(settings)
+    absent: list[tuple[str, str]] = []
+    trust += _host_env_paths(env, settings, bind_targets, readable, absent)
+    targets += [path for path, _ in absent]
+    for arg in argv[first:]:
+        for path in path_tokens(arg):
+            if under(path, bind_targets):
+                continue
+            if under(path, [settings.rank_cache_dir]):
+                trust.append(PathUse(settings.rank_cache_dir, "argv (cache directory)", code=True))
+            elif under(path, readable):
+                trust.append(PathUse(path, f"argv {arg}", must_exist=False))
+            else:
+                targets.append(check_bind_path(path, f"argv {arg}"))  # nothing may exist there
+    return trust, targets, tuple(checked)
+
+
+def _check_container_launch(argv: tuple[str, ...], env: Mapping[str, str], requested: list[tuple[str, str, bool]],
+                            settings: AgentSettings) -> Checked:
+    trust: list[PathUse] = []
+    volumes, _ = _check_docker(argv, env, settings)
+    code_targets = {CONTAINER_ADAPTER_DIR, *path_tokens(env.get("LD_LIBRARY_PATH", ""))}
+    for source, target, ro in volumes:
+        if not ro and target != CONTAINER_CACHE:
+            raise SpecDenied(f"-v {source}:{target}:rw: the only read-write bind is the cache at {CONTAINER_CACHE}")
+        trust.append(_check_source(source, ro, "container", settings, code=target in code_targets))
+    for path in path_tokens(env.get("LD_LIBRARY_PATH", "")):
+        if not any(ro and target == path for _, target, ro in volumes):
+            raise SpecDenied(f"env LD_LIBRARY_PATH entry {path}: must be a read-only bind target of the container")
+    if "PYTHONPATH" in env and not any(t == CONTAINER_ADAPTER_DIR and ro and s == settings.adapter_dir
+                                       for s, t, ro in volumes):
+        raise SpecDenied(f"env PYTHONPATH={CONTAINER_ADAPTER_DIR}: needs -v {settings.adapter_dir}:"
+                         f"{CONTAINER_ADAPTER_DIR}:ro")
+    return trust, [], tuple(Bind(s, t, ro) for s, t, ro in requested)
+
+
+def _check_unit_fields(runtime: str, pre: tuple[tuple[str, ...], ...], post: tuple[tuple[str, ...], ...],
+                       stop_timeout_s: int, memory_max: int, memory_high: int) -> None:
     cleanup = (DOCKER, "rm", "--force", CONTAINER_NAME)
-    pre, post = tuple(tuple(c) for c in exec_start_pre), tuple(tuple(c) for c in exec_stop_post)
     for what, commands in (("exec_start_pre", pre), ("exec_stop_post", post)):
         if any(c != cleanup for c in commands) or (commands and runtime != "container"):
             raise SpecDenied(f"{what}: only `{' '.join(cleanup)}` is allowed, and only for the container runtime")
@@ -439,6 +463,10 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
     for name, value in (("memory_max_bytes", memory_max), ("memory_high_bytes", memory_high)):
         if value and value < 64 << 20:
             raise SpecInvalid(f"{name} {value}: must be 0 (no limit) or at least 64 MiB")
+
+
+def _check_identity(fingerprint: str, rank: int, generation: str, fabric_address: str, fills: bool,
+                    hcas: Sequence[str]) -> None:
     if not _FINGERPRINT.fullmatch(fingerprint):
         raise SpecInvalid("fingerprint: must be 1-64 lowercase hex digits")
     if not 0 <= rank < 64:
@@ -455,10 +483,6 @@ def check_launch(*, runtime: str, argv: Sequence[str], env: Mapping[str, str], f
     for hca in hcas:
         if not _HCA.fullmatch(hca):
             raise SpecInvalid(f"hcas {hca!r}: must be an RDMA device name")
-    floor = check_floor(memory_floor, floor_kill_after_ms, floor_interval_ms)
-    return RankLaunch(runtime, argv, env, dict(fills), checked_binds, pre, post, stop_timeout_s, memory_max,
-                      memory_high, fingerprint, rank, generation, fabric_address, tuple(hcas), tuple(trust),
-                      tuple(dict.fromkeys(targets)), cache_dir, floor)
 
 
 def check_floor(floor_bytes: int, kill_after_ms: int, interval_ms: int) -> FloorSpec:

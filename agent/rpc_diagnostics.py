@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import Callable
 
 import grpc
 from google.protobuf import json_format
@@ -45,7 +46,15 @@ def held_secrets(state_dir: str, key_paths: tuple[str | None, ...]) -> list[byte
 
 
 class DiagnosticsRpcs:
-    """Mixin of AgentService: uses self._settings and GetStatus."""
+    """CollectDiagnostics: this node's files (its status among them), redacted, in chunks."""
+
+    def __init__(self, settings, events, status: Callable[[pb.GetStatusRequest, object], pb.NodeStatus],
+                 mount_unit: Callable[[], str]):
+        """status: the GetStatus RPC; mount_unit: the unit of the mount last asked for ("" if none)."""
+        self._settings = settings
+        self._events = events
+        self._status = status
+        self._mount_unit = mount_unit
 
     def CollectDiagnostics(self, request, context):
         journal_bytes = request.journal_max_bytes or DEFAULT_JOURNAL_BYTES
@@ -58,11 +67,11 @@ class DiagnosticsRpcs:
         redactor = Redactor(held_secrets(s.state_dir, (s.tls_key,)))
 
         def status_json() -> str:
-            status = self.GetStatus(pb.GetStatusRequest(), context)
+            status = self._status(pb.GetStatusRequest(), context)
             return json_format.MessageToJson(status, preserving_proto_field_name=True, sort_keys=True)
 
         def extra_units() -> list[str]:
-            unit = self.mount_snapshot_pb().unit
+            unit = self._mount_unit()
             return [unit] if unit else []
         diagnostics = NodeDiagnostics(SystemdJournal(), status_json, redactor, extra_units=extra_units)
         for path, data in diagnostics.files(journal_bytes, rank_lines):

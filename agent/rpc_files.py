@@ -19,15 +19,18 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 class FileRpcs:
-    """Mixin of AgentService: uses self._settings and self._events."""
+    """PutFile, RemoveFile and GetFileDigest, on plain files in `state_dir`/state."""
+
+    def __init__(self, state_dir: str, events):
+        self._state_dir = state_dir
+        self._events = events
 
     def _state_path(self, name: str, context) -> str:
         if not _NAME.fullmatch(name) or name in (".", ".."):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"path {name!r}: must be a plain file name (letters, digits, _ . -) in the state directory")
-        return os.path.join(self._settings.state_dir, "state", name)
+        return os.path.join(self._state_dir, "state", name)
 
-    # Not `_digest`: AgentService keeps its adapter digest cache in an attribute of that name.
     def _file_digest(self, name: str, path: str) -> pb.FileDigest:
         try:
             with open(path, "rb") as f:

@@ -6,7 +6,7 @@ import os
 
 import grpc
 
-from adapter.autotune_keep import clear_autotune_caches
+from dsv41.autotune_cache import clear_autotune_caches
 from dsv41.v1 import agent_pb2 as pb
 
 UNITS = ("dsv41-agent.service", "dsv41-rank.service", "dsv41-pack.service")
@@ -31,7 +31,14 @@ def _line(node: str, entry: dict) -> pb.JournalLine:
 
 
 class JournalRpcs:
-    """Mixin of AgentService: uses self._settings."""
+    """ReadJournal (this node's dsv41 units, this boot) and ClearCaches (the rank's autotune caches)."""
+
+    def __init__(self, settings, rank, events):
+        """settings: the node's name and the rank's cache directories; rank: whose status says
+        whether it runs (its caches are not cleared under it)."""
+        self._settings = settings
+        self._rank = rank
+        self._events = events
 
     def ReadJournal(self, request, context):
         units = list(request.units) or list(UNITS)

@@ -12,6 +12,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -99,17 +100,25 @@ def fabric_pb(result: FabricResult) -> pb.FabricReport:
 
 
 class NodeCheckRpcs:
-    """Mixin of AgentService: uses self._settings, self._systemd, self._events, self._rank."""
+    """EnsureExport, RemoveExport, EnsureMount, GetMount, Remount, RemoveMount and CheckFabric; it
+    owns the node checks (built at their first use, once) and lends the other handlers what they
+    need of them: the paths' trust, the last known mount and export."""
+
+    def __init__(self, settings, events, rank, build: Callable[[], NodeChecks]):
+        """rank: whose status says whether the rank runs (a mount is not changed under it);
+        build: makes the node checks (the mount manager reads its state file then)."""
+        self._settings = settings
+        self._events = events
+        self._rank = rank
+        self._build = build
+        self._lock = threading.Lock()
+        self._built: NodeChecks | None = None
 
     def _node_checks(self) -> NodeChecks:
-        # AgentService.__init__ does not know this mixin: build on first use, once.
-        lock = self.__dict__.setdefault("_node_checks_lock", threading.Lock())
-        with lock:
-            checks = self.__dict__.get("_node_checks_built")
-            if checks is None:
-                checks = self.__dict__["_node_checks_built"] = build_node_checks(
-                    self._settings, self._systemd, self._events)
-            return checks
+        with self._lock:
+            if self._built is None:
+                self._built = self._build()
+            return self._built
 
     def host_view_root(self) -> str:
         """Where the host's file system is seen from (PID 1's root when the agent may read it)."""

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 import grpc
 
-import adapter
+import dsv41
 import agent
 from agent.pack.state import pack_state
 from dsv41.v1 import agent_pb2 as pb
 
-from .pathtrust import PathUse
+from .pathtrust import PathTrust, PathUse
 from .rankspec import SpecDenied, SpecInvalid, check_under_roots
 from .systemd import UNIT_IFACE, SystemdError
 
@@ -56,13 +57,24 @@ PACK_SANDBOX: tuple[tuple[str, str, object], ...] = (
 
 
 def _module_path() -> str:
-    """Where this agent's packages (agent, dsv41, adapter) are importable from, for the job's PYTHONPATH."""
-    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))) for m in (agent, adapter)]
+    """Where this agent's packages (agent, dsv41) are importable from, for the job's PYTHONPATH."""
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))) for m in (agent, dsv41)]
     return os.pathsep.join(dict.fromkeys(dirs))
 
 
 class PackRpcs:
-    """Mixin of AgentService: uses self._settings, self._systemd, self._events, self._rank, self._host_root."""
+    """GetPackState and StartPack: the packed shards' state and the job that writes them."""
+
+    def __init__(self, settings, systemd, events, rank, path_trust: Callable[[], PathTrust], host_root: str):
+        """rank: whose status says whether it runs (it reads the shards); path_trust: checks paths as
+        PID 1 sees them; host_root: where PID 1's file system is seen from (the agent's unit has
+        PrivateTmp=, the pack job does not)."""
+        self._settings = settings
+        self._systemd = systemd
+        self._events = events
+        self._rank = rank
+        self._path_trust = path_trust
+        self._host_root = host_root
 
     def _check_pack_spec(self, spec: pb.PackSpec, context) -> None:
         try:
@@ -118,7 +130,7 @@ class PackRpcs:
         if running:
             return self._state(spec)
         # What the job reads is what the rank will serve; what it writes, the rank reads.
-        problems = self.path_trust().problems([PathUse(spec.source_dir, "source_dir"),
+        problems = self._path_trust().problems([PathUse(spec.source_dir, "source_dir"),
                                                PathUse(spec.out_dir, "out_dir", must_exist=False)])
         if problems:
             self._events.warning("request_denied", f"refused a pack job: {'; '.join(problems)}")

@@ -2,15 +2,17 @@
 
 Keys for the rank's other programs (NCCL, SGLang, PyTorch, CUDA, Gloo) are theirs to read. Every
 other key the plan puts into the rank's environment (DSV41_*, OFFLOAD_MODE) is meant for the
-adapters, and does something only if an adapter reads it: each adapter module declares what it
-reads (ENV_KEYS, collected by adapter.boot.env_keys, checked against what its build() really
-reads by tests/unit/test_adapter_env_keys.py). A key none declares has no effect, and `dsv41ctl
+adapters, and does something only if an adapter reads it: dsv41/rankadapters.py declares what
+each adapter reads (its modules take their ENV_KEYS from there; tests/unit/test_adapter_env_keys.py
+checks the declarations against what each build() really reads). A key none declares has no effect, and `dsv41ctl
 config check` and `config keys` say so instead of describing it as if it worked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+
+from dsv41 import rankadapters
 
 from . import schema
 
@@ -20,10 +22,8 @@ FOREIGN_PREFIXES = ("NCCL_", "SGLANG_", "PYTORCH_", "CUDA_", "TORCH_", "GLOO_", 
 
 
 def implemented() -> frozenset[str]:
-    """Every variable some adapter reads (the dsv41-adapter package installed beside this one)."""
-    from adapter.boot import env_keys
-
-    return frozenset(env_keys())
+    """Every variable some adapter reads."""
+    return frozenset(rankadapters.env_keys())
 
 
 def meant_for_adapters(key: schema.Key) -> bool:

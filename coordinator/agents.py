@@ -11,6 +11,7 @@ import grpc
 from dsv41.v1 import agent_pb2 as pb
 from dsv41.v1 import agent_pb2_grpc
 
+from . import transport
 from .plan import NodePlan
 
 
@@ -24,7 +25,8 @@ class Tls:
 class AgentUnavailable(Exception):
     """The agent could not be reached or refused; the message names the node and says why."""
 
-    def __init__(self, node: str, what: str, error: grpc.RpcError | Exception, explanation: str | None = None):
+    def __init__(self, node: str, what: str, error: grpc.RpcError | Exception, explanation: str | None = None,
+                 waited_s: float | None = None):
         code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
         details = error.details() if isinstance(error, grpc.RpcError) else str(error)
         details = explanation or details
@@ -35,11 +37,24 @@ class AgentUnavailable(Exception):
         self.details = details
         self.error = error
         self.explained = explanation is not None  # a diagnosed cause (e.g. the wrong certificate), not a blip
+        self.waited_s = waited_s  # the call's own timeout: a node that let it pass was silent that long
+
+    @property
+    def unreachable(self) -> bool:
+        """The agent could not be reached (worth waiting for), rather than answered or refused."""
+        return transport.unreachable(self.code) and not self.explained
+
+    def meaning(self, silent_s: float | None = None) -> str:
+        """What this failure says about the node, for an operator (transport.meaning); `silent_s`:
+        how long the node has not answered, when the caller knows better than the call's timeout."""
+        if self.explained:
+            return self.details
+        return transport.meaning(self.code, self.details, self.waited_s if silent_s is None else silent_s)
 
     def after_waiting(self, seconds: float) -> "AgentUnavailable":
         """The same failure, saying how long the caller waited for it to clear."""
         waited = AgentUnavailable(self.node, self.what, self.error,
-                                  f"{self.details} (still unreachable after {seconds:g} s)")
+                                  f"{self.details} (still unreachable after {seconds:g} s)", self.waited_s)
         waited.explained = self.explained  # a longer message, not a diagnosis
         return waited
 
@@ -99,10 +114,11 @@ class AgentClient:
         self._channel.close()
 
     def _call(self, what: str, method, request, timeout: float | None = None, wait_for_ready: bool = False):
+        timeout = timeout or self._timeout
         try:
-            return method(request, timeout=timeout or self._timeout, wait_for_ready=wait_for_ready)
+            return method(request, timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
-            raise AgentUnavailable(self.node, what, exc, self._tls_problem(exc)) from None
+            raise AgentUnavailable(self.node, what, exc, self._tls_problem(exc), timeout) from None
 
     def _tls_problem(self, exc: grpc.RpcError) -> str | None:
         """A clear reason when the TLS handshake failed over the agent's certificate (wrong node, other CA)."""
@@ -206,7 +222,7 @@ class AgentClient:
                 except grpc.RpcError as exc:
                     if stop.is_set():
                         break
-                    on_lost(f"{exc.code().name}: {exc.details()}")
+                    on_lost(transport.meaning(exc.code().name, exc.details() or ""))
                 finally:
                     stream.cancel()
                 stop.wait(1.0)

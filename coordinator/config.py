@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 from dsv41 import envfile
 
@@ -18,6 +18,7 @@ from . import adapterkeys, schema
 from . import values as v
 from .sglang_cli import canonicalize
 
+T = TypeVar("T")
 _WORKER_KEY = re.compile(r"(WORKER(\d+)_(IP|HOST)|NFS_SERVER_IP_(\d+))")
 
 
@@ -68,7 +69,58 @@ class ClusterConfig:
     # Rank-side keys set in the file that no adapter reads (adapterkeys): valid, but doing nothing.
     no_effect: tuple[ConfigError, ...] = field(default=())
 
-    def __getitem__(self, key: str) -> object:
+    # Typed reads: each checks the key's kind as the schema declares it (values.Kind), so a key read
+    # as another type, or a name the schema does not know, fails at its first read.
+    def integer(self, key: str) -> int:
+        return self._required(key, v.Kind.INTEGER, int)
+
+    def number(self, key: str) -> float:
+        return self._required(key, v.Kind.NUMBER, float)
+
+    def flag(self, key: str) -> bool:
+        return self._required(key, v.Kind.FLAG, bool)
+
+    def text(self, key: str) -> str:
+        return self._required(key, v.Kind.TEXT, str)
+
+    def words(self, key: str) -> tuple[str, ...]:
+        return self._required(key, v.Kind.WORDS, tuple)
+
+    def optional_integer(self, key: str) -> int | None:
+        return self._optional(key, v.Kind.INTEGER, int)
+
+    def optional_number(self, key: str) -> float | None:
+        return self._optional(key, v.Kind.NUMBER, float)
+
+    def optional_text(self, key: str) -> str | None:
+        return self._optional(key, v.Kind.TEXT, str)
+
+    def optional_words(self, key: str) -> tuple[str, ...] | None:
+        return self._optional(key, v.Kind.WORDS, tuple)
+
+    def optional_listen(self, key: str) -> v.Listen | None:
+        return self._optional(key, v.Kind.LISTEN, v.Listen)
+
+    def _required(self, key: str, kind: v.Kind, of: type[T]) -> T:
+        value = self._declared(key, kind, optional=False)
+        if not isinstance(value, of):
+            raise TypeError(f"{key} holds {value!r}, not the {kind.value} its schema declares")
+        return value
+
+    def _optional(self, key: str, kind: v.Kind, of: type[T]) -> T | None:
+        value = self._declared(key, kind, optional=True)
+        if value is not None and not isinstance(value, of):
+            raise TypeError(f"{key} holds {value!r}, not the {kind.value} its schema declares")
+        return value
+
+    def _declared(self, key: str, kind: v.Kind, *, optional: bool) -> object:
+        declared = schema.BY_NAME.get(key)
+        if declared is None:
+            raise KeyError(f"{key} is not a cluster.env key (coordinator/schema.py lists them)")
+        parser = declared.parse
+        if parser.kind is not kind or parser.optional != optional:
+            raise TypeError(f"{key} is {_kind_of(parser.kind, parser.optional)}; it was read as "
+                            f"{_kind_of(kind, optional)}")
         return self.settings[key]
 
     @property
@@ -80,6 +132,11 @@ class ClusterConfig:
             if node.name == name:
                 return node
         raise KeyError(f"no node {name!r} in {self.path}; nodes: {', '.join(n.name for n in self.nodes)}")
+
+
+def _kind_of(kind: v.Kind, optional: bool) -> str:
+    words = f"optional {kind.value}" if optional else kind.value
+    return ("an " if words[0] in "aeiou" else "a ") + words
 
 
 # Under systemd the coordinator runs as root: $HOME is not the home of the user whose paths the
@@ -153,18 +210,19 @@ def parse(text: str, path: str, environ: Mapping[str, str],
     _cross_checks(settings, raw, nodes, err)
     for key, message in _passthrough_conflicts(settings, passthrough):
         err(key, message, passthrough[key])
-    if file_problem is not None and settings.get("INCIDENT_HOOK"):
-        problem = file_problem(str(settings["INCIDENT_HOOK"]))
+    hook = _parsed(settings, "INCIDENT_HOOK", str)
+    if file_problem is not None and hook:
+        problem = file_problem(hook)
         if problem:
             err("INCIDENT_HOOK", problem, raw["INCIDENT_HOOK"])
     if errors:
         raise ConfigInvalid(sorted(errors, key=lambda e: (e.line is None, e.line or 0)))
-    warnings = [*_home_warnings(entries, environ), *_warnings(settings)]
     readers = adapterkeys.implemented() if implemented is None else implemented
     idle = [ConfigError(label, lines[k], k, given[k], adapterkeys.NO_EFFECT)
             for k in adapterkeys.without_effect(schema.KEYS, readers) if k in given]
-    return ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused), tuple(warnings),
-                         tuple(sorted(idle, key=lambda e: e.line or 0)))
+    cfg = ClusterConfig(path, settings, raw, tuple(nodes), passthrough, tuple(unused),
+                        no_effect=tuple(sorted(idle, key=lambda e: e.line or 0)))
+    return replace(cfg, warnings=(*_home_warnings(entries, environ), *_warnings(cfg)))
 
 
 def _home_warnings(entries: list[envfile.Entry], environ: Mapping[str, str]) -> list[str]:
@@ -181,7 +239,7 @@ def _nodes(settings: Mapping[str, object], given: Mapping[str, str], err) -> lis
     if not isinstance(nnodes, int):
         return []
     share = settings.get("NFS_SHARE", True)
-    nodes = [Node(str(settings.get("HEAD_HOST", "spark1")), 0, str(settings.get("HEAD_IP", "")), None)]
+    nodes = [Node(_parsed(settings, "HEAD_HOST", str) or "spark1", 0, _parsed(settings, "HEAD_IP", str) or "", None)]
     for k in range(1, nnodes):
         parsed: dict[str, str | None] = {}
         for pattern, (parser, doc) in schema.WORKER_KEYS.items():
@@ -321,7 +379,7 @@ def _check_extra_args(words: tuple[str, ...], raw: str, s: Mapping[str, object],
                 f"remove it: {_SECRET_FLAGS[flag]}")
         if flag == "--speculative-num-draft-tokens" and s.get("SPEC_ALGO") == "DSPARK":
             given = inline or (words[i + 1] if i + 1 < len(words) else "")
-            want = int(s.get("DSPARK_BLOCK_SIZE", 0)) + 1
+            want = (_parsed(s, "DSPARK_BLOCK_SIZE", int) or 0) + 1
             if given != str(want):
                 err("EXTRA_SGLANG_ARGS", f"--speculative-num-draft-tokens must be DSPARK_BLOCK_SIZE + 1 = {want} "
                     "(DSpark verifies the block plus one token); better leave it out", raw)
@@ -345,15 +403,23 @@ def _passthrough_conflicts(s: Mapping[str, object], passthrough: Mapping[str, st
     return out
 
 
-def _warnings(s: Mapping[str, object]) -> list[str]:
+def _parsed(s: Mapping[str, object], key: str, of: type[T]) -> T | None:
+    """A key's value while the file is checked: None where it did not parse (its error is listed)."""
+    value = s.get(key)
+    return value if isinstance(value, of) else None
+
+
+def _warnings(cfg: ClusterConfig) -> list[str]:
     out = []
-    if s["RANK_RUNTIME"] == "container" and s["IMAGE"] and not v.is_pinned_image(str(s["IMAGE"])):
-        out.append(f"IMAGE={s['IMAGE']} is a tag: agents run images by digest only (a tag can be moved to other "
+    image = cfg.optional_text("IMAGE")
+    if cfg.text("RANK_RUNTIME") == "container" and image and not v.is_pinned_image(image):
+        out.append(f"IMAGE={image} is a tag: agents run images by digest only (a tag can be moved to other "
                    "content); set IMAGE to the build's ID, `docker image inspect --format '{{.Id}}' "
-                   f"{s['IMAGE']}`, and list that ID in every node's ALLOWED_IMAGES")
-    if s["DSV41_VERIFY_CAP"] and not s["DSV41_BLOCK_VERIFY"]:
+                   f"{image}`, and list that ID in every node's ALLOWED_IMAGES")
+    if cfg.number("DSV41_VERIFY_CAP") and not cfg.flag("DSV41_BLOCK_VERIFY"):
         out.append("DSV41_VERIFY_CAP is set but DSV41_BLOCK_VERIFY=0: sampled rows are then verified token by token "
                    "(the recipe measured the cap with block verification)")
-    if s["SPEC_ALGO"] != "DSPARK" and (s["DSPARK_SPS_TABLE"] or s["DSPARK_STS_TABLE"]):
+    if cfg.text("SPEC_ALGO") != "DSPARK" and (cfg.optional_text("DSPARK_SPS_TABLE")
+                                              or cfg.optional_text("DSPARK_STS_TABLE")):
         out.append("DSPARK_*_TABLE is set but SPEC_ALGO is not DSPARK: the tables are not used")
     return out

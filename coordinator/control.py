@@ -35,6 +35,7 @@ from .packstate import incomplete
 from .config import ClusterConfig
 from .runtime import ClusterRuntime, Incident, Snapshot
 from .sockets import CONTROL_GROUP, CONTROL_SOCKET, STATUS_GROUP, private_socket, status_socket
+from .state import Phase
 
 MAX_WORKERS = 32
 MAX_STREAMS = 16  # events/logs/pack streams at once; unary calls always find a thread
@@ -83,7 +84,8 @@ def node_views(cfg: ClusterConfig, clients: dict[str, AgentClient], fingerprints
             out.status.CopyFrom(clients[node.name].status(timeout=timeout, wait_for_ready=True))
             out.agent_reachable = True
         except AgentUnavailable as exc:
-            out.agent_error = f"{exc.code}: {exc.details}"
+            # Silent since its last heartbeat, when the coordinator has its lease; at least this call's timeout.
+            out.agent_error = exc.meaning(max(lease_age, exc.waited_s or timeout))
         return out
     with ThreadPoolExecutor(max_workers=len(cfg.nodes)) as pool:
         return list(pool.map(view, cfg.nodes))
@@ -100,7 +102,7 @@ def cluster_status(cfg: ClusterConfig, snap: Snapshot, views: list[pb.NodeView],
     ranks_running = sum(1 for v in views if v.agent_reachable and v.status.rank.active_state == "active")
     return pb.ClusterStatus(
         phase=snap.phase, phase_detail=snap.detail, phase_since_unix_s=snap.since,
-        endpoint=f"http://{cfg['HEAD_IP']}:{cfg['PORT']}" if snap.phase == "serving" else "",
+        endpoint=f"http://{cfg.text('HEAD_IP')}:{cfg.integer('PORT')}" if snap.phase == Phase.SERVING else "",
         ranks_running=ranks_running, ranks_total=len(cfg.nodes), serving_since_unix_s=snap.serving_since,
         last_incident=incident_pb(snap.last_incident), nodes=views, coordinator_version=VERSION,
         config_path=cfg.path, restart_attempt=snap.restart_attempt, coordinator_running=running,

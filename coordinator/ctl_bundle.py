@@ -20,6 +20,7 @@ from dsv41.v1 import control_pb2 as pb
 
 from .ctl_cluster import ControlUnavailable, _stub
 from .sockets import CONTROL_SOCKET
+from .state import Phase
 
 
 def add_commands(sub, default_config: str) -> None:
@@ -153,15 +154,16 @@ def _from_agents(config: str, target: OutputFile, journal_bytes: int) -> list[st
     except (OSError, FileNotFoundError) as exc:
         raise _Failed(f"the coordinator is not running, and its certificate is not usable: {exc}") from None
     secrets: list[str] = []
-    if cfg["API_KEY_FILE"]:
+    if key_file := cfg.optional_text("API_KEY_FILE"):
         try:
-            secrets.append(pki.read_api_key(str(cfg["API_KEY_FILE"])))
+            secrets.append(pki.read_api_key(key_file))
         except (pki.PkiError, OSError) as exc:
             raise _Failed(f"cannot read API_KEY_FILE to keep the key out of the bundle: {exc}") from None
     clients = make_clients(cfg, tls)
     try:
         views = node_views(cfg, clients, {}, {})
-        status = cluster_status(cfg, Snapshot(phase="unknown", detail="the coordinator is not running"), views, False)
+        not_running = Snapshot(phase=Phase.UNKNOWN, detail="the coordinator is not running")
+        status = cluster_status(cfg, not_running, views, False)
         sources = bundle_sources(cfg, status, [], {}, "dsv41ctl (the coordinator was not running)")
         return BundleWriter(cfg, clients, secrets).write(target, sources, journal_bytes)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 import time
 from typing import TextIO
 
@@ -16,10 +17,13 @@ from dsv41.v1 import control_pb2_grpc
 
 from .ctl_pki import expiry_warning
 from .sockets import CONTROL_GROUP, CONTROL_SOCKET, STATUS_GROUP, status_socket
+from .state import Phase
 
 # The status path imports only what it needs: dsv41ctl's start-up time is most of its latency.
 
 GIB = 1 << 30
+WIDTH = 80  # status's lines when stdout is not a terminal
+INDENT = 13  # a node's detail lines start under its RANK UNIT column
 
 
 class ControlUnavailable(Exception):
@@ -143,7 +147,7 @@ def fetch_status(args) -> pb.ClusterStatus:
     finally:
         for client in clients.values():
             client.close()
-    return cluster_status(cfg, Snapshot(phase="unknown", detail="the coordinator is not running"), views, False)
+    return cluster_status(cfg, Snapshot(phase=Phase.UNKNOWN, detail="the coordinator is not running"), views, False)
 
 
 def _age(seconds: float) -> str:
@@ -167,32 +171,60 @@ def _seconds(value: float) -> str:
     return f"{value:.1f}s" if value < 60 else _age(value)
 
 
-def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -> None:
+def fold(text: str, width: int, indent: int, lead: int = 0) -> list[str]:
+    """`text` in lines of at most `width` columns, broken between words, the lines after the first
+    indented by `indent` spaces; `lead`: columns already taken on the first line by what precedes it.
+    Only a word longer than a whole line is cut, where the line ends."""
+    wrapper = textwrap.TextWrapper(width=max(width, indent + 20), initial_indent=" " * lead,
+                                   subsequent_indent=" " * indent, break_long_words=True,
+                                   break_on_hyphens=False)
+    lines = wrapper.wrap(text) or [" " * lead]
+    return [lines[0][lead:]] + lines[1:]
+
+
+def _width(out: TextIO) -> int:
+    """The terminal's width when `out` is one, else WIDTH."""
+    try:
+        return os.get_terminal_size(out.fileno()).columns if out.isatty() else WIDTH
+    except (AttributeError, OSError, ValueError):
+        return WIDTH
+
+
+def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, width: int | None = None) -> None:
     paint = _colour(out)
     now = time.time() if now is None else now
-    good = st.phase == "serving"
-    phase = paint(st.phase.upper(), "32" if good else ("31" if st.phase in ("failed", "unknown") else "33"))
+    width = _width(out) if width is None else width
+
+    def put(text: str, indent: int = INDENT) -> None:
+        for line in fold(text, width, indent):
+            print(line, file=out)
+    good = st.phase == Phase.SERVING
+    phase = paint(st.phase.upper(), "32" if good else ("31" if st.phase in (Phase.FAILED, Phase.UNKNOWN) else "33"))
     head = f"cluster: {phase}"
     if good:
         head += f"  {st.ranks_running}/{st.ranks_total} ranks  up {_age(now - st.serving_since_unix_s)}  {st.endpoint}"
     print(head, file=out)
     if st.phase_detail and not good:
-        print(f"  {st.phase_detail}", file=out)
+        put(f"  {st.phase_detail}", 4)
     if not st.coordinator_running:
         print(paint("  coordinator: not running (status read from the agents)", "33"), file=out)
     if st.restart_attempt:
         print(f"  restart attempt {st.restart_attempt}", file=out)
     if st.last_incident.kind:
         i = st.last_incident
-        print(f"  last incident {_age(now - i.at_unix_s)} ago: {i.node}: {i.message}"[:80], file=out)
+        put(f"  last incident {_age(now - i.at_unix_s)} ago: {i.node}: {i.message}", 4)
     print(f"{'NODE':<9}{'RANK':<5}{'AGENT':<8}{'RANK UNIT':<17}{'UP':<8}{'RSS':>7}{'AVAIL':>8}{'PSI10':>7}  MOUNT",
           file=out)
     for view in st.nodes:
         s = view.status
         if not view.agent_reachable:
-            print(f"{view.name:<9}{view.rank:<5}{paint('down', '31'):<8} {view.agent_error}"[:80], file=out)
+            head = f"{view.name:<9}{view.rank:<5}"  # then AGENT, 8 columns, and the error under RANK UNIT
+            lines = fold(view.agent_error, width, INDENT, lead=len(head) + 8)
+            print(f"{head}{paint('down', '31')}    {lines[0]}", file=out)
+            for line in lines[1:]:
+                print(line, file=out)
             if st.coordinator_running and view.lease_age_s >= 0:
-                print(f"{'':<13}{liveness_line(view)}"[:80], file=out)
+                put(f"{'':<13}{liveness_line(view)}")
             continue
         rank = s.rank
         unit = rank.active_state + (f" {rank.main_pid}" if rank.main_pid else "")
@@ -203,7 +235,7 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -
         print(f"{view.name:<9}{view.rank:<5}{'up':<8}{unit:<17}{up:<8}{rss:>7}{avail:>8}"
               f"{s.memory.some.avg10:>6.1f}%  {mount}", file=out)
         if st.coordinator_running and view.lease_age_s >= 0:
-            print(f"{'':<13}{liveness_line(view)}"[:80], file=out)
+            put(f"{'':<13}{liveness_line(view)}")
         expiry = expiry_warning(view.name, s.cert_not_after_unix_s, now)
         if expiry:
             print(paint(f"{'':<13}{expiry}", "33"), file=out)
@@ -211,10 +243,10 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None) -
             e = rank.last_exit
             # A floor stop is found here even when no coordinator ran to record it as an incident.
             why = ": its memory floor stopped it" if e.cause == apb.ExitInfo.MEMORY_FLOOR else ""
-            print(f"{'':<13}last exit{why}: {e.result}, {e.code} {e.status}"[:80], file=out)
+            put(f"{'':<13}last exit{why}: {e.result}, {e.code} {e.status}")
         failed = [c for c in view.fabric.checks if not c.ok]
         for check in failed[:3]:
-            print(f"{'':<13}fabric: {check.name}: {check.detail}"[:80], file=out)
+            put(f"{'':<13}fabric: {check.name}: {check.detail}")
 
 
 def _status(args, out: TextIO, err: TextIO) -> int:
@@ -234,7 +266,7 @@ def _status(args, out: TextIO, err: TextIO) -> int:
         out.write("\n")
     else:
         render_status(st, out)
-    return 0 if st.phase == "serving" else 1
+    return 0 if st.phase == Phase.SERVING else 1
 
 
 @control_command
@@ -244,12 +276,12 @@ def _action(args, out: TextIO, err: TextIO) -> int:
     request = {"start": pb.StartRequest, "stop": pb.StopRequest, "restart": pb.RestartRequest}[args.action]()
     reply = method(request, timeout=30)
     print(reply.message, file=out)
-    want = "stopped" if args.action == "stop" else "serving"
+    want = Phase.STOPPED if args.action == "stop" else Phase.SERVING
     end = time.monotonic() + args.wait
     status = reply.status
     while args.wait and time.monotonic() < end:
         status = stub.GetStatus(pb.ClusterStatusRequest(), timeout=15)
-        if status.phase == want or status.phase == "failed":
+        if status.phase == want or status.phase == Phase.FAILED:
             break
         time.sleep(0.5)
     if args.wait:

@@ -77,7 +77,7 @@ def add_commands(sub, default_config: str) -> None:
 def _pki_dir(args, cfg) -> str:
     if args.dir:
         return args.dir
-    return str(cfg["PKI_DIR"]) if cfg is not None else DEFAULT_DIR
+    return cfg.text("PKI_DIR") if cfg is not None else DEFAULT_DIR
 
 
 _INVALID = object()  # the config exists but does not load: exit 3, as other commands do

@@ -27,15 +27,16 @@ from .guard.runner import MemoryGuard
 from .hook import IncidentHook
 from .probe import ServingProbe
 from .runtime import ClusterRuntime
+from .state import Phase
 from .sockets import CONTROL_SOCKET
 
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
 
 
 def load_tls(cfg: config_mod.ClusterConfig) -> Tls | None:
-    if cfg["INSECURE_NO_TLS"]:
+    if cfg.flag("INSECURE_NO_TLS"):
         return None
-    pki_dir = str(cfg["PKI_DIR"])
+    pki_dir = cfg.text("PKI_DIR")
     paths = [os.path.join(pki_dir, name) for name in ("ca.crt", "coordinator.crt", "coordinator.key")]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
@@ -54,23 +55,24 @@ def load_tls(cfg: config_mod.ClusterConfig) -> Tls | None:
 
 
 def make_clients(cfg: config_mod.ClusterConfig, tls: Tls | None) -> dict[str, AgentClient]:
-    return {n.name: AgentClient(n.name, f"{n.address}:{cfg['AGENT_PORT']}", tls) for n in cfg.nodes}
+    return {n.name: AgentClient(n.name, f"{n.address}:{cfg.integer('AGENT_PORT')}", tls) for n in cfg.nodes}
 
 
 def status_line(runtime: ClusterRuntime, clock=time.time) -> str:
     snap = runtime.snapshot()
-    if snap.phase == "serving":
+    if snap.phase == Phase.SERVING:
         up = int(clock() - snap.serving_since)
         total = len(runtime.clients)
         running = sum(1 for r in snap.ranks.values() if r.active_state == "active")
-        return f"serving on :{runtime.cfg['PORT']}, {running}/{total} ranks, up {up // 3600}h{up % 3600 // 60:02d}m"
+        return f"serving on :{runtime.cfg.integer('PORT')}, {running}/{total} ranks, up {up // 3600}h{up % 3600 // 60:02d}m"
     return f"{snap.phase}" + (f": {snap.detail}" if snap.detail else "")
 
 
 def start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: EventLog, guard, tls: Tls | None):
     """The metrics endpoint, or None (METRICS_LISTEN empty, or it cannot listen: the cluster is kept
     serving without it, and a scrape target that is down is what Prometheus alerts on)."""
-    if not cfg["METRICS_LISTEN"]:
+    listen = cfg.optional_listen("METRICS_LISTEN")
+    if listen is None:
         return None
     from .metrics.exporter import Metrics  # prometheus_client only when metrics are on
     clients = make_clients(cfg, tls)
@@ -79,8 +81,8 @@ def start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: E
     except OSError as exc:
         for client in clients.values():
             client.close()
-        log.error("metrics_failed", f"metrics: cannot listen on {cfg['METRICS_LISTEN']}: {exc.strerror or exc}; "
-                  "serving without metrics", listen=str(cfg["METRICS_LISTEN"]))
+        log.error("metrics_failed", f"metrics: cannot listen on {listen}: {exc.strerror or exc}; "
+                  "serving without metrics", listen=str(listen))
         return None
 
 
@@ -103,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("coordinator_failed", str(exc))
         return 2
     api_key = None
-    if cfg["API_KEY_FILE"]:
+    if key_file := cfg.optional_text("API_KEY_FILE"):
         try:
-            api_key = pki.read_api_key(str(cfg["API_KEY_FILE"]))
+            api_key = pki.read_api_key(key_file)
         except pki.PkiError as exc:
             log.error("coordinator_failed", f"API_KEY_FILE: {exc}")
             return 2
@@ -114,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     hook = None
-    if cfg["INCIDENT_HOOK"]:
-        hook = IncidentHook(str(cfg["INCIDENT_HOOK"]), float(cfg["INCIDENT_HOOK_TIMEOUT_S"]), log).start()
+    if hook_file := cfg.optional_text("INCIDENT_HOOK"):
+        hook = IncidentHook(hook_file, cfg.number("INCIDENT_HOOK_TIMEOUT_S"), log).start()
         runtime.on_incident(hook.offer)  # only queues: the hook runs in its own thread
     guard = MemoryGuard.for_runtime(runtime, log, api_key)  # watches memory whenever the cluster serves
     metrics = start_metrics(cfg, runtime, log, guard, tls)  # before run(): it counts the first bring-up's steps

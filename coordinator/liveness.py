@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .policy import RankExit, first_failure
+from .state import IncidentKind
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def unaccounted(nodes: Sequence[str], exits: Mapping[str, RankExit], heard: Mapp
 @dataclass(frozen=True)
 class Cause:
     node: str
-    kind: str  # node_lost, rank_exit, or memory_floor (a rank exit its node's floor caused)
+    kind: IncidentKind  # NODE_LOST, RANK_EXIT, or MEMORY_FLOOR (a rank exit its node's floor caused)
     message: str
 
 
@@ -103,6 +104,6 @@ def blame(exits: Sequence[RankExit], lost: Mapping[str, float], now: float) -> C
         if exits:
             ordered = sorted(exits, key=lambda e: e.at_unix_s)
             message += "; then rank exits on " + ", ".join(f"{e.node} ({e.outcome()})" for e in ordered)
-        return Cause(node, "node_lost", message)
+        return Cause(node, IncidentKind.NODE_LOST, message)
     found = first_failure(exits)
-    return Cause(found.node, "memory_floor" if found.floor else "rank_exit", found.message)
+    return Cause(found.node, IncidentKind.MEMORY_FLOOR if found.floor else IncidentKind.RANK_EXIT, found.message)

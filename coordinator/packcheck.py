@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adapter.engram.format import coverage_faults
+from dsv41.engram_format import coverage_faults
 from dsv41.v1 import agent_pb2 as pb
 
 from .packstate import layer_state

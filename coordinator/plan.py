@@ -184,8 +184,8 @@ def render_node(cfg: ClusterConfig, name: str, *, dspark_tables: bool = False) -
         rank=node.rank,
         address=node.address,
         rank_spec=spec,
-        export=_export(cfg) if node.is_head and cfg["NFS_SHARE"] else None,
-        mount=_mount(cfg, node) if not node.is_head and cfg["NFS_SHARE"] else None,
+        export=_export(cfg) if node.is_head and cfg.flag("NFS_SHARE") else None,
+        mount=_mount(cfg, node) if not node.is_head and cfg.flag("NFS_SHARE") else None,
         fabric=_fabric(cfg, node),
         pack=_pack(cfg, node),
         dspark_tables=tables,
@@ -195,88 +195,89 @@ def render_node(cfg: ClusterConfig, name: str, *, dspark_tables: bool = False) -
 
 def model_path_on(cfg: ClusterConfig, node: Node) -> str:
     """Where the checkpoint is on the node itself: the head's MODEL_DIR, a worker's mount or copy."""
-    return str(cfg["MODEL_DIR"]) if node.is_head else str(cfg["COMMON_MODEL"])
+    return cfg.text("MODEL_DIR") if node.is_head else cfg.text("COMMON_MODEL")
 
 
 def sglang_args(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> list[str]:
-    fraction = cfg["HEAD_MEM_FRACTION_STATIC"] if node.is_head and cfg["HEAD_MEM_FRACTION_STATIC"] else \
-        cfg["MEM_FRACTION_STATIC"]
+    head_fraction = cfg.optional_number("HEAD_MEM_FRACTION_STATIC") if node.is_head else None
+    fraction = head_fraction or cfg.number("MEM_FRACTION_STATIC")
     args = [
-        "--model-path", str(cfg["COMMON_MODEL"]),
-        "--served-model-name", str(cfg["SERVED_MODEL_NAME"]),
+        "--model-path", cfg.text("COMMON_MODEL"),
+        "--served-model-name", cfg.text("SERVED_MODEL_NAME"),
         "--trust-remote-code",
         "--load-format", "safetensors",
-        "--tp-size", str(cfg["TP_SIZE"]),
-        "--ep-size", str(cfg["EP_SIZE"]),
-        *(_CPU_ENGINE_ARGS if cfg["RANK_DEVICE"] == "cpu" else _GPU_ENGINE_ARGS),
+        "--tp-size", str(cfg.integer("TP_SIZE")),
+        "--ep-size", str(cfg.integer("EP_SIZE")),
+        *(_CPU_ENGINE_ARGS if cfg.text("RANK_DEVICE") == "cpu" else _GPU_ENGINE_ARGS),
         "--mem-fraction-static", f"{fraction:g}",
-        "--chunked-prefill-size", str(cfg["CHUNKED_PREFILL_SIZE"]),
-        "--context-length", str(cfg["CONTEXT_LENGTH"]),
-        "--max-running-requests", str(cfg["MAX_RUNNING_REQUESTS"]),
+        "--chunked-prefill-size", str(cfg.integer("CHUNKED_PREFILL_SIZE")),
+        "--context-length", str(cfg.integer("CONTEXT_LENGTH")),
+        "--max-running-requests", str(cfg.integer("MAX_RUNNING_REQUESTS")),
         "--random-seed", "0",
         "--enable-cache-report",
-        *(() if cfg["RANK_DEVICE"] == "cpu" else _DEEPSEEK_PARSER_ARGS),
+        *(() if cfg.text("RANK_DEVICE") == "cpu" else _DEEPSEEK_PARSER_ARGS),
         "--host", "0.0.0.0",
-        "--port", str(cfg["PORT"]),
+        "--port", str(cfg.integer("PORT")),
     ]
-    if cfg["SPEC_ALGO"] != "NONE":
-        args += ["--speculative-algorithm", str(cfg["SPEC_ALGO"])]
-    if cfg["SPEC_ALGO"] == "DSPARK":
-        args += ["--speculative-dspark-block-size", str(cfg["DSPARK_BLOCK_SIZE"])]
-        if cfg["DSPARK_SPS_TABLE"] in tables:
-            args += ["--speculative-dspark-sps-table-path", str(cfg["DSPARK_SPS_TABLE"])]
-        if cfg["DSPARK_STS_TABLE"] in tables:
-            args += ["--speculative-dspark-confidence-sts-path", str(cfg["DSPARK_STS_TABLE"])]
+    if cfg.text("SPEC_ALGO") != "NONE":
+        args += ["--speculative-algorithm", cfg.text("SPEC_ALGO")]
+    if cfg.text("SPEC_ALGO") == "DSPARK":
+        args += ["--speculative-dspark-block-size", str(cfg.integer("DSPARK_BLOCK_SIZE"))]
+        if (sps := cfg.optional_text("DSPARK_SPS_TABLE")) and sps in tables:
+            args += ["--speculative-dspark-sps-table-path", sps]
+        if (sts := cfg.optional_text("DSPARK_STS_TABLE")) and sts in tables:
+            args += ["--speculative-dspark-confidence-sts-path", sts]
     args += [
-        "--nnodes", str(cfg["NNODES"]),
+        "--nnodes", str(cfg.integer("NNODES")),
         "--node-rank", str(node.rank),
-        "--dist-init-addr", f"{cfg['HEAD_IP']}:{cfg['DIST_PORT']}",
-        "--max-total-tokens", str(cfg["MAX_TOTAL_TOKENS"]),
+        "--dist-init-addr", f"{cfg.text('HEAD_IP')}:{cfg.integer('DIST_PORT')}",
+        "--max-total-tokens", str(cfg.integer("MAX_TOTAL_TOKENS")),
     ]
-    return args + list(cfg["EXTRA_SGLANG_ARGS"])
+    return args + list(cfg.words("EXTRA_SGLANG_ARGS"))
 
 
 def _tables(cfg: ClusterConfig) -> dict[str, str]:
-    if cfg["SPEC_ALGO"] != "DSPARK":
+    if cfg.text("SPEC_ALGO") != "DSPARK":
         return {}
-    paths = [cfg["DSPARK_SPS_TABLE"], cfg["DSPARK_STS_TABLE"]]
-    return {str(p): posixpath.join(STATE_DIR, posixpath.basename(str(p))) for p in paths if p}
+    paths = [cfg.optional_text("DSPARK_SPS_TABLE"), cfg.optional_text("DSPARK_STS_TABLE")]
+    return {p: posixpath.join(STATE_DIR, posixpath.basename(p)) for p in paths if p}
 
 
 def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]:
     env = {k.name: cfg.raw[k.name] for k in KEYS if k.to_rank_env}
-    env.update({_ENV_RENAMES[k]: ",".join(cfg[k]) for k in _ENV_RENAMES})
+    env.update({_ENV_RENAMES[k]: ",".join(cfg.words(k)) for k in _ENV_RENAMES})
     env.update(cfg.passthrough)
     if uses_roce(cfg):
         env["NCCL_IB_GID_INDEX"] = GID_PLACEHOLDER
-    if cfg["RANK_DEVICE"] == "cpu":
+    if cfg.text("RANK_DEVICE") == "cpu":
         env.update(_CPU_ENGINE_ENV)
     env["SGLANG_HOST_IP"] = node.address
-    env["DSV41_SOURCE"] = str(cfg["COMMON_MODEL"])  # arms the adapter's sitecustomize.py
+    env["DSV41_SOURCE"] = cfg.text("COMMON_MODEL")  # arms the adapter's sitecustomize.py
     env.update(admission_env(cfg))
     env["PYTHONPATH"] = CONTAINER_ADAPTER_DIR if container else ADAPTER_DIR
-    if cfg["NCCL_HOST_DIR"]:
-        env["LD_LIBRARY_PATH"] = CONTAINER_NCCL_DIR if container else str(cfg["NCCL_HOST_DIR"])
+    if nccl_dir := cfg.optional_text("NCCL_HOST_DIR"):
+        env["LD_LIBRARY_PATH"] = CONTAINER_NCCL_DIR if container else nccl_dir
     # /root/.cache is CONTAINER_CACHE_DIR: `dsv41ctl autotune reset` clears both runtimes' caches.
     env["SGLANG_CACHE_DIR"] = "/root/.cache/sglang" if container else f"{RANK_CACHE_DIR}/sglang"
     if not container:
         env["XDG_CACHE_HOME"] = RANK_CACHE_DIR
         # byte code goes to the cache, not into package directories such as the adapter's
         env["PYTHONPYCACHEPREFIX"] = f"{RANK_CACHE_DIR}/pycache"
-    if cfg["API_KEY_FILE"] and node.is_head:
+    if cfg.optional_text("API_KEY_FILE") and node.is_head:
         env["DSV41_API_KEY_FILE"] = CONTAINER_API_KEY_PATH if container else API_KEY_NODE_PATH
     return dict(sorted(env.items()))
 
 
 def admission_env(cfg: ClusterConfig) -> dict[str, str]:
-    """The admission gate's settings (adapter/admission_gate.py, the stand-in's too): the guard's
-    level and cost model, so that the rank holds back what the guard would have to abort, and the
-    guard's projection knows it does (guard.settings.cost_model); a level of 0 is off."""
+    """The admission gate's settings (the rule: dsv41/admission.py; the rank's gate and the
+    stand-in's apply it): the guard's level and cost model, so that the rank holds back what the
+    guard would have to abort, and the guard's projection knows it does (guard.settings.cost_model);
+    a level of 0 is off."""
     cost = cost_model(cfg, cfg.passthrough)
     if not cost.admission_guard_bytes:
         return {"DSV41_ADMISSION_GUARD_BYTES": "0"}
     # A request alone is held for the guard to abort only where the guard acts.
-    lone = LONE_WAIT_S if cfg["MEMORY_GUARD"] == "act" else 0.0
+    lone = LONE_WAIT_S if cfg.text("MEMORY_GUARD") == "act" else 0.0
     return {"DSV41_ADMISSION_GUARD_BYTES": str(cost.admission_guard_bytes),
             "DSV41_ADMISSION_TOKEN_BYTES": str(cost.token_bytes),
             "DSV41_ADMISSION_TRANSIENT_BYTES": repr(cost.transient_bytes),
@@ -285,46 +286,46 @@ def admission_env(cfg: ClusterConfig) -> dict[str, str]:
 
 def uses_roce(cfg: ClusterConfig) -> bool:
     """NCCL runs over RoCE (and so needs the node's GID index) unless IB is disabled or Socket is chosen."""
-    return cfg["NCCL_NET"] == "IB" and not cfg["NCCL_IB_DISABLE"]
+    return cfg.text("NCCL_NET") == "IB" and not cfg.flag("NCCL_IB_DISABLE")
 
 
 def _binds(cfg: ClusterConfig, node: Node, tables: Mapping[str, str], container: bool) -> list[Bind]:
-    binds = [Bind(model_path_on(cfg, node), str(cfg["COMMON_MODEL"]))]
-    if cfg["OFFLOAD_MODE"] == "nvme":
-        binds.append(Bind(str(cfg["ENGRAM_DIR"]), str(cfg["DSV41_PACKED_DIR"])))
+    binds = [Bind(model_path_on(cfg, node), cfg.text("COMMON_MODEL"))]
+    if cfg.text("OFFLOAD_MODE") == "nvme":
+        binds.append(Bind(cfg.text("ENGRAM_DIR"), cfg.text("DSV41_PACKED_DIR")))
     binds += [Bind(node_path, rank_path) for rank_path, node_path in tables.items()]
     if container:
         binds.append(Bind(ADAPTER_DIR, CONTAINER_ADAPTER_DIR))
-        if cfg["NCCL_HOST_DIR"]:
-            binds.append(Bind(str(cfg["NCCL_HOST_DIR"]), CONTAINER_NCCL_DIR))
+        if nccl_dir := cfg.optional_text("NCCL_HOST_DIR"):
+            binds.append(Bind(nccl_dir, CONTAINER_NCCL_DIR))
         binds.append(Bind(CONTAINER_CACHE_DIR, "/root/.cache", read_only=False))
-        if cfg["API_KEY_FILE"] and node.is_head:
+        if cfg.optional_text("API_KEY_FILE") and node.is_head:
             binds.append(Bind(API_KEY_NODE_PATH, CONTAINER_API_KEY_PATH))
     # A bind onto itself is a no-op for the host runtime; keep the list to what changes the view.
     return [b for b in binds if container or b.source != b.target]
 
 
 def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> RankSpec:
-    floor = int(float(cfg["MEMORY_FLOOR_GB"]) * 1_000_000_000)
+    floor = int(cfg.number("MEMORY_FLOOR_GB") * 1_000_000_000)
     return replace(_rank_launch(cfg, node, tables), memory_floor_bytes=floor,
-                   memory_floor_kill_after_ms=round(float(cfg["MEMORY_FLOOR_KILL_AFTER_S"]) * 1000) if floor else 0,
-                   memory_floor_interval_ms=int(cfg["MEMORY_GUARD_INTERVAL_MS"]) if floor else 0)
+                   memory_floor_kill_after_ms=round(cfg.number("MEMORY_FLOOR_KILL_AFTER_S") * 1000) if floor else 0,
+                   memory_floor_interval_ms=cfg.integer("MEMORY_GUARD_INTERVAL_MS") if floor else 0)
 
 
 def _rank_launch(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> RankSpec:
-    container = cfg["RANK_RUNTIME"] == "container"
+    container = cfg.text("RANK_RUNTIME") == "container"
     env = _rank_env(cfg, node, container)
     binds = _binds(cfg, node, tables, container)
     args = sglang_args(cfg, node, tables)
-    stop = int(cfg["RANK_STOP_TIMEOUT_S"])
+    stop = cfg.integer("RANK_STOP_TIMEOUT_S")
     fills = {"NCCL_IB_GID_INDEX": "roce_gid_index"} if uses_roce(cfg) else {}
     if not container:
-        if cfg["RANK_ENGINE"] == "sim":
-            argv = [str(cfg["SIM_RANK_COMMAND"]), *args]
+        if cfg.text("RANK_ENGINE") == "sim":
+            argv = [cfg.text("SIM_RANK_COMMAND"), *args]
         else:
-            argv = [str(cfg["RANK_PYTHON"]), "-m", "sglang.launch_server", *args]
+            argv = [cfg.text("RANK_PYTHON"), "-m", "sglang.launch_server", *args]
         return RankSpec("host", tuple(argv), env, fills, tuple(binds), (), (), stop)
-    image = str(cfg["IMAGE"] or cfg["BASE_IMAGE"])
+    image = cfg.optional_text("IMAGE") or cfg.text("BASE_IMAGE")
     docker = [DOCKER, "run", "--rm", "--name", CONTAINER_NAME, "--cidfile", CONTAINER_ID_FILE,
               "--network", "host", "--ipc", "host", "--gpus", "all", "--device", "/dev/infiniband:/dev/infiniband",
               *CONTAINER_HARDENING,
@@ -341,34 +342,34 @@ def _rank_launch(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> R
 
 
 def _export(cfg: ClusterConfig) -> ExportSpec:
-    return ExportSpec(str(cfg["MODEL_DIR"]), tuple(cfg["NFS_CLIENTS"] or ()), str(cfg["NFS_EXPORT_OPTIONS"]),
-                      str(cfg["NFS_BACKEND"]), str(cfg["NFS_EXPORT_NAME"]))
+    return ExportSpec(cfg.text("MODEL_DIR"), cfg.optional_words("NFS_CLIENTS") or (), cfg.text("NFS_EXPORT_OPTIONS"),
+                      cfg.text("NFS_BACKEND"), cfg.text("NFS_EXPORT_NAME"))
 
 
 def _mount(cfg: ClusterConfig, node: Node) -> MountSpec:
     # With fsid=0 the kernel export is the NFSv4 root; nfs-ganesha publishes it at its pseudo path.
-    path = "/" if cfg["NFS_BACKEND"] == "kernel" else "/" + str(cfg["NFS_EXPORT_NAME"])
-    return MountSpec(f"{node.nfs_server}:{path}", str(cfg["COMMON_MODEL"]), "nfs4", MOUNT_OPTIONS,
-                     str(node.nfs_server), int(cfg["EXPECTED_SHARDS"]))
+    path = "/" if cfg.text("NFS_BACKEND") == "kernel" else "/" + cfg.text("NFS_EXPORT_NAME")
+    return MountSpec(f"{node.nfs_server}:{path}", cfg.text("COMMON_MODEL"), "nfs4", MOUNT_OPTIONS,
+                     str(node.nfs_server), cfg.integer("EXPECTED_SHARDS"))
 
 
 def _fabric(cfg: ClusterConfig, node: Node) -> FabricSpec:
-    sockets = tuple(dict.fromkeys([*cfg["GLOO_SOCKET_IFNAME"], *cfg["NCCL_SOCKET_IFNAME"]]))
-    peers = [Peer(n.name, n.address, int(cfg["AGENT_PORT"])) for n in cfg.nodes if n.name != node.name]
-    if node.nfs_server and cfg["NFS_SHARE"]:
+    sockets = tuple(dict.fromkeys([*cfg.words("GLOO_SOCKET_IFNAME"), *cfg.words("NCCL_SOCKET_IFNAME")]))
+    peers = [Peer(n.name, n.address, cfg.integer("AGENT_PORT")) for n in cfg.nodes if n.name != node.name]
+    if node.nfs_server and cfg.flag("NFS_SHARE"):
         peers.append(Peer(f"{cfg.head.name} (NFS)", node.nfs_server, 2049))
     # Without RoCE (NCCL_NET=Socket or IB disabled) the HCAs are not used, so they are not checked.
-    hcas = tuple(cfg["IB_HCA"]) if uses_roce(cfg) else ()
-    return FabricSpec(hcas, str(cfg["FABRIC_IFACE"]), node.address, int(cfg["FABRIC_MTU"]),
+    hcas = cfg.words("IB_HCA") if uses_roce(cfg) else ()
+    return FabricSpec(hcas, cfg.text("FABRIC_IFACE"), node.address, cfg.integer("FABRIC_MTU"),
                       sockets, tuple(peers))
 
 
 def _pack(cfg: ClusterConfig, node: Node) -> PackSpec:
-    tp, nnodes = int(cfg["TP_SIZE"]), int(cfg["NNODES"])
+    tp, nnodes = cfg.integer("TP_SIZE"), cfg.integer("NNODES")
     per_node = tp // nnodes
     ranks = tuple(range(node.rank * per_node, (node.rank + 1) * per_node))
-    return PackSpec(model_path_on(cfg, node), str(cfg["ENGRAM_DIR"]), tp, ranks, ENGRAM_LAYERS,
-                    cfg["OFFLOAD_MODE"] == "nvme", not cfg["SKIP_PREPARE"])
+    return PackSpec(model_path_on(cfg, node), cfg.text("ENGRAM_DIR"), tp, ranks, ENGRAM_LAYERS,
+                    cfg.text("OFFLOAD_MODE") == "nvme", not cfg.flag("SKIP_PREPARE"))
 
 
 def _with_fingerprint(plan: NodePlan) -> NodePlan:

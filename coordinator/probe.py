@@ -13,6 +13,7 @@ from typing import Callable
 
 from .guard.engine import EngineApi
 from .messages import CanaryDone, CanarySent, WorkSeen
+from .state import Phase
 
 POLL_S = 1.0
 CANARY_TIMEOUT_S = 25.0  # SGLang answers 503 after 20 s without a generation
@@ -44,8 +45,8 @@ class ServingProbe:
     @classmethod
     def for_runtime(cls, runtime, api_key: str | None) -> "ServingProbe":
         cfg = runtime.cfg
-        return cls(lambda: runtime.snapshot().phase == "serving", runtime.post,
-                   EngineApi(runtime.base_url, api_key, timeout_s=2.0), float(cfg["CANARY_INTERVAL_S"]))
+        return cls(lambda: runtime.snapshot().phase == Phase.SERVING, runtime.post,
+                   EngineApi(runtime.base_url, api_key, timeout_s=2.0), cfg.number("CANARY_INTERVAL_S"))
 
     def start(self) -> "ServingProbe":
         self._thread.start()

@@ -36,7 +36,7 @@ from .messages import (AutotuneResetJob, CanaryDone, CanarySent, PackStartJob, R
 from .parallel import on_each, spawn
 from .peerfailure import peer_failure
 from .policy import Action, Activity, RankExit, Request
-from .state import STARTING, Incident, Snapshot, generation_of
+from .state import STARTING, Incident, IncidentKind, Phase, Snapshot, generation_of, step_failed
 
 __all__ = ["ClusterRuntime", "Incident", "Snapshot", "StepFailed", "generation_of"]
 
@@ -57,7 +57,7 @@ WAIT_POLL_S = 1.0
 @dataclass(frozen=True)
 class Trouble:
     """What ended a serving cluster, found by the supervisor, to recover from."""
-    kind: str  # rank_exit, node_lost, node_rebooted, rank_hung
+    kind: IncidentKind  # RANK_EXIT, NODE_LOST, NODE_REBOOTED, RANK_HUNG
     node: str = ""
     message: str = ""
 
@@ -74,7 +74,7 @@ class ClusterRuntime:
         self._state_dir = state_dir
         self._api_key = api_key  # read from API_KEY_FILE by the daemon; reaches rank 0 as a 0600 file
         self._clock, self._monotonic = clock, monotonic
-        self.base_url = f"http://{cfg['HEAD_IP']}:{cfg['PORT']}"
+        self.base_url = f"http://{cfg.text('HEAD_IP')}:{cfg.integer('PORT')}"
         # Published state: written by the supervisor only, read by anyone under the lock.
         self._lock = threading.Lock()
         # Until the supervisor has looked for ranks to adopt, the cluster is neither stopped nor
@@ -117,6 +117,14 @@ class ClusterRuntime:
         with self._lock:
             return self._snapshot
 
+    def guarded_run(self) -> tuple[float, bool] | None:
+        """The run of the ranks the memory guard watches now: when it began, and whether its ranks
+        serve requests (bringup.GUARDED_PHASES, from the steps' declarations); None: none runs."""
+        snap = self.snapshot()
+        if snap.phase not in bringup.GUARDED_PHASES or not snap.ranks_since:
+            return None
+        return snap.ranks_since, bringup.GUARDED_PHASES[snap.phase]
+
     def incidents(self) -> list[Incident]:
         with self._lock:
             return list(self._incidents)
@@ -128,7 +136,7 @@ class ClusterRuntime:
     def run(self, autostart: bool = True) -> None:
         """Starts the supervisor: re-adopt what runs, else bring the cluster up when asked to."""
         self._watching_since = self._monotonic()
-        heartbeat_ms = max(100, int(float(self.cfg["NODE_LEASE_S"]) * 250))  # four heartbeats a lease
+        heartbeat_ms = max(100, int(self.cfg.number("NODE_LEASE_S") * 250))  # four heartbeats a lease
         for client in self.clients.values():
             node = client.node
             self._watch_threads.append(client.watch_rank(
@@ -234,7 +242,7 @@ class ClusterRuntime:
             ranks[node] = rank
             self._snapshot = replace(self._snapshot, ranks=ranks)
 
-    def _incident(self, node: str, kind: str, message: str) -> Incident:
+    def _incident(self, node: str, kind: IncidentKind, message: str) -> Incident:
         incident = Incident(self._clock(), node, kind, message)
         with self._lock:
             self._incidents.append(incident)
@@ -284,17 +292,17 @@ class ClusterRuntime:
             pass  # the request that preempted it is in the slot: the loop serves it next
         except Exception as exc:  # the supervisor must survive anything an activity throws
             self._log.error("supervisor_error", f"{what} failed unexpectedly: {exc!r}")
-            self._set(phase="failed", detail=f"{what}: internal error: {exc}")
+            self._set(phase=Phase.FAILED, detail=f"{what}: internal error: {exc}")
         finally:
             self._activity = Activity.IDLE
 
     def _serve(self, request: Request) -> None:
         if request.action is Action.STOP:
             if request.reason:
-                self._incident(self.cfg.head.name, "stopped", request.reason)
+                self._incident(self.cfg.head.name, IncidentKind.STOPPED, request.reason)
             self._stop_ranks(request.reason or "requested by dsv41ctl stop")
         elif request.action is Action.START:
-            if self.snapshot().phase != "serving":
+            if self.snapshot().phase != Phase.SERVING:
                 self._bring_up_with_retries(reset_attempts=True)
         elif request.action is Action.RESTART:
             self._stop_ranks("restart requested", wait_memory=True)
@@ -306,7 +314,7 @@ class ClusterRuntime:
         if self._autostart:
             self._bring_up_with_retries()
         elif self.snapshot().phase == STARTING:  # nothing runs (ranks that run but do not answer stay "health")
-            self._set(phase="stopped", detail="nothing was running; waiting for dsv41ctl start")
+            self._set(phase=Phase.STOPPED, detail="nothing was running; waiting for dsv41ctl start")
 
     # ------------------------------------------------------------------ events
 
@@ -349,9 +357,9 @@ class ClusterRuntime:
             self._settle()
             blame = policy.first_failure(list(self._exits.values()))
             raise StepFailed(self._step, blame.node, f"during bring-up, {blame.message}",
-                             incident="memory_floor" if blame.floor else None)
-        if self._activity is Activity.IDLE and self.snapshot().phase == "serving" and self._trouble is None:
-            self._trouble = Trouble("rank_exit", node)
+                             incident=IncidentKind.MEMORY_FLOOR if blame.floor else None)
+        if self._activity is Activity.IDLE and self.snapshot().phase == Phase.SERVING and self._trouble is None:
+            self._trouble = Trouble(IncidentKind.RANK_EXIT, node)
 
     # ------------------------------------------------------------------ liveness
 
@@ -376,13 +384,13 @@ class ClusterRuntime:
         if not liveness.rebooted(known, message.boot_id):
             return
         why = f"{node} booted again (boot {known} -> {message.boot_id}): its rank is gone"
-        self._incident(node, "node_rebooted", why)
+        self._incident(node, IncidentKind.NODE_REBOOTED, why)
         if not react:
             return
         if self._activity is Activity.BRINGUP and self._ranks_run:
             raise StepFailed(self._step, node, why, transient=True, incident="")
-        if self._activity is Activity.IDLE and self.snapshot().phase == "serving" and self._trouble is None:
-            self._trouble = Trouble("node_rebooted", node, why)
+        if self._activity is Activity.IDLE and self.snapshot().phase == Phase.SERVING and self._trouble is None:
+            self._trouble = Trouble(IncidentKind.NODE_REBOOTED, node, why)
 
     def _note_work(self, message) -> None:
         """What the serving probe saw: whether the cluster has work it must be stepping on."""
@@ -403,13 +411,13 @@ class ClusterRuntime:
         since = self._lost.get(node)
         when = time.strftime("%H:%M:%S", time.localtime(self._clock() - (now - since))) if since else "?"
         return (f"{node} lost: not heard from since {when} ({now - since:.1f} s, NODE_LEASE_S="
-                f"{float(self.cfg['NODE_LEASE_S']):g})") if since else f"{node} lost"
+                f"{self.cfg.number('NODE_LEASE_S'):g})") if since else f"{node} lost"
 
     def _check_liveness(self, react: bool) -> None:
         """Leases and hangs. While starting or serving, a lapsed lease is a lost node; while serving,
         a rank that takes no step while work is pending is hung."""
         now = self._monotonic()
-        lease = float(self.cfg["NODE_LEASE_S"])
+        lease = self.cfg.number("NODE_LEASE_S")
         newly = []
         for node in self.clients:
             last = self._heard.get(node)
@@ -424,21 +432,21 @@ class ClusterRuntime:
         phase = self.snapshot().phase
         if newly and self._activity is Activity.BRINGUP and self._ranks_run:
             raise StepFailed(self._step, newly[0], self._lost_message(newly[0], now), transient=True,
-                             unreachable=tuple(newly), incident="node_lost")
-        if self._activity is not Activity.IDLE or phase != "serving" or self._trouble is not None:
+                             unreachable=tuple(newly), incident=IncidentKind.NODE_LOST)
+        if self._activity is not Activity.IDLE or phase != Phase.SERVING or self._trouble is not None:
             return
         if newly:
-            self._trouble = Trouble("node_lost", newly[0], self._lost_message(newly[0], now))
+            self._trouble = Trouble(IncidentKind.NODE_LOST, newly[0], self._lost_message(newly[0], now))
             return
         if self._lost:
             return
         found = liveness.hung(self._heard, list(self.clients), self._pending_since, now,
-                              float(self.cfg["HANG_TIMEOUT_S"]), float(self.cfg["HANG_FIRST_STEP_TIMEOUT_S"]),
+                              self.cfg.number("HANG_TIMEOUT_S"), self.cfg.number("HANG_FIRST_STEP_TIMEOUT_S"),
                               fresh_s=lease / 2)
         if found is not None:
-            self._trouble = Trouble("rank_hung", found.node, (
+            self._trouble = Trouble(IncidentKind.RANK_HUNG, found.node, (
                 f"rank on {found.node} hung: no forward step for {found.stalled_s:.1f} s while work was pending "
-                f"(at step {found.forward_count}; HANG_TIMEOUT_S={float(self.cfg['HANG_TIMEOUT_S']):g})"
+                f"(at step {found.forward_count}; HANG_TIMEOUT_S={self.cfg.number('HANG_TIMEOUT_S'):g})"
                 + ("; its rank process is stopped (SIGSTOP?)" if self._heard[found.node].process_stopped else "")))
 
     def _pump(self, seconds: float, until: Future | None = None, react: bool = True) -> None:
@@ -500,15 +508,15 @@ class ClusterRuntime:
         waited = False  # the last try stopped for an unreachable node: trying again spends no attempt
         while True:
             if cause is not None and not waited:
-                max_attempts = int(self.cfg["RESTART_MAX_ATTEMPTS"])
-                restart = policy.next_restart(attempts, max_attempts, float(self.cfg["RESTART_BACKOFF_S"]))
+                max_attempts = self.cfg.integer("RESTART_MAX_ATTEMPTS")
+                restart = policy.next_restart(attempts, max_attempts, self.cfg.number("RESTART_BACKOFF_S"))
                 if restart.give_up:
-                    self._set(phase="failed", restart_attempt=attempts,
+                    self._set(phase=Phase.FAILED, restart_attempt=attempts,
                               detail=f"{cause} (gave up after {max_attempts} restart attempt(s))")
                     self._log.error("restart_exhausted", f"not restarting again: {cause}", attempts=max_attempts)
                     return
                 attempts = restart.attempt
-                self._set(phase="restarting", restart_attempt=attempts,
+                self._set(phase=Phase.RESTARTING, restart_attempt=attempts,
                           detail=f"attempt {attempts}/{max_attempts} in {restart.delay_s:g} s after: {cause}")
                 self._log.warning("restart_attempt", f"restart attempt {attempts}/{max_attempts} in "
                                   f"{restart.delay_s:g} s: {cause}", attempt=attempts, delay_s=restart.delay_s)
@@ -521,7 +529,7 @@ class ClusterRuntime:
             except StepFailed as exc:
                 self._activity = Activity.IDLE
                 if exc.incident is None and not exc.unreachable:
-                    self._incident(exc.node or "cluster", f"{exc.step}_failed", exc.reason)
+                    self._incident(exc.node or "cluster", step_failed(exc.step), exc.reason)
                 elif exc.incident:
                     self._incident(exc.node or "cluster", exc.incident, exc.reason)
                 step = bringup.BY_NAME.get(exc.step)
@@ -533,7 +541,7 @@ class ClusterRuntime:
                         return  # NODE_WAIT_TIMEOUT_S passed: failed, and the phase says why
                     waited = True
                     continue
-                self._set(phase="failed", detail=str(exc))
+                self._set(phase=Phase.FAILED, detail=str(exc))
                 if not policy.retry_can_fix(step.retryable if step else False, exc.transient):
                     return  # a restart cannot fix configuration or a node that is not ready
                 cause = str(exc)
@@ -544,9 +552,9 @@ class ClusterRuntime:
         limit) fails it with the reason it was waited for."""
         self._activity = Activity.WAITING
         started = self._monotonic()
-        limit = float(self.cfg["NODE_WAIT_TIMEOUT_S"])
+        limit = self.cfg.integer("NODE_WAIT_TIMEOUT_S")
         names = ", ".join(nodes)
-        self._set(phase="waiting", detail=f"waiting for {names}: {why.reason}; the bring-up resumes when "
+        self._set(phase=Phase.WAITING, detail=f"waiting for {names}: {why.reason}; the bring-up resumes when "
                                           f"{'its agent answers' if len(nodes) == 1 else 'their agents answer'}")
         self._log.warning("node_waiting", f"waiting for {names} ({why.reason}); the bring-up resumes when "
                           "it answers" + (f", for up to {limit:g} s" if limit else ""), node_name=nodes[0])
@@ -561,8 +569,8 @@ class ClusterRuntime:
             if pending and limit and self._monotonic() - started > limit:
                 self._activity = Activity.IDLE
                 failed = StepFailed(why.step, pending[0], f"{why.reason} (still unreachable after {limit:g} s)")
-                self._incident(pending[0], f"{why.step}_failed", failed.reason)
-                self._set(phase="failed", detail=str(failed))
+                self._incident(pending[0], step_failed(why.step), failed.reason)
+                self._set(phase=Phase.FAILED, detail=str(failed))
                 return False
         self._activity = Activity.IDLE
         self._log.info("node_answers", f"{names}: answering again after {self._monotonic() - started:.1f} s; "
@@ -586,7 +594,7 @@ class ClusterRuntime:
                 self._ranks_run = True
                 self._set(ranks_since=self._clock())  # the memory guard watches from here on
             self._set(phase=step.name, detail="")
-            deadline = float(self.cfg[step.deadline_key])
+            deadline = self.cfg.integer(step.deadline_key)
             started = self._monotonic()
             self._log.info("step_started", f"bring-up: {step.name}", step=step.name)
             step.run(self._context(step.name), deadline)
@@ -599,7 +607,7 @@ class ClusterRuntime:
         self._pump(0)  # an exit or a stop that came with the last answer
         self._activity = Activity.IDLE
         ranks = len(self._bring.plans)
-        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {ranks}/{ranks} ranks",
+        self._set(phase=Phase.SERVING, detail=f"serving on :{self.cfg.integer('PORT')}, {ranks}/{ranks} ranks",
                   serving_since=self._clock())
         self._log.info("serving", f"cluster serving at {self.base_url} ({ranks}/{ranks} ranks, generation "
                        f"{self.snapshot().generation})", generation=self.snapshot().generation)
@@ -610,23 +618,24 @@ class ClusterRuntime:
         """The serving TP group is broken (a rank exited, a node was lost or booted again, a rank
         hung): record the first cause, stop it all, then bring it up again (waiting, in preflight,
         for a node that does not answer)."""
-        if trouble.kind == "rank_exit":
+        if trouble.kind is IncidentKind.RANK_EXIT:
             first = self._exits[trouble.node]
-            self._set(phase="stopping", detail=f"rank on {first.node} exited: {first.describe()}")
+            self._set(phase=Phase.STOPPING, detail=f"rank on {first.node} exited: {first.describe()}")
             cause = self._blame_exits()
         else:
-            self._set(phase="stopping", detail=trouble.message)
+            self._set(phase=Phase.STOPPING, detail=trouble.message)
             cause = liveness.Cause(trouble.node, trouble.kind, trouble.message)
-        if trouble.kind != "node_rebooted":  # recorded when the new boot was seen
+        if trouble.kind is not IncidentKind.NODE_REBOOTED:  # recorded when the new boot was seen
             self._incident(cause.node, cause.kind, cause.message)
         text = (f"rank on {cause.node} exited: {self._exits[cause.node].describe()}"
-                if cause.kind in ("rank_exit", "memory_floor") else cause.message.split("; then ")[0])
+                if cause.kind in (IncidentKind.RANK_EXIT, IncidentKind.MEMORY_FLOOR)
+                else cause.message.split("; then ")[0])
         # The group is broken: what is in flight cannot finish, and rank 0 would drain for the whole
         # RANK_STOP_TIMEOUT_S (seen on real SGLang with a worker's scheduler stopped) before its kill.
         self._stop_ranks(f"recovering: {text}", wait_memory=True, drain=False)
         # A node lost or booted again is not the group failing by itself: the bring-up after it spends
         # no restart attempt (it waits for the node instead); a rank that crashed or hung does.
-        external = cause.kind in ("node_lost", "node_rebooted")
+        external = cause.kind in (IncidentKind.NODE_LOST, IncidentKind.NODE_REBOOTED)
         self._log.info("recovering", f"bringing the cluster up again after: {text}"
                        + (" (no restart attempt spent)" if external else ""), cause=cause.kind, node_name=cause.node)
         self._bring_up_with_retries(first_cause=None if external else text)
@@ -637,7 +646,7 @@ class ClusterRuntime:
         went dark, and ranks before the exits that followed it."""
         since = self._monotonic()
         self._settle()
-        lease = float(self.cfg["NODE_LEASE_S"])
+        lease = self.cfg.number("NODE_LEASE_S")
         quiet = liveness.unaccounted(list(self.clients), self._exits, self._heard, since)
         if quiet:
             answers = self._call(lambda: on_each(lambda n: self.clients[n].status(timeout=lease), quiet,
@@ -661,13 +670,13 @@ class ClusterRuntime:
         found = self._call(lambda: on_each(said, lost_at, catch=(AgentUnavailable,)))
         return [replace(e, peer_failure=found[e.node]) if isinstance(found[e.node], str) else e for e in exits]
 
-    def _stop_ranks(self, why: str, final_phase: str | None = "stopped", wait_memory: bool = False,
+    def _stop_ranks(self, why: str, final_phase: Phase | None = Phase.STOPPED, wait_memory: bool = False,
                     drain: bool = True) -> None:
         """Rank 0 first (it drains, unless `drain` is False), then the workers; then confirm on every
         node that nothing is left."""
         self._activity = Activity.STOPPING
-        self._set(phase="stopping", detail=why)
-        deadline = int(self.cfg["RANK_STOP_TIMEOUT_S"])
+        self._set(phase=Phase.STOPPING, detail=why)
+        deadline = self.cfg.integer("RANK_STOP_TIMEOUT_S")
         stopping.stop_ranks(self.clients, self.cfg.head.name,
                             deadline if drain else min(deadline, stopping.WORKER_STOP_GRACE_S), self._log,
                             call=self._call, lost=set(self._lost))
@@ -682,8 +691,8 @@ class ClusterRuntime:
 
     def _wait_memory_back(self) -> None:
         """A restart must not stack a new rank on memory the old one has not returned yet."""
-        need = int(float(self.cfg["RANK_MEMORY_GIB"]) * GIB)
-        end = self._monotonic() + float(self.cfg["MEMORY_RECOVERY_TIMEOUT_S"])
+        need = int(self.cfg.number("RANK_MEMORY_GIB") * GIB)
+        end = self._monotonic() + self.cfg.integer("MEMORY_RECOVERY_TIMEOUT_S")
         short = sorted(n for n in self.clients if n not in self._lost)  # a lost node is waited for in preflight
         while short and self._monotonic() < end:
             def available(node: str) -> int | None:
@@ -709,7 +718,8 @@ class ClusterRuntime:
             return False
         for node, exit_info in adopt.floor_stops(statuses):
             at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(exit_info.at_unix_s))
-            self._incident(node, "memory_floor", f"found at start: the node's memory floor stopped its rank at {at}"
+            self._incident(node, IncidentKind.MEMORY_FLOOR,
+                           f"found at start: the node's memory floor stopped its rank at {at}"
                            + (f" ({exit_info.cause_detail})" if exit_info.cause_detail else ""))
         found = adopt.find_running(ctx, statuses)
         if found is None:
@@ -718,16 +728,17 @@ class ClusterRuntime:
         with self._lock:
             self._snapshot = replace(self._snapshot, ranks=dict(found.ranks), generation=self._bring.generation,
                                      fingerprints={p.node: p.fingerprint for p in found.plans})
-        self._set(phase="health", detail="re-adopting running ranks", ranks_since=self._clock())
+        self._set(phase=Phase.HEALTH, detail="re-adopting running ranks", ranks_since=self._clock())
         if not adopt.answers(ctx):
             return False
         ranks = len(found.plans)
-        self._set(phase="serving", detail=f"serving on :{self.cfg['PORT']}, {ranks}/{ranks} ranks (re-adopted)",
+        self._set(phase=Phase.SERVING,
+                  detail=f"serving on :{self.cfg.integer('PORT')}, {ranks}/{ranks} ranks (re-adopted)",
                   serving_since=self._clock())
         self._log.info("adopted", f"re-adopted a serving cluster ({ranks} ranks, generation "
                        f"{self._bring.generation}) without restarting it")
         if self._exits:  # a rank that exited while rank 0 was being asked
-            self._trouble = Trouble("rank_exit", next(iter(self._exits)))
+            self._trouble = Trouble(IncidentKind.RANK_EXIT, next(iter(self._exits)))
         return True
 
     # ------------------------------------------------------------------ jobs

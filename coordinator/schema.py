@@ -2,17 +2,22 @@
 
 The table is the documentation: `dsv41ctl config keys` prints it. Defaults are the values of the
 recipe's example configuration, where each was measured; keys the agents make unnecessary are
-listed in UNUSED with the reason, so an existing file keeps loading.
+listed in UNUSED with the reason, so an existing file keeps loading. The keys the rank's adapters
+read are declared once, with the adapter, in dsv41/rankadapters.py; their entries here (parser,
+default, help) are derived from those declarations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsv41 import rankadapters
+from dsv41.ranksettings import Kind, Setting
+
 from . import values as v
 
 KV_PAGE_TOKENS = 256
-MAX_CONTEXT = 1_048_576
+MAX_CONTEXT = rankadapters.MAX_CONTEXT
 MAX_NODES = 8
 PASSTHROUGH_PREFIXES = ("NCCL_", "DSV41_", "SGLANG_", "PYTORCH_", "CUDA_", "TORCH_", "GLOO_", "TP_")
 
@@ -28,6 +33,27 @@ class Key:
 
 def _k(name: str, parse: v.Parser, default: str | None, doc: str, env: bool = False) -> Key:
     return Key(name, parse, default, doc, env)
+
+
+def _parser(setting: Setting) -> v.Parser:
+    """The cluster.env parser of a rank-side setting: the same type and allowed values as the rank's."""
+    if setting.kind is Kind.INTEGER:
+        return v.integer(int(setting.low), int(setting.high))
+    if setting.kind is Kind.REAL:
+        return v.real(setting.low, setting.high, lo_open=setting.low_open, hi_open=setting.high_open)
+    if setting.kind is Kind.CHOICE:
+        return v.choice(*setting.choices)
+    simple = {Kind.FLAG: v.flag, Kind.PATH: v.abspath, Kind.VERIFY_CAP: v.verify_cap,
+              Kind.REASONING_EFFORT: v.reasoning_effort}
+    if setting.kind not in simple:
+        raise ValueError(f"{setting.name}: a {setting.kind.value} setting has no cluster.env key")
+    return simple[setting.kind]
+
+
+def _rank_keys() -> tuple[Key, ...]:
+    """The cluster.env keys the adapters read, from their declarations, passed to the rank as written."""
+    return tuple(Key(s.name, _parser(s), s.default, s.help, to_rank_env=True)
+                 for s in rankadapters.settings().values() if s.in_cluster_env)
 
 
 _NCCL_SUBSYS = ("INIT", "COLL", "P2P", "SHM", "NET", "GRAPH", "TUNING", "ENV", "ALLOC", "CALL", "PROXY",
@@ -136,10 +162,6 @@ KEYS: tuple[Key, ...] = (
     _k("EP_SIZE", v.integer(1, 64), "1", "expert-parallel size; divides TP_SIZE"),
     _k("DIST_PORT", v.integer(1, 65535), "20000", "torch.distributed rendezvous port on the head"),
     # serving
-    _k("OFFLOAD_MODE", v.choice("nvme", "host"), "nvme",
-       "Engram tables: nvme serves them from this node's packed shards (required on GB10; the rank refuses to "
-       "start without them); host leaves them to SGLang (device memory, or host RAM with "
-       "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1)", env=True),
     _k("CONTEXT_LENGTH", v.integer(1, MAX_CONTEXT), None, "per-request context limit (model max 1,048,576)"),
     _k("MEM_FRACTION_STATIC", v.real(0.0, 1.0, lo_open=True, hi_open=True), None, "workers' --mem-fraction-static"),
     _k("HEAD_MEM_FRACTION_STATIC", v.optional(v.real(0.0, 1.0, lo_open=True, hi_open=True)), "",
@@ -154,77 +176,19 @@ KEYS: tuple[Key, ...] = (
     _k("DSPARK_STS_TABLE", v.optional(v.abspath), "", "STS calibration table; same rules as DSPARK_SPS_TABLE"),
     # engram
     _k("ENGRAM_DIR", v.abspath, None, "node-local NVMe directory holding the packed Engram shards (same path on every node)"),
-    _k("DSV41_PACKED_DIR", v.abspath, "/engram",
-       "where the rank sees ENGRAM_DIR (it opens engram-l{L}-r{R}of{TP}.bin there)", env=True),
     _k("SKIP_PREPARE", v.flag, "1", "1: bring-up never runs the pack job (an absent pack fails with the fix); "
        "0: bring-up packs what is missing"),
     _k("SKIP_VERIFY", v.flag, "1", "0: hash the checkpoint against its index before launch (cached receipts)"),
     _k("SKIP_SMOKE", v.flag, "0", "1: declare serving after /health without a completion"),
     _k("SMOKE_QUICK", v.flag, "1", "1: smoke is 19+23=42 only; 0: adds JSON schema, tool call and a full batch"),
-    # Engram row store in the rank
-    _k("DSV41_CACHE_GIB", v.real(0.0, 64.0), "0", "Engram row cache per host in GiB (0 disables)", env=True),
-    _k("DSV41_IO_THREADS", v.integer(1, 1024), "96", "Engram miss reader threads", env=True),
-    _k("DSV41_RESIDENT_SCALES", v.flag, "0",
-       "hold the owned rows' scale bytes in host RAM (~1 GiB/layer/rank, one pass over the shard at start); "
-       "a miss then reads 256 instead of 264 bytes, one read either way", env=True),
-    _k("DSV41_CACHE_WAYS", v.integer(1, 16), "4", "Engram cache associativity", env=True),
-    _k("DSV41_STATS_SECONDS", v.integer(0, 86400), "60",
-       "one Engram statistics line per rank this often (lookups/s, rows/s, hit rate, read latency; 0: off)",
-       env=True),
-    # kernels and decode adapters
+    # kernels
     _k("EXTRA_SGLANG_ARGS", v.shell_words, "", "more SGLang flags, split like a shell would"),
-    _k("DSV41_MXFP8_BACKEND", v.choice("b12x", "cudnn", "cutlass"), "b12x", "FlashInfer MXFP8 dense kernel", env=True),
-    _k("DSV41_WO_A_W8", v.flag, "1",
-       "fp8 twin of the target's wo_a (the checkpoint's values) serves decode/verify forwards of up to 8 rows "
-       "(wo_a_w8 adapter); +16 MiB per layer and rank", env=True),
-    _k("DSV41_WO_A_W8_MID", v.flag, "1", "with DSV41_WO_A_W8: the twin also serves 9-192-row verifies (2-32 requests)",
-       env=True),
-    _k("DSV41_WO_A_W8_DROP", v.flag, "1",
-       "with DSV41_WO_A_W8: release the bf16 wo_a of every twinned layer (-32 MiB each; other rows dequantise the "
-       "twin per call); the rank then refuses to start without the adapter", env=True),
-    _k("DSV41_WO_A_W8_DRAFT", v.flag, "0", "with DSV41_WO_A_W8: twins for the DSpark draft's layers too", env=True),
-    _k("DSV41_DRAFT_HEAD_FP8", v.flag, "1",
-       "the DSpark draft projects through an fp8 copy of the shared LM head (+211 MiB per rank); the target keeps "
-       "the bf16 head (draft_head_fp8 adapter)", env=True),
-    _k("DSV41_VERIFY_CAP", v.verify_cap, "conf:0.1",
-       "0 or conf:<T>: per request accept at most k drafts, k the leading drafts whose running product of the draft's "
-       "confidence stays >= T (at least 1); dead verify rows route to their anchor's experts (verify_cap adapter; "
-       "needs SGLang's static verify mode; every rank refuses to start without it)", env=True),
-    _k("DSV41_DRAFT_TAU", v.real(0.0, 1.0, lo_open=True), "1",
-       "sampled DSpark drafts at tau x the request's temperature, accepted against that distribution (1: off)",
-       env=True),
-    _k("DSV41_BLOCK_VERIFY", v.flag, "1",
-       "DSpark's sampled rows accepted by SGLang's block verification instead of token by token (lossless)",
-       env=True),
-    _k("DSV41_ENGRAM_PREFETCH", v.flag, "1",
-       "fetch Engram rows ahead on a side stream: extend batches staged by the scheduler, other batches right "
-       "after the hasher", env=True),
-    _k("DSV41_ENGRAM_PREFETCH_CHECK", v.flag, "0",
-       "also run the synchronous lookup and log rows that differ from the prefetched ones (slow)", env=True),
-    _k("DSV41_FOLDED_FENCE", v.flag, "0",
-       "clone the folded DSpark accept results off the verify graph's buffers before the next replay can overwrite "
-       "them (sglang#40919, overlap scheduling)", env=True),
-    _k("DSV41_AUTOTUNE_KEEP", v.flag, "1", "keep FlashInfer autotune caches across boots of the same launch", env=True),
     _k("SGLANG_FLASHINFER_MOE_FUSED_FINALIZE", v.flag, "0",
        "FlashInfer fused MoE finalize (atomic bf16 adds: nondeterministic greedy output)", env=True),
-    _k("SGLANG_DSV41_REASONING_EFFORT", v.reasoning_effort, "75",
-       "default reasoning budget: 1-100 or low/high/xhigh/max", env=True),
-    _k("DSV41_MAX_NEW_TOKENS", v.integer(0, MAX_CONTEXT), "32768",
-       "fill/clamp max_tokens of chat requests (0: SGLang's behaviour)", env=True),
-    _k("DSV41_LOOP_ABORT", v.flag, "1", "decode-side loop abort", env=True),
-    _k("DSV41_LOOP_NGRAM", v.integer(4, 4096), "32", "loop abort: n-gram length", env=True),
-    _k("DSV41_LOOP_REPEATS", v.integer(2, 1000), "4", "loop abort: n-gram copies", env=True),
-    _k("DSV41_LOOP_LINE_REPEATS", v.integer(2, 10000), "8", "loop abort: identical decoded lines", env=True),
-    _k("DSV41_TP_PAD", v.flag, "1", "pad heads, vocab and draft experts for TP sizes that do not divide them",
-       env=True),
-    _k("DSV41_REASONING_EFFORT_REMAP", v.flag, "1", "map reasoning tiers to the publisher's table", env=True),
-    _k("DSV41_INFLIGHT_ROUTE", v.flag, "1", "serve /dsv41/inflight on rank 0 (the memory guard's victim list)",
-       env=True),
     _k("PYTORCH_CUDA_ALLOC_CONF", v.alloc_conf, "expandable_segments:False",
        "PyTorch allocator options; expandable_segments:True is refused (NaN logits)", env=True),
-    _k("DSV41_PREFILL_EMPTY_CACHE_TOKENS", v.integer(0, MAX_CONTEXT), "8192",
-       "return cached allocator blocks between the prefill chunks of sequences this long, right before each "
-       "chunk is launched, where the release waits only for the chunk before (0: off)", env=True),
+    # the adapters in the rank (dsv41/rankadapters.py)
+    *_rank_keys(),
     # memory guard
     _k("MEMORY_GUARD", v.choice("act", "observe", "off"), "act",
        "memory guard: act (abort the runaway prefill, abort_all, stop the ranks), observe (journal what it "

@@ -14,7 +14,7 @@ from typing import Mapping
 from dsv41.v1 import agent_pb2 as pb
 
 from .bringup import PHASES
-from .state import STARTING
+from .state import Phase
 
 # A mount in these states holds the export: mounting may complete any moment, wrong content is
 # still mounted, and a stale mount is the one an unexport wedges for good.
@@ -25,7 +25,7 @@ NOT_MOUNTED = (pb.MountState.ABSENT, pb.MountState.FAILED)
 RANK_RUNNING = ("active", "activating", "deactivating", "reloading")
 # The cluster is starting (the coordinator's own start, a bring-up step, a restart's backoff, waiting for a node) or stopping:
 # unexporting is refused unless forced.
-BUSY_PHASES = (STARTING,) + PHASES + ("restarting", "stopping", "waiting")
+BUSY_PHASES = (Phase.STARTING, *PHASES, Phase.RESTARTING, Phase.STOPPING, Phase.WAITING)
 
 
 @dataclass(frozen=True)

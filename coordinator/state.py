@@ -5,25 +5,79 @@ Only the supervisor thread makes new ones; everyone else reads them (they are fr
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from dataclasses import dataclass, field
 
 
-# The phase from the coordinator's start until its supervisor has looked for ranks to adopt.
-STARTING = "starting"
+class Phase(enum.StrEnum):
+    """The cluster's phase as status, metrics and the journal show it; the value is what they
+    write (a StrEnum formats, compares and serialises as its value)."""
+    STARTING = "starting"  # the coordinator's start, until its supervisor has looked for ranks to adopt
+    STOPPED = "stopped"
+    # the bring-up steps, one each (coordinator/bringup declares them, in this order)
+    PREFLIGHT = "preflight"
+    SHARE = "share"
+    FABRIC = "fabric"
+    PACK = "pack"
+    LAUNCH = "launch"
+    HEALTH = "health"
+    SMOKE = "smoke"
+    SERVING = "serving"
+    STOPPING = "stopping"
+    RESTARTING = "restarting"  # a restart's backoff
+    WAITING = "waiting"  # for a node that cannot be reached
+    FAILED = "failed"
+    UNKNOWN = "unknown"  # dsv41ctl's, when the coordinator is not running
+
+
+STARTING = Phase.STARTING
+
+
+class Ranks(enum.Enum):
+    """What the ranks do in a phase; the memory guard watches every phase in which they run."""
+    NONE = "none"  # no rank runs (yet)
+    # ranks load, compile and warm up (and answer the smoke test): the guard stops what it cannot abort
+    STARTING = "starting"
+    SERVING = "serving"  # ranks serve requests: the guard aborts the one that would exhaust memory
+
+
+class IncidentKind(enum.StrEnum):
+    """What an incident is: the kind status, metrics' `kind` label, the incident hook
+    (DSV41_INCIDENT_KIND) and the event stream carry."""
+    RANK_EXIT = "rank_exit"
+    MEMORY_FLOOR = "memory_floor"  # a rank exit its node's memory floor caused
+    NODE_LOST = "node_lost"
+    NODE_REBOOTED = "node_rebooted"
+    RANK_HUNG = "rank_hung"
+    STOPPED = "stopped"  # an operator's or the guard's stop
+    EXPORT_FORCED = "export_forced"  # `dsv41ctl share unexport --force`
+    # a bring-up step that failed: "<step>_failed" (step_failed)
+    PREFLIGHT_FAILED = "preflight_failed"
+    SHARE_FAILED = "share_failed"
+    FABRIC_FAILED = "fabric_failed"
+    PACK_FAILED = "pack_failed"
+    LAUNCH_FAILED = "launch_failed"
+    HEALTH_FAILED = "health_failed"
+    SMOKE_FAILED = "smoke_failed"
+
+
+def step_failed(step: Phase) -> IncidentKind:
+    """The incident of a failed bring-up step; a step without one fails loudly here."""
+    return IncidentKind(f"{step}_failed")
 
 
 @dataclass(frozen=True)
 class Incident:
     at_unix_s: float
     node: str
-    kind: str
+    kind: IncidentKind
     message: str
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    phase: str = "stopped"
+    phase: Phase = Phase.STOPPED
     detail: str = ""
     since: float = 0.0
     serving_since: float = 0.0

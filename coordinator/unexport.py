@@ -12,6 +12,7 @@ from dsv41.v1 import agent_pb2 as pb
 from . import share
 from .agents import AgentClient, AgentUnavailable
 from .parallel import on_each
+from .state import IncidentKind
 
 
 def ask(clients: dict[str, AgentClient], fn: Callable[[AgentClient], object], nodes: list[str]) -> dict[str, share.Asked]:
@@ -25,7 +26,8 @@ def ask(clients: dict[str, AgentClient], fn: Callable[[AgentClient], object], no
 
 
 def unexport(clients: dict[str, AgentClient], head: str, log: EventLog, phase: str,
-             record_incident: Callable[[str, str, str], object], force: bool, unmount: bool) -> tuple[bool, str]:
+             record_incident: Callable[[str, IncidentKind, str], object], force: bool,
+             unmount: bool) -> tuple[bool, str]:
     """(done, what happened or why it was refused)."""
     workers = [name for name in clients if name != head]
     statuses = ask(clients, lambda c: c.status(timeout=10.0), list(clients))
@@ -67,7 +69,7 @@ def unexport(clients: dict[str, AgentClient], head: str, log: EventLog, phase: s
     forced = share.forced_note(mounted, running) if force and removed else ""
     if forced:
         message += f" (forced): {forced}"
-        record_incident(head, "export_forced", message)
+        record_incident(head, IncidentKind.EXPORT_FORCED, message)
     else:
         log.info("share_unexported", message, path=path)
     return True, message

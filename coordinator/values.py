@@ -6,6 +6,7 @@ that says what is allowed. They are pure and small so the schema reads like a ta
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import re
 import shlex
@@ -17,7 +18,28 @@ class Invalid(ValueError):
     """The value is not allowed; the message says what is."""
 
 
-Parser = Callable[[str], object]
+class Kind(enum.Enum):
+    """What a parser returns: ClusterConfig's accessors check a key's kind before they read it, so
+    reading a key as another type fails at its first use instead of computing with the wrong value."""
+    INTEGER = "integer"  # int
+    NUMBER = "number"  # float
+    FLAG = "flag"  # bool
+    TEXT = "text"  # str: names, addresses, paths, choices
+    WORDS = "words"  # tuple[str, ...]: lists and shell words
+    LISTEN = "listen"  # Listen
+    ALLOC_CONF = "alloc_conf"  # AllocConf
+    EFFORT = "effort"  # int (1-100) or str (a tier)
+
+
+@dataclass(frozen=True)
+class Parser:
+    """A value parser and the kind of value it returns; `optional` ones return None for ""."""
+    parse: Callable[[str], object]
+    kind: Kind
+    optional: bool = False
+
+    def __call__(self, raw: str) -> object:
+        return self.parse(raw)
 
 _IFNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}")
 _HCA = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]{0,63}")
@@ -38,7 +60,7 @@ def integer(lo: int, hi: int) -> Parser:
         if not lo <= value <= hi:
             raise Invalid(f"must be an integer from {lo} to {hi}")
         return value
-    return parse
+    return Parser(parse, Kind.INTEGER)
 
 
 def real(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Parser:
@@ -54,13 +76,16 @@ def real(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) 
         if value != value or (value <= lo if lo_open else value < lo) or (value >= hi if hi_open else value > hi):
             raise Invalid(allowed)
         return value
-    return parse
+    return Parser(parse, Kind.NUMBER)
 
 
-def flag(raw: str) -> bool:
+def _flag(raw: str) -> bool:
     if raw in ("1", "0"):
         return raw == "1"
     raise Invalid("must be 1 or 0")
+
+
+flag = Parser(_flag, Kind.FLAG)
 
 
 def choice(*allowed: str) -> Parser:
@@ -68,23 +93,29 @@ def choice(*allowed: str) -> Parser:
         if raw not in allowed:
             raise Invalid("must be one of " + ", ".join(allowed))
         return raw
-    return parse
+    return Parser(parse, Kind.TEXT)
 
 
-def ipv4(raw: str) -> str:
+def _ipv4(raw: str) -> str:
     try:
         return str(ipaddress.IPv4Address(raw))
     except ValueError:
         raise Invalid("must be an IPv4 address like 10.0.0.2") from None
 
 
-def ipv4_or_network(raw: str) -> str:
+ipv4 = Parser(_ipv4, Kind.TEXT)
+
+
+def _ipv4_or_network(raw: str) -> str:
     try:
         if "/" in raw:
             return str(ipaddress.IPv4Network(raw, strict=True))
         return str(ipaddress.IPv4Address(raw))
     except ValueError:
         raise Invalid("must be an IPv4 address or network like 10.0.22.0/24 (host bits zero)") from None
+
+
+ipv4_or_network = Parser(_ipv4_or_network, Kind.TEXT)
 
 
 @dataclass(frozen=True)
@@ -96,7 +127,7 @@ class Listen:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-def listen(raw: str) -> Listen:
+def _listen(raw: str) -> Listen:
     """ADDRESS:PORT with an IPv4 address, or [IPv6]:PORT."""
     allowed = "must be ADDRESS:PORT with an IP address and a port 1-65535, e.g. 0.0.0.0:9441 or [::]:9441"
     host, sep, port = raw.rpartition(":")
@@ -112,25 +143,37 @@ def listen(raw: str) -> Listen:
     return Listen(str(address), int(port))
 
 
-def ifname(raw: str) -> str:
+listen = Parser(_listen, Kind.LISTEN)
+
+
+def _ifname(raw: str) -> str:
     if not _IFNAME.fullmatch(raw):
         raise Invalid("must be a network interface name (1-15 characters: letters, digits, _ . : @ -)")
     return raw
 
 
-def hostname(raw: str) -> str:
+ifname = Parser(_ifname, Kind.TEXT)
+
+
+def _hostname(raw: str) -> str:
     if not _HOSTNAME.fullmatch(raw):
         raise Invalid("must be a host name (letters, digits and -, dot-separated)")
     return raw
 
 
-def name(raw: str) -> str:
+hostname = Parser(_hostname, Kind.TEXT)
+
+
+def _name(raw: str) -> str:
     if not _NAME.fullmatch(raw):
         raise Invalid("must be a name of letters, digits, _ . - (at most 64)")
     return raw
 
 
-def abspath(raw: str) -> str:
+name = Parser(_name, Kind.TEXT)
+
+
+def _abspath(raw: str) -> str:
     if not raw.startswith("/") or "\0" in raw or "\n" in raw:
         raise Invalid("must be an absolute path")
     parts = raw.split("/")
@@ -139,10 +182,13 @@ def abspath(raw: str) -> str:
     return "/" + "/".join(p for p in parts if p not in ("", "."))
 
 
+abspath = Parser(_abspath, Kind.TEXT)
+
+
 def optional(parser: Parser) -> Parser:
     def parse(raw: str) -> object:
         return None if raw == "" else parser(raw)
-    return parse
+    return Parser(parse, parser.kind, optional=True)
 
 
 def listing(item: Parser, *, what: str) -> Parser:
@@ -159,14 +205,19 @@ def listing(item: Parser, *, what: str) -> Parser:
         if len(set(values)) != len(values):
             raise Invalid(f"lists an entry twice; each of the {what} once")
         return tuple(values)
-    return parse
+    if item.kind is not Kind.TEXT:
+        raise TypeError(f"a listing holds text, not {item.kind.value}")
+    return Parser(parse, Kind.WORDS)
 
 
-def hca(raw: str) -> str:
+def _hca(raw: str) -> str:
     device, _, port = raw.partition(":")
     if not _HCA.fullmatch(device) or (port and not port.isdigit()):
         raise Invalid("must be an RDMA device name, optionally with :PORT (e.g. rocep1s0f0 or mlx5_0:1)")
     return raw
+
+
+hca = Parser(_hca, Kind.TEXT)
 
 
 def nccl_set(*known: str) -> Parser:
@@ -179,20 +230,26 @@ def nccl_set(*known: str) -> Parser:
         if not body or any(p.upper() not in upper for p in parts):
             raise Invalid("must be a comma-separated list of " + ", ".join(known) + " (optionally starting with ^ to exclude)")
         return raw
-    return parse
+    return Parser(parse, Kind.TEXT)
 
 
-def image_by_digest(raw: str) -> str:
+def _image_by_digest(raw: str) -> str:
     if not _DIGEST_REF.fullmatch(raw):
         raise Invalid("must be pinned by digest: NAME[:TAG]@sha256:<64 hex> (a tag moves, a digest does not)")
     return raw
 
 
-def image_ref(raw: str) -> str:
+image_by_digest = Parser(_image_by_digest, Kind.TEXT)
+
+
+def _image_ref(raw: str) -> str:
     if not (_DIGEST_REF.fullmatch(raw) or _IMAGE_ID.fullmatch(raw) or _LOCAL_REF.fullmatch(raw)):
         raise Invalid("must be an image reference NAME[:TAG]@sha256:<64 hex>, a local build's ID sha256:<64 hex>, "
                       "or NAME[:TAG]")
     return raw
+
+
+image_ref = Parser(_image_ref, Kind.TEXT)
 
 
 def is_pinned_image(ref: str) -> bool:
@@ -200,7 +257,7 @@ def is_pinned_image(ref: str) -> bool:
     return bool(_DIGEST_REF.fullmatch(ref) or _IMAGE_ID.fullmatch(ref))
 
 
-def export_options(raw: str) -> str:
+def _export_options(raw: str) -> str:
     """exports(5) options for the weights: read-only; the agent checks each against its list."""
     options = raw.split(",")
     if not all(_EXPORT_OPTION.fullmatch(o) for o in options):
@@ -213,10 +270,13 @@ def export_options(raw: str) -> str:
     return raw
 
 
+export_options = Parser(_export_options, Kind.TEXT)
+
+
 REASONING_TIERS = ("low", "high", "xhigh", "max")
 
 
-def reasoning_effort(raw: str) -> int | str:
+def _reasoning_effort(raw: str) -> int | str:
     if raw in REASONING_TIERS:
         return raw
     try:
@@ -228,7 +288,10 @@ def reasoning_effort(raw: str) -> int | str:
     return value
 
 
-def verify_cap(raw: str) -> float:
+reasoning_effort = Parser(_reasoning_effort, Kind.EFFORT)
+
+
+def _verify_cap(raw: str) -> float:
     """`0` disables the cap; `conf:<x>` caps verification at confidence x in (0, 1]."""
     if raw == "0":
         return 0.0
@@ -242,13 +305,16 @@ def verify_cap(raw: str) -> float:
     raise Invalid("must be 0 (off) or conf:<x> with 0 < x <= 1, e.g. conf:0.1")
 
 
+verify_cap = Parser(_verify_cap, Kind.NUMBER)
+
+
 def chunk_size(page: int) -> Parser:
     def parse(raw: str) -> int:
         value = integer(page, 1 << 20)(raw)
         if value % page:
             raise Invalid(f"must be a multiple of the {page}-token KV page (e.g. {page * 3})")
         return value
-    return parse
+    return Parser(parse, Kind.INTEGER)
 
 
 @dataclass(frozen=True)
@@ -257,7 +323,7 @@ class AllocConf:
     options: tuple[tuple[str, str], ...]
 
 
-def alloc_conf(raw: str) -> AllocConf:
+def _alloc_conf(raw: str) -> AllocConf:
     options = []
     for part in raw.split(","):
         key, sep, value = part.partition(":")
@@ -273,14 +339,23 @@ def alloc_conf(raw: str) -> AllocConf:
     return AllocConf(raw, tuple(options))
 
 
-def shell_words(raw: str) -> tuple[str, ...]:
+alloc_conf = Parser(_alloc_conf, Kind.ALLOC_CONF)
+
+
+def _shell_words(raw: str) -> tuple[str, ...]:
     try:
         return tuple(shlex.split(raw, comments=False, posix=True))
     except ValueError as exc:
         raise Invalid(f"cannot be split like a shell would: {exc}") from None
 
 
-def plain_text(raw: str) -> str:
+shell_words = Parser(_shell_words, Kind.WORDS)
+
+
+def _plain_text(raw: str) -> str:
     if any(ord(ch) < 32 for ch in raw):
         raise Invalid("must not contain control characters")
     return raw
+
+
+plain_text = Parser(_plain_text, Kind.TEXT)

@@ -179,195 +179,197 @@ class ChatRun:
         return usage
 
 
-def make_handler(state: ApiState) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "dsv41-sim-rank"
+class Handler(BaseHTTPRequestHandler):
+    api: ApiState  # set by make_handler's subclass
+    protocol_version = "HTTP/1.1"
+    server_version = "dsv41-sim-rank"
 
-        def log_message(self, fmt: str, *args: Any) -> None:
-            if state.args.log_requests:
-                state.log(f"http {self.address_string()} {fmt % args}")
+    def log_message(self, fmt: str, *args: Any) -> None:
+        if self.api.args.log_requests:
+            self.api.log(f"http {self.address_string()} {fmt % args}")
 
-        # --- plumbing ---------------------------------------------------------------------------
-        def _send(self, status: int, body: Any = None, content_type: str = "application/json") -> None:
-            data = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    # --- plumbing ---------------------------------------------------------------------------
+    def _send(self, status: int, body: Any = None, content_type: str = "application/json") -> None:
+        data = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-        def _read_json(self) -> Any:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            try:
-                return json.loads(raw or b"{}")
-            except ValueError as exc:
-                raise Rejected(400, f"request body is not valid JSON: {exc}") from None
+    def _read_json(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            return json.loads(raw or b"{}")
+        except ValueError as exc:
+            raise Rejected(400, f"request body is not valid JSON: {exc}") from None
 
-        def _authorised(self) -> bool:
-            key = state.args.api_key
-            if not key or self.path.startswith(_OPEN_PREFIXES):
-                return True
-            # Constant-time, as SGLang compares it.
-            return hmac.compare_digest(self.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
+    def _authorised(self) -> bool:
+        key = self.api.args.api_key
+        if not key or self.path.startswith(_OPEN_PREFIXES):
+            return True
+        # Constant-time, as SGLang compares it.
+        return hmac.compare_digest(self.headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
 
-        def _dispatch(self, routes: dict[str, Callable[[], None]]) -> None:
-            path = self.path.split("?", 1)[0]
-            if not self._authorised():
-                self._send(401, {"error": "Unauthorized"})
-                return
-            route = routes.get(path)
-            if route is None:
-                self._send(404, {"detail": "Not Found"})
-                return
-            state.opened()
-            try:
-                route()
-            except Rejected as exc:
-                self._send(exc.status, _error(exc.status, str(exc)))
-            except (BrokenPipeError, ConnectionResetError, socket.timeout):
-                self.close_connection = True
-            finally:
-                state.closed()
+    def _dispatch(self, routes: dict[str, Callable[[], None]]) -> None:
+        path = self.path.split("?", 1)[0]
+        if not self._authorised():
+            self._send(401, {"error": "Unauthorized"})
+            return
+        route = routes.get(path)
+        if route is None:
+            self._send(404, {"detail": "Not Found"})
+            return
+        self.api.opened()
+        try:
+            route()
+        except Rejected as exc:
+            self._send(exc.status, _error(exc.status, str(exc)))
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True
+        finally:
+            self.api.closed()
 
-        def do_GET(self) -> None:
-            self._dispatch({"/health": self._health, "/health_generate": self._health, "/ready": self._health,
-                            "/v1/models": self._models, "/model_info": self._model_info,
-                            "/server_info": self._server_info, "/get_server_info": self._server_info,
-                            "/v1/loads": self._loads, "/metrics": self._metrics,
-                            "/dsv41/inflight": lambda: self._send(200, inflight_body(state.engine))})
+    def do_GET(self) -> None:
+        self._dispatch({"/health": self._health, "/health_generate": self._health, "/ready": self._health,
+                        "/v1/models": self._models, "/model_info": self._model_info,
+                        "/server_info": self._server_info, "/get_server_info": self._server_info,
+                        "/v1/loads": self._loads, "/metrics": self._metrics,
+                        "/dsv41/inflight": lambda: self._send(200, inflight_body(self.api.engine))})
 
-        def do_POST(self) -> None:
-            self._dispatch({"/v1/chat/completions": self._chat, "/abort_request": self._abort})
+    def do_POST(self) -> None:
+        self._dispatch({"/v1/chat/completions": self._chat, "/abort_request": self._abort})
 
-        # --- routes -----------------------------------------------------------------------------
-        def _health(self) -> None:
-            if state.state != "serving":
-                self._send(503)
-                return
-            self._send(200 if state.health_generate() else 503)
+    # --- routes -----------------------------------------------------------------------------
+    def _health(self) -> None:
+        if self.api.state != "serving":
+            self._send(503)
+            return
+        self._send(200 if self.api.health_generate() else 503)
 
-        def _models(self) -> None:
-            self._send(200, {"object": "list", "data": [{
-                "id": state.args.model_name, "object": "model", "created": int(state.wall_clock()),
-                "owned_by": "sglang", "root": state.args.model_name,
-                "max_model_len": state.args.context_length}]})
+    def _models(self) -> None:
+        self._send(200, {"object": "list", "data": [{
+            "id": self.api.args.model_name, "object": "model", "created": int(self.api.wall_clock()),
+            "owned_by": "sglang", "root": self.api.args.model_name,
+            "max_model_len": self.api.args.context_length}]})
 
-        def _model_info(self) -> None:
-            self._send(200, {"model_path": state.args.model_path,
-                             "tokenizer_path": state.args.tokenizer_path or state.args.model_path,
-                             "is_generation": True, "served_model_name": state.args.model_name,
-                             "engine": "dsv41-sim-rank"})
+    def _model_info(self) -> None:
+        self._send(200, {"model_path": self.api.args.model_path,
+                         "tokenizer_path": self.api.args.tokenizer_path or self.api.args.model_path,
+                         "is_generation": True, "served_model_name": self.api.args.model_name,
+                         "engine": "dsv41-sim-rank"})
 
-        def _server_info(self) -> None:
-            # As SGLang 0.5.23 answers: its server args, the API key among them, and each scheduler's
-            # resolved args again in internal_states. Only the adapter's redaction hides the key, and
-            # only where the adapter would run: when the key came from DSV41_API_KEY_FILE.
-            loads = state.engine.loads()
-            info = {**state.args.values, "version": VERSION, "engine": "dsv41-sim-rank", "state": state.state,
-                    "internal_states": [{**state.args.values, "last_gen_throughput": 0.0,
-                                         "memory_usage": {"sim_prefill_bytes": loads["memory_bytes"]}}]}
-            if state.args.key_from_file:
-                info = redact_secrets(info)
-            self._send(200, info)
+    def _server_info(self) -> None:
+        # As SGLang 0.5.23 answers: its server args, the API key among them, and each scheduler's
+        # resolved args again in internal_states. Only the adapter's redaction hides the key, and
+        # only where the adapter would run: when the key came from DSV41_API_KEY_FILE.
+        loads = self.api.engine.loads()
+        info = {**self.api.args.values, "version": VERSION, "engine": "dsv41-sim-rank", "state": self.api.state,
+                "internal_states": [{**self.api.args.values, "last_gen_throughput": 0.0,
+                                     "memory_usage": {"sim_prefill_bytes": loads["memory_bytes"]}}]}
+        if self.api.args.key_from_file:
+            info = redact_secrets(info)
+        self._send(200, info)
 
-        def _loads(self) -> None:
-            load = {"timestamp": state.wall_clock(), **state.engine.loads()}
-            self._send(200, {"timestamp": datetime.now(timezone.utc).isoformat(), "version": VERSION,
-                             "accelerator": None, "num_accelerators": int(state.args.tp_size),
-                             "loads": [load]})
+    def _loads(self) -> None:
+        load = {"timestamp": self.api.wall_clock(), **self.api.engine.loads()}
+        self._send(200, {"timestamp": datetime.now(timezone.utc).isoformat(), "version": VERSION,
+                         "accelerator": None, "num_accelerators": int(self.api.args.tp_size),
+                         "loads": [load]})
 
-        def _metrics(self) -> None:
-            if not state.args.enable_metrics:
-                self._send(404, {"detail": "Not Found"})
-                return
-            load = state.engine.loads()
-            name = state.args.model_name
-            lines = [f'sglang:num_running_reqs{{model_name="{name}"}} {load["num_running_reqs"]}',
-                     f'sglang:num_queue_reqs{{model_name="{name}"}} {load["num_waiting_reqs"]}',
-                     f'sglang:token_usage{{model_name="{name}"}} {load["token_usage"]}']
-            self._send(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4")
+    def _metrics(self) -> None:
+        if not self.api.args.enable_metrics:
+            self._send(404, {"detail": "Not Found"})
+            return
+        load = self.api.engine.loads()
+        name = self.api.args.model_name
+        lines = [f'sglang:num_running_reqs{{model_name="{name}"}} {load["num_running_reqs"]}',
+                 f'sglang:num_queue_reqs{{model_name="{name}"}} {load["num_waiting_reqs"]}',
+                 f'sglang:token_usage{{model_name="{name}"}} {load["token_usage"]}']
+        self._send(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4")
 
-        def _abort(self) -> None:
-            body = self._read_json()
-            if not isinstance(body, dict):
-                raise Rejected(400, "abort_request takes a JSON object {\"rid\": ..., \"abort_all\": ...}")
-            rid = body.get("rid") or ""
-            aborted = state.engine.abort(str(rid), bool(body.get("abort_all", False)))
-            if aborted:
-                state.log(f"abort_request rid={rid!r} abort_all={bool(body.get('abort_all'))}: "
-                          f"aborting {', '.join(aborted)}")
-            self._send(200)
+    def _abort(self) -> None:
+        body = self._read_json()
+        if not isinstance(body, dict):
+            raise Rejected(400, "abort_request takes a JSON object {\"rid\": ..., \"abort_all\": ...}")
+        rid = body.get("rid") or ""
+        aborted = self.api.engine.abort(str(rid), bool(body.get("abort_all", False)))
+        if aborted:
+            self.api.log(f"abort_request rid={rid!r} abort_all={bool(body.get('abort_all'))}: "
+                      f"aborting {', '.join(aborted)}")
+        self._send(200)
 
-        def _chat(self) -> None:
-            body = self._read_json()
-            if not isinstance(body, dict):
-                raise Rejected(400, "the request body must be a JSON object")
-            if state.state != "serving":
-                raise Rejected(503, f"the server is {state.state}")
-            run = ChatRun(state, body)
-            try:
-                if body.get("stream"):
-                    self._stream(run, bool((body.get("stream_options") or {}).get("include_usage")))
-                else:
-                    self._complete(run)
-            finally:
-                run.close()
+    def _chat(self) -> None:
+        body = self._read_json()
+        if not isinstance(body, dict):
+            raise Rejected(400, "the request body must be a JSON object")
+        if self.api.state != "serving":
+            raise Rejected(503, f"the server is {self.api.state}")
+        run = ChatRun(self.api, body)
+        try:
+            if body.get("stream"):
+                self._stream(run, bool((body.get("stream_options") or {}).get("include_usage")))
+            else:
+                self._complete(run)
+        finally:
+            run.close()
 
-        def _complete(self, run: ChatRun) -> None:
-            reasoning, content, calls = [], [], []
-            for kind, payload in run.events():
-                {"reasoning": reasoning, "content": content, "tool": calls}[kind].append(payload)
-            message = {"role": "assistant",
-                       "content": "".join(content) if content or not calls else None,
-                       "reasoning_content": "".join(reasoning) if reasoning else None,
-                       "tool_calls": [_tool_json(i, c) for i, c in enumerate(calls)] or None}
-            self._send(200, {"id": run.rid, "object": "chat.completion", "created": int(state.wall_clock()),
-                             "model": run.model,
-                             "choices": [{"index": 0, "message": message, "logprobs": None,
-                                          "finish_reason": run.finish_reason, "matched_stop": None}],
-                             "usage": run.usage()})
+    def _complete(self, run: ChatRun) -> None:
+        reasoning, content, calls = [], [], []
+        for kind, payload in run.events():
+            {"reasoning": reasoning, "content": content, "tool": calls}[kind].append(payload)
+        message = {"role": "assistant",
+                   "content": "".join(content) if content or not calls else None,
+                   "reasoning_content": "".join(reasoning) if reasoning else None,
+                   "tool_calls": [_tool_json(i, c) for i, c in enumerate(calls)] or None}
+        self._send(200, {"id": run.rid, "object": "chat.completion", "created": int(self.api.wall_clock()),
+                         "model": run.model,
+                         "choices": [{"index": 0, "message": message, "logprobs": None,
+                                      "finish_reason": run.finish_reason, "matched_stop": None}],
+                         "usage": run.usage()})
 
-        def _stream(self, run: ChatRun, include_usage: bool) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            created = int(state.wall_clock())
+    def _stream(self, run: ChatRun, include_usage: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        created = int(self.api.wall_clock())
 
-            def chunk(delta: dict, finish: str | None = None, usage: dict | None = None,
-                      choices: bool = True) -> None:
-                body = {"id": run.rid, "object": "chat.completion.chunk", "created": created, "model": run.model,
-                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
-                                     "matched_stop": None}] if choices else [],
-                        "usage": usage}
-                self._write_chunk(b"data: " + json.dumps(body).encode() + b"\n\n")
+        def chunk(delta: dict, finish: str | None = None, usage: dict | None = None,
+                  choices: bool = True) -> None:
+            body = {"id": run.rid, "object": "chat.completion.chunk", "created": created, "model": run.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                                 "matched_stop": None}] if choices else [],
+                    "usage": usage}
+            self._write_chunk(b"data: " + json.dumps(body).encode() + b"\n\n")
 
-            first, calls = True, 0
-            for kind, payload in run.events():
-                if first:
-                    chunk({"role": "assistant", "content": ""})
-                    first = False
-                if kind == "tool":
-                    chunk({"tool_calls": [_tool_json(calls, payload)]})
-                    calls += 1
-                else:
-                    chunk({"reasoning_content" if kind == "reasoning" else "content": payload})
+        first, calls = True, 0
+        for kind, payload in run.events():
             if first:
                 chunk({"role": "assistant", "content": ""})
-            chunk({}, run.finish_reason)
-            if include_usage:
-                chunk({}, usage=run.usage(), choices=False)
-            self._write_chunk(b"data: [DONE]\n\n")
-            self._write_chunk(b"")
+                first = False
+            if kind == "tool":
+                chunk({"tool_calls": [_tool_json(calls, payload)]})
+                calls += 1
+            else:
+                chunk({"reasoning_content" if kind == "reasoning" else "content": payload})
+        if first:
+            chunk({"role": "assistant", "content": ""})
+        chunk({}, run.finish_reason)
+        if include_usage:
+            chunk({}, usage=run.usage(), choices=False)
+        self._write_chunk(b"data: [DONE]\n\n")
+        self._write_chunk(b"")
 
-        def _write_chunk(self, data: bytes) -> None:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.wfile.flush()
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
 
-    return Handler
+
+def make_handler(state: ApiState) -> type[BaseHTTPRequestHandler]:
+    return type("BoundHandler", (Handler,), {"api": state})
 
 
 class Server(ThreadingHTTPServer):

@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Callable, Sequence, TextIO
 
-from adapter.log import PREFIX as ADAPTER_PREFIX  # the stand-in's gate lines read as the rank's adapter writes them
-from adapter.progress import ProgressWriter
+from dsv41.adapterlog import PREFIX as ADAPTER_PREFIX  # the stand-in's gate lines read as the rank's adapter writes them
+from dsv41.progress import ProgressWriter
 
 from . import settings as settings_mod
 from .allocator import AnonymousMemory

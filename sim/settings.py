@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from adapter import admission_gate, prefill_empty_cache
-from adapter.settings import SettingError, env_int
 from dsv41.admission import GateSettings
+from dsv41.ranksettings import SettingError, env_int
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Packed Engram shards: the format codec (format), the rank's row reader (store), dequantisation.
+"""Packed Engram shards in the rank: the row reader (store), its cache and dequantisation.
 
-Imported by the agent too (``from adapter.engram import format``), so nothing here may import agent/
-or coordinator/, and nothing outside the standard library is needed at import time.
+The shard format itself (names, row ranges, header codec) is dsv41/engram_format.py, shared with
+the agent's pack job and the coordinator's pack check.
 """

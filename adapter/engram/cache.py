@@ -6,7 +6,7 @@ import mmap
 import threading
 from array import array
 
-from adapter.engram.format import ROW_BYTES
+from dsv41.engram_format import ROW_BYTES
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads runs of nearby row ids over the sets
 _MASK = (1 << 64) - 1

@@ -12,7 +12,7 @@ import math
 import struct
 from array import array
 
-from adapter.engram.format import ROW_BYTES, SCALE_BYTES, VALUES_PER_SCALE, WEIGHT_BYTES
+from dsv41.engram_format import ROW_BYTES, SCALE_BYTES, VALUES_PER_SCALE, WEIGHT_BYTES
 
 
 def _e4m3_bits_to_float(b: int) -> float:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 
 ABI = 1
 SOURCE = Path(__file__).with_name("reader.cpp")

@@ -6,21 +6,20 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dsv41 import rankadapters
+
 MAX_IO_THREADS = 1024
 MAX_CACHE_WAYS = 64
-# The variables from_env reads (the engram_offload adapter declares them as its own).
-ENV_KEYS = ("DSV41_IO_THREADS", "DSV41_CACHE_GIB", "DSV41_CACHE_WAYS", "DSV41_STATS_SECONDS",
-            "DSV41_RESIDENT_SCALES")
 
 
 @dataclass(frozen=True)
 class StoreSettings:
-    io_threads: int = 96
-    cache_gib: float = 0.0  # 0 disables the cache
-    cache_ways: int = 4
-    stats_seconds: float = 60.0  # 0 disables the statistics line
+    io_threads: int = int(rankadapters.DSV41_IO_THREADS.default)
+    cache_gib: float = float(rankadapters.DSV41_CACHE_GIB.default)  # 0 disables the cache
+    cache_ways: int = int(rankadapters.DSV41_CACHE_WAYS.default)
+    stats_seconds: float = float(rankadapters.DSV41_STATS_SECONDS.default)  # 0 disables the statistics line
     # The owned rows' 8 scale bytes held in memory (read once at open): a miss reads 256 bytes.
-    resident_scales: bool = False
+    resident_scales: bool = rankadapters.DSV41_RESIDENT_SCALES.default == "1"
 
     def __post_init__(self) -> None:
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
@@ -39,39 +38,11 @@ class StoreSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
         """From DSV41_IO_THREADS, DSV41_CACHE_GIB, DSV41_CACHE_WAYS, DSV41_STATS_SECONDS and
-        DSV41_RESIDENT_SCALES."""
+        DSV41_RESIDENT_SCALES, as dsv41/rankadapters.py declares them (SettingError, a ValueError,
+        for a value outside what they allow)."""
         env = os.environ if environ is None else environ
-        default = cls()
-        values = {
-            "io_threads": _number(env, "DSV41_IO_THREADS", int, default.io_threads),
-            "cache_gib": _number(env, "DSV41_CACHE_GIB", float, default.cache_gib),
-            "cache_ways": _number(env, "DSV41_CACHE_WAYS", int, default.cache_ways),
-            "stats_seconds": _number(env, "DSV41_STATS_SECONDS", float, default.stats_seconds),
-            "resident_scales": _flag(env, "DSV41_RESIDENT_SCALES", default.resident_scales),
-        }
-        try:
-            return cls(**values)
-        except ValueError as e:
-            raise ValueError(f"bad Engram row store environment: {e}") from None
-
-
-def _number(env: Mapping[str, str], key: str, kind: type, default: float) -> float:
-    raw = env.get(key, "").strip()
-    if not raw:
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise ValueError(f"{key}={raw!r}: expected {what}") from None
-
-
-def _flag(env: Mapping[str, str], key: str, default: bool) -> bool:
-    raw = env.get(key, "").strip()
-    if not raw:
-        return default
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{key}={raw!r}: expected 1 or 0")
+        return cls(io_threads=rankadapters.DSV41_IO_THREADS.read(env),
+                   cache_gib=rankadapters.DSV41_CACHE_GIB.read(env),
+                   cache_ways=rankadapters.DSV41_CACHE_WAYS.read(env),
+                   stats_seconds=float(rankadapters.DSV41_STATS_SECONDS.read(env)),
+                   resident_scales=rankadapters.DSV41_RESIDENT_SCALES.read(env))

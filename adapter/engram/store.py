@@ -24,10 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from adapter.engram import format as fmt
 from adapter.engram.cache import RowCache
 from adapter.engram.settings import StoreSettings
 from adapter.engram.stats import RowStats
+from dsv41 import engram_format as fmt
 
 if TYPE_CHECKING:
     from adapter.engram.native import Library, NativeReader

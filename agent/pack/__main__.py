@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from agent.pack.checkpoint import CheckpointError
 from agent.pack.packer import PackError, PackJob, Packer
 from dsv41.sdnotify import SdNotify

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from dsv41.safetensors import INDEX_NAME, CheckpointError, TensorSpan, read_header, read_index  # noqa: F401
 
 

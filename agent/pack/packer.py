@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from agent.pack.checkpoint import EngramTable, SourceRows, engram_tables
 from agent.pack.state import Status, layer_state
 from agent.pack.verify import first_mismatch, sample_rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from agent.pack.checkpoint import SourceRows
 
 

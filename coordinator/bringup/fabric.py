@@ -4,6 +4,7 @@ answers on every rail (the agents check; the report is kept for `dsv41ctl status
 
 from __future__ import annotations
 
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 
 
@@ -17,4 +18,4 @@ def run(ctx: StepContext, deadline: float) -> None:
             raise ctx.fail(node, "; ".join(failed) or "fabric check failed")
 
 
-STEP = Step("fabric", "FABRIC_TIMEOUT_S", retryable=False, run=run)
+STEP = Step(Phase.FABRIC, "FABRIC_TIMEOUT_S", retryable=False, ranks=Ranks.NONE, run=run)

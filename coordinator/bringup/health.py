@@ -5,13 +5,12 @@ installed). A rank that exits meanwhile fails the step at once (the supervisor s
 
 from __future__ import annotations
 
-import io
-
-from adapter.boot import build_specs
-from adapter.log import AdapterLog, AdapterReport, read_report
+from dsv41 import rankadapters
+from dsv41.adapterlog import AdapterReport, read_report
 
 from .. import serving
 from ..plan import NodePlan
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 
 POLL_S = 0.2
@@ -34,7 +33,7 @@ def run(ctx: StepContext, deadline: float) -> None:
 
 def enabled_adapters(plan: NodePlan) -> frozenset[str]:
     """The adapters the node's rank environment switches on, as the rank itself decides."""
-    return frozenset(spec.name for spec in build_specs(plan.rank_spec.env, AdapterLog(io.StringIO())))
+    return rankadapters.switched_on(plan.rank_spec.env)
 
 
 def adapter_problem(plan: NodePlan, report: AdapterReport, require_installed: bool = True) -> str | None:
@@ -53,7 +52,7 @@ def adapter_problem(plan: NodePlan, report: AdapterReport, require_installed: bo
 
 
 def check_adapters(ctx: StepContext, require_installed: bool) -> None:
-    if ctx.cfg["RANK_ENGINE"] == "sim":
+    if ctx.cfg.text("RANK_ENGINE") == "sim":
         return  # the stand-in runs no adapter code: it is its own stand-in for what they do
 
     def report(client) -> AdapterReport:
@@ -67,4 +66,4 @@ def check_adapters(ctx: StepContext, require_installed: bool) -> None:
             raise ctx.fail(node, problem)
 
 
-STEP = Step("health", "HEALTH_TIMEOUT_S", retryable=True, run=run)
+STEP = Step(Phase.HEALTH, "HEALTH_TIMEOUT_S", retryable=True, ranks=Ranks.STARTING, run=run)

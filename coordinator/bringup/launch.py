@@ -8,6 +8,7 @@ import os
 from dsv41.v1 import agent_pb2 as pb
 
 from .. import plan as plan_mod
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 
 
@@ -29,4 +30,4 @@ def run(ctx: StepContext, deadline: float) -> None:
                      invocation=reply.rank.invocation_id)
 
 
-STEP = Step("launch", "LAUNCH_TIMEOUT_S", retryable=True, run=run)
+STEP = Step(Phase.LAUNCH, "LAUNCH_TIMEOUT_S", retryable=True, ranks=Ranks.STARTING, run=run)

@@ -7,6 +7,7 @@ from dsv41.v1 import agent_pb2 as pb
 
 from ..packcheck import partition_problems
 from ..packstate import incomplete
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 
 POLL_S = 2.0
@@ -54,4 +55,4 @@ def run(ctx: StepContext, deadline: float) -> None:
     check_partition(ctx, states)
 
 
-STEP = Step("pack", "PACK_TIMEOUT_S", retryable=False, run=run)
+STEP = Step(Phase.PACK, "PACK_TIMEOUT_S", retryable=False, ranks=Ranks.NONE, run=run)

@@ -14,6 +14,7 @@ from ..agents import AgentUnavailable
 from ..parallel import on_each
 from ..state import generation_of
 from .images import image_problems
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 from .tables import render_plans
 
@@ -28,7 +29,7 @@ def statuses(ctx: StepContext) -> dict[str, pb.NodeStatus]:
     an agent restarting) fail the step with `unreachable`: the supervisor waits for them (phase
     `waiting`) and runs the bring-up again. Any other answer, a refused TLS handshake included, is
     final."""
-    timeout = min(STATUS_TIMEOUT_S, float(ctx.cfg["NODE_LEASE_S"]))
+    timeout = min(STATUS_TIMEOUT_S, ctx.cfg.number("NODE_LEASE_S"))
     nodes = list(ctx.clients)
     results = ctx.call(lambda: on_each(lambda node: ctx.clients[node].status(timeout=timeout), nodes,
                                        catch=(AgentUnavailable,)))
@@ -37,14 +38,14 @@ def statuses(ctx: StepContext) -> dict[str, pb.NodeStatus]:
         result = results[node]
         if not isinstance(result, AgentUnavailable):
             continue
-        if result.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and not result.explained:
+        if result.unreachable:
             away.append((node, result))
             continue
-        raise ctx.fail(node, f"agent at {ctx.clients[node].target}: {result.code}: {result.details}")
+        raise ctx.fail(node, f"agent at {ctx.clients[node].target}: {result.meaning()}")
     if away:
         node, exc = away[0]
         raise ctx.fail_unreachable(tuple(n for n, _ in away),
-                                   f"agent at {ctx.clients[node].target}: {exc.code}: {exc.details}")
+                                   f"agent at {ctx.clients[node].target} {exc.meaning(exc.waited_s or timeout)}")
     return {node: results[node] for node in nodes}
 
 
@@ -60,17 +61,17 @@ def run(ctx: StepContext, deadline: float) -> None:
                        ", ".join(f"{n} {d[:12] or 'none'}" for n, d in digests.items()) +
                        "; install the same dsv41-adapter everywhere")
     cfg = ctx.cfg
-    if not cfg["SKIP_VERIFY"]:
-        ctx.set_detail(f"verifying the checkpoint in {cfg['MODEL_DIR']}")
-        result = ctx.call(lambda: weights.verify(str(cfg["MODEL_DIR"]), int(cfg["EXPECTED_SHARDS"]),
+    if not cfg.flag("SKIP_VERIFY"):
+        ctx.set_detail(f"verifying the checkpoint in {cfg.text('MODEL_DIR')}")
+        result = ctx.call(lambda: weights.verify(cfg.text("MODEL_DIR"), cfg.integer("EXPECTED_SHARDS"),
                                                  os.path.join(ctx.state_dir, "weights-receipts.json")))
         if not result.ok:
             raise ctx.fail(ctx.head, f"weights: {result.detail}")
         ctx.log.info("weights_verified", f"weights: {result.detail}", hashed_bytes=result.hashed_bytes)
     ctx.bring.plans = render_plans(ctx, sync=True)
     plans = {p.node: p for p in ctx.bring.plans}
-    need = float(cfg["RANK_MEMORY_GIB"]) * GIB
-    stop_deadline = int(cfg["RANK_STOP_TIMEOUT_S"])
+    need = cfg.number("RANK_MEMORY_GIB") * GIB
+    stop_deadline = cfg.integer("RANK_STOP_TIMEOUT_S")
     for name, status in statuses_by_node.items():
         rank = status.rank
         running = rank.active_state in ("active", "activating")
@@ -94,4 +95,4 @@ def run(ctx: StepContext, deadline: float) -> None:
     ctx.bring.generation = generation_of(ctx.bring.plans)
 
 
-STEP = Step("preflight", "PREFLIGHT_TIMEOUT_S", retryable=False, run=run)
+STEP = Step(Phase.PREFLIGHT, "PREFLIGHT_TIMEOUT_S", retryable=False, ranks=Ranks.NONE, run=run)

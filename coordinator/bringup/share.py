@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dsv41.v1 import agent_pb2 as pb
 
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 
 POLL_S = 0.5
 
 
 def run(ctx: StepContext, deadline: float) -> None:
-    if not ctx.cfg["NFS_SHARE"]:
+    if not ctx.cfg.flag("NFS_SHARE"):
         return
     head = ctx.head
     head_plan = ctx.bring.plan(head)
@@ -40,4 +41,4 @@ def run(ctx: StepContext, deadline: float) -> None:
         ctx.wait(POLL_S)
 
 
-STEP = Step("share", "SHARE_TIMEOUT_S", retryable=False, run=run)
+STEP = Step(Phase.SHARE, "SHARE_TIMEOUT_S", retryable=False, ranks=Ranks.NONE, run=run)

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 from .. import serving
 from .health import check_adapters
+from ..state import Phase, Ranks
 from .step import Step, StepContext
 
 
 def run(ctx: StepContext, deadline: float) -> None:
     cfg = ctx.cfg
-    result = ctx.call(lambda: serving.smoke(ctx.base_url, str(cfg["SERVED_MODEL_NAME"]), bool(cfg["SMOKE_QUICK"]),
-                                            int(cfg["MAX_RUNNING_REQUESTS"]), timeout=deadline, api_key=ctx.api_key))
+    result = ctx.call(lambda: serving.smoke(ctx.base_url, cfg.text("SERVED_MODEL_NAME"), cfg.flag("SMOKE_QUICK"),
+                                            cfg.integer("MAX_RUNNING_REQUESTS"), timeout=deadline, api_key=ctx.api_key))
     if not result.ok:
         raise ctx.fail(ctx.head, result.detail)
     check_adapters(ctx, require_installed=True)
 
 
-STEP = Step("smoke", "SMOKE_TIMEOUT_S", retryable=True, run=run, skip=lambda cfg: bool(cfg["SKIP_SMOKE"]))
+STEP = Step(Phase.SMOKE, "SMOKE_TIMEOUT_S", retryable=True, ranks=Ranks.STARTING, run=run,
+            skip=lambda cfg: cfg.flag("SKIP_SMOKE"))

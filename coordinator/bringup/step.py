@@ -17,6 +17,7 @@ from ..agents import AgentClient, AgentUnavailable
 from ..config import ClusterConfig
 from ..parallel import on_each
 from ..plan import NodePlan
+from ..state import Phase, Ranks
 
 T = TypeVar("T")
 
@@ -44,9 +45,10 @@ class Preempted(Exception):
 
 @dataclass(frozen=True)
 class Step:
-    name: str  # also the phase shown while it runs
+    name: Phase  # the phase shown while it runs
     deadline_key: str  # the cluster.env key holding its deadline in seconds
     retryable: bool  # whether a restart can fix its failure (a rank that crashed can start again)
+    ranks: Ranks  # whether ranks run during it: from the first that says so on, the memory guard watches
     run: Callable[["StepContext", float], None]
     skip: Callable[[ClusterConfig], bool] = lambda cfg: False
 
@@ -106,9 +108,9 @@ class StepContext:
         """The step's failure for an agent that did not answer or refused: names the node and says
         which; one that could not be reached is transient."""
         target = self.clients[node].target
-        if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and not exc.explained:
-            return self.fail(node, f"agent at {target} unreachable: {exc.code}: {exc.details}", transient=True)
-        return self.fail(node, f"agent at {target}: {exc.what}: {exc.code}: {exc.details}")
+        if exc.unreachable:
+            return self.fail(node, f"agent at {target} {exc.meaning()}", transient=True)
+        return self.fail(node, f"agent at {target}: {exc.what}: {exc.meaning()}")
 
     def ask(self, node: str, fn: Callable[[AgentClient], T], mutates: bool = False) -> T:
         """fn(client of node), interruptibly; an agent error is this step's failure naming the node."""

@@ -388,7 +388,7 @@ def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model
                 gated: set[str]) -> int:
     """The index in the queue of the first entry the admission gate holds this step (len(queue):
     none), by the step the scheduler would plan: the gate's rule (admission_gate.admits) over the
-    pieces in order (the rank's own rule and count: adapter/admission_gate.py), the headroom being
+    pieces in order (the rank's own rule and count: dsv41/admission.py), the headroom being
     available memory plus the allocator's free blocks, KV pool slots used before and free now
     costing nothing. Only `gated` requests are held: one that could not fit even once the others
     end is counted as starting (the gate holds it alone for the guard to abort)."""

@@ -25,18 +25,17 @@ import grpc
 
 from dsv41.journal import EventLog
 
+from ..state import Phase
 from .engine import EngineApi
 from .events import confirmation_events, events_of
 from .kinds import ACTIONS, Kind
 from .policy import Guard
+from .poolfit import pool_fit
 from .settings import GuardSettings, log_fields
 from .state import Decision
-from .poolfit import pool_fit
 
 CONFIRM_POLL_S = 0.05
 LOOK_S = 0.2  # the in-flight list read between samples while serving
-# Phases in which ranks run, and whether requests are served in them.
-GUARDED_PHASES = {"launch": False, "health": False, "smoke": False, "serving": True, "stopping": True}
 
 
 class MemorySource(Protocol):
@@ -106,15 +105,9 @@ class MemoryGuard:
             log.warning("memory_guard_off", "memory guard off (MEMORY_GUARD=off): a runaway prefill can exhaust "
                         "a node's memory")
             return None
-
-        def guarded() -> tuple[float, bool] | None:
-            snap = runtime.snapshot()
-            if snap.phase not in GUARDED_PHASES or not snap.ranks_since:
-                return None
-            return snap.ranks_since, GUARDED_PHASES[snap.phase]
-        return cls(settings, dict(runtime.clients), EngineApi(runtime.base_url, api_key), log, guarded,
+        return cls(settings, dict(runtime.clients), EngineApi(runtime.base_url, api_key), log, runtime.guarded_run,
                    lambda reason: runtime.request("stop", reason=f"memory guard: {reason}"),
-                   stopping=lambda: runtime.snapshot().phase == "stopping")
+                   stopping=lambda: runtime.snapshot().phase == Phase.STOPPING)
 
     # -- lifecycle
 

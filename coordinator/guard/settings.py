@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dsv41.cost import CostModel
 
 from .kinds import Mode
+
+if TYPE_CHECKING:
+    from ..config import ClusterConfig
 
 MODES = tuple(m.value for m in Mode)
 
@@ -129,44 +132,44 @@ SIM_TOKEN_BYTES, SIM_TRANSIENT_BYTES = 16384, 4.0
 SGLANG_TOKEN_BYTES, SGLANG_TRANSIENT_BYTES = 12_000, 20.0
 
 
-def cost_model(cfg: Mapping[str, object], passthrough: Mapping[str, str] | None = None) -> CostModel:
+def cost_model(cfg: ClusterConfig, passthrough: Mapping[str, str] | None = None) -> CostModel:
     """The requests' cost per rank. With RANK_ENGINE=sim and the keys empty, the stand-in's own
     DSV41_SIM_BYTES_PER_TOKEN / DSV41_SIM_TRANSIENT_BYTES (what it really allocates), and its KV
     where DSV41_SIM_KV_POOL puts it (its pool, unless 0)."""
     passthrough = passthrough or {}
-    sim = cfg["RANK_ENGINE"] == "sim"
-    token = cfg["MEMORY_GUARD_TOKEN_BYTES"]
+    sim = cfg.text("RANK_ENGINE") == "sim"
+    token = cfg.optional_integer("MEMORY_GUARD_TOKEN_BYTES")
     if token is None:
         token = int(passthrough.get("DSV41_SIM_BYTES_PER_TOKEN") or SIM_TOKEN_BYTES) if sim else SGLANG_TOKEN_BYTES
-    transient = cfg["MEMORY_GUARD_TRANSIENT_BYTES"]
+    transient = cfg.optional_number("MEMORY_GUARD_TRANSIENT_BYTES")
     if transient is None:
         transient = float(passthrough.get("DSV41_SIM_TRANSIENT_BYTES") or SIM_TRANSIENT_BYTES) if sim \
             else SGLANG_TRANSIENT_BYTES
-    gate = bool(cfg["MEMORY_GUARD_ADMISSION"]) and cfg["MEMORY_GUARD"] != "off"
+    gate = cfg.flag("MEMORY_GUARD_ADMISSION") and cfg.text("MEMORY_GUARD") != "off"
     # SGLang keeps the KV in its pool, never in the caching allocator; so does the stand-in
     # (sim/kvpool.py) unless DSV41_SIM_KV_POOL=0 puts it in its allocator.
     pool = passthrough.get("DSV41_SIM_KV_POOL", "").strip() != "0" if sim else True
-    return CostModel(token_bytes=int(token), transient_bytes=float(transient), kv_pool=pool,
-                     kv_pool_tokens=int(cfg["MAX_TOTAL_TOKENS"] or 0) if pool else 0,
-                     chunk_tokens=int(cfg["CHUNKED_PREFILL_SIZE"]),
-                     empty_cache_tokens=int(cfg["DSV41_PREFILL_EMPTY_CACHE_TOKENS"]),
-                     admission_guard_bytes=int(float(cfg["MEMORY_GUARD_GB"]) * GB) if gate else 0)
+    return CostModel(token_bytes=token, transient_bytes=transient, kv_pool=pool,
+                     kv_pool_tokens=cfg.integer("MAX_TOTAL_TOKENS") if pool else 0,
+                     chunk_tokens=cfg.integer("CHUNKED_PREFILL_SIZE"),
+                     empty_cache_tokens=cfg.integer("DSV41_PREFILL_EMPTY_CACHE_TOKENS"),
+                     admission_guard_bytes=int(cfg.number("MEMORY_GUARD_GB") * GB) if gate else 0)
 
 
-def from_config(cfg: Mapping[str, object]) -> GuardSettings:
-    interval_ms = int(cfg["MEMORY_GUARD_INTERVAL_MS"])
+def from_config(cfg: ClusterConfig) -> GuardSettings:
+    interval_ms = cfg.integer("MEMORY_GUARD_INTERVAL_MS")
     return GuardSettings(
-        mode=str(cfg["MEMORY_GUARD"]),
-        guard_bytes=int(float(cfg["MEMORY_GUARD_GB"]) * GB),
+        mode=cfg.text("MEMORY_GUARD"),
+        guard_bytes=int(cfg.number("MEMORY_GUARD_GB") * GB),
         interval_ms=interval_ms,
-        lead_s=float(cfg["MEMORY_GUARD_LEAD_S"]),
-        envelope_s=float(cfg["MEMORY_GUARD_ENVELOPE_S"]),
-        stop_after_s=float(cfg["MEMORY_GUARD_STOP_AFTER_S"]),
-        hysteresis_bytes=int(float(cfg["MEMORY_GUARD_HYSTERESIS_GB"]) * GB),
-        confirm_samples=int(cfg["MEMORY_GUARD_CONFIRM_SAMPLES"]),
+        lead_s=cfg.number("MEMORY_GUARD_LEAD_S"),
+        envelope_s=cfg.number("MEMORY_GUARD_ENVELOPE_S"),
+        stop_after_s=cfg.number("MEMORY_GUARD_STOP_AFTER_S"),
+        hysteresis_bytes=int(cfg.number("MEMORY_GUARD_HYSTERESIS_GB") * GB),
+        confirm_samples=cfg.integer("MEMORY_GUARD_CONFIRM_SAMPLES"),
         # the slope window in samples, so it always holds enough of them for a line and its error
-        window_s=int(cfg["MEMORY_GUARD_WINDOW_SAMPLES"]) * interval_ms / 1000,
-        cost=cost_model(cfg, getattr(cfg, "passthrough", None)),
-        rank0_node=str(getattr(getattr(cfg, "head", None), "name", "") or ""),
-        context_tokens=int(cfg["CONTEXT_LENGTH"] or 0),
+        window_s=cfg.integer("MEMORY_GUARD_WINDOW_SAMPLES") * interval_ms / 1000,
+        cost=cost_model(cfg, cfg.passthrough),
+        rank0_node=cfg.head.name,
+        context_tokens=cfg.integer("CONTEXT_LENGTH"),
     )

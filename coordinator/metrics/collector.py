@@ -13,13 +13,14 @@ from dsv41.v1 import agent_pb2 as pb
 
 from ..bringup import PHASES as STEP_PHASES
 from ..packstate import layer_state
-from ..state import STARTING
+from ..state import Phase
 from .nodes import NodeView
 from .recorder import Recorder
 
 # Every phase the runtime reports, so that a dashboard sees each one at 0 before it first happens:
 # the bring-up steps' (from their registry) and the supervisor's own.
-PHASES = (STARTING, "stopped", *STEP_PHASES, "serving", "stopping", "restarting", "waiting", "failed")
+PHASES = (Phase.STARTING, Phase.STOPPED, *STEP_PHASES, Phase.SERVING, Phase.STOPPING, Phase.RESTARTING, Phase.WAITING,
+          Phase.FAILED)
 RESOURCES = ("cpu", "memory", "io")
 
 

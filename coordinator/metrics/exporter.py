@@ -22,7 +22,9 @@ class Metrics:
         """Subscribes at once (so no event is missed); serves only after start(). `clients`: agent
         clients of the metrics' own (default the runtime's), so that polling an agent that is down
         never puts the supervisor's channel into reconnect backoff."""
-        listen = cfg["METRICS_LISTEN"]
+        listen = cfg.optional_listen("METRICS_LISTEN")
+        if listen is None:
+            raise ValueError("METRICS_LISTEN is empty: there is no address to serve metrics on")
         self.registry = CollectorRegistry(auto_describe=False)
         self.server = MetricsServer(listen.host, listen.port, self.registry)  # binds first: nothing to undo
         self.recorder = Recorder()
@@ -31,14 +33,14 @@ class Metrics:
         plans = plan_mod.render_cluster(cfg)
         self._own_clients = clients
         self.poller = NodePoller(clients or runtime.clients, {p.node: p for p in plans if p.pack.required},
-                                 float(cfg["METRICS_POLL_S"]), log)
+                                 cfg.number("METRICS_POLL_S"), log)
         low = None
         self.guard_window = None
         if guard is not None:
             self.guard_window = WindowLow(GUARD_WINDOW_S)
             guard.on_sample(lambda node, available: self.guard_window.add(available))
             low = self.guard_window.lowest
-        mounts = tuple(n.name for n in cfg.nodes if not n.is_head) if cfg["NFS_SHARE"] else ()
+        mounts = tuple(n.name for n in cfg.nodes if not n.is_head) if cfg.flag("NFS_SHARE") else ()
         self.registry.register(ClusterCollector(runtime.snapshot, [n.name for n in cfg.nodes], self.recorder,
                                                 self.poller.views, low,
                                                 guard.settings.guard_bytes if guard is not None else 0, mounts,

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_pack_checkpoint import write_checkpoint  # noqa: E402
 
-from adapter.engram import format as fmt  # noqa: E402
+from dsv41 import engram_format as fmt  # noqa: E402
 from agent.pack.packer import PackError, PackJob, Packer  # noqa: E402
 from dsv41.sdnotify import SdNotify  # noqa: E402
 

@@ -119,7 +119,7 @@ def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
     assert group[0] == "dsv41" and int(group[2]) < 1000, group  # a system group
     # Private module directories, byte-compiled by py3compile; nothing in dist-packages.
     _sh(n, "test -d /usr/share/dsv41-agent/agent/__pycache__ && test -d /usr/share/dsv41-coordinator/"
-           "coordinator/__pycache__ && test -f /usr/share/dsv41/rank/adapter/engram/format.py")
+           "coordinator/__pycache__ && test -f /usr/share/dsv41/rank/dsv41/engram_format.py")
     assert not _sh(n, "ls /usr/lib/python3/dist-packages | grep -E '^(agent|coordinator|adapter|dsv41|sim)$'",
                    check=False).stdout
     has_sitecustomize = (REPO / "adapter" / "sitecustomize.py").exists() and bool(

@@ -266,7 +266,7 @@ def test_sigterm_before_the_group_forms_stops_the_head_and_the_joined_workers(gr
 
 
 def counts(g):
-    from adapter import progress
+    from dsv41 import progress
     return {p.tp_rank: p.count for p in progress.read_all(g.progress_dir, allowed_uids=(os.getuid(),))}
 
 

@@ -33,6 +33,7 @@ def adapter_dir(root: Path, sitecustomize: bool = True) -> Path:
     entry.mkdir(exist_ok=True)
     links = [
         ("adapter", REPO / "adapter"),
+        ("dsv41", REPO / "dsv41"),  # the contracts the adapter imports, shipped beside it
         ("dsv41_adapter.dist-info", REPO / "adapter" / "dsv41_adapter.dist-info"),
     ]
     if sitecustomize:

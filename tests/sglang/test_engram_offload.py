@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from agent.pack.packer import PackJob, Packer
 from dsv41.sdnotify import SdNotify
 from tests.sglang.harness import Sglang, adapter_lines

@@ -20,8 +20,8 @@ import pytest
 
 from adapter import api_key, boot
 from adapter.keyfile import VARIABLE, KeyFileError, read_key_file
-from adapter.log import AdapterLog
 from adapter.patching import AFTER, AdapterSpec, Installer, Patch, Refused, arm
+from dsv41.adapterlog import AdapterLog
 from tests.fakepkg import fake_package
 from tests.rankentry import adapter_entry, rank_env
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from adapter import block_verify, decode_shapes, draft_head_fp8, draft_tau, folded_fence, verify_cap, wo_a_w8
-from adapter.log import AdapterLog
 from adapter.patching import ON_IMPORT, Refused
-from adapter.settings import SettingError
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
 pytestmark = pytest.mark.unit
 MIB = 2**20

@@ -8,11 +8,11 @@ import io
 import pytest
 
 from adapter import engram_offload as eo
-from adapter.engram import format as fmt
 from adapter.engram.settings import StoreSettings
-from adapter.log import AdapterLog
 from adapter.patching import ON_IMPORT, Refused
-from adapter.settings import SettingError
+from dsv41 import engram_format as fmt
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +35,7 @@ def test_settings_from_the_rank_environment() -> None:
     ({"OFFLOAD_MODE": "disk"}, "OFFLOAD_MODE='disk': expected one of nvme, host"),
     ({"DSV41_PACKED_DIR": "engram"}, "DSV41_PACKED_DIR='engram': expected an absolute path"),
     ({"DSV41_ENGRAM_PREFETCH": "maybe"}, "DSV41_ENGRAM_PREFETCH='maybe': expected 1 or 0"),
-    ({"DSV41_IO_THREADS": "0"}, r"io_threads must be in \[1, 1024\], got 0"),
+    ({"DSV41_IO_THREADS": "0"}, r"DSV41_IO_THREADS=0: outside the allowed range \[1, 1024\]"),
     ({"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1"}, "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1 makes SGLang hold"),
     ({"SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS": "true"}, "unset SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS"),
 ])
@@ -48,7 +48,7 @@ def test_a_bad_setting_refuses_where_sglang_would_build_the_tables() -> None:
     # Staying out would let SGLang allocate ~63 GiB per rank: the spec stops the process instead.
     spec = eo.build({"OFFLOAD_MODE": "nvme", "DSV41_CACHE_WAYS": "99"}, AdapterLog(io.StringIO()))
     assert spec.fail_closed and [(p.module, p.kind) for p in spec.patches] == [(eo.ENGRAM_MODULE, ON_IMPORT)]
-    with pytest.raises(Refused, match=r"engram_offload: bad Engram row store environment: cache_ways must be in \[1, 64\], got 99; the rank does not start"):
+    with pytest.raises(Refused, match=r"engram_offload: DSV41_CACHE_WAYS=99: outside the allowed range \[1, 16\]; the rank does not start"):
         spec.patches[0].hook(object())
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from adapter.log import AdapterLog
+from dsv41.adapterlog import AdapterLog
 from adapter.patching import (
     AFTER,
     BEFORE,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from adapter.log import PREFIX, read_report
+from dsv41.adapterlog import PREFIX, read_report
 from coordinator import config, plan
 from coordinator.bringup.health import adapter_problem, enabled_adapters
 from tests.configtext import HOME, REPO

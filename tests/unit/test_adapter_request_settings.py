@@ -9,7 +9,7 @@ import pytest
 from adapter import max_new_tokens, reasoning_effort
 from adapter.max_new_tokens import MaxNewTokens, limit_output
 from adapter.reasoning_effort import PUBLISHER_TIERS, ReasoningEffort, default_budget, remap_effort
-from adapter.settings import SettingError, env_choice, env_flag, env_int
+from dsv41.ranksettings import SettingError, env_choice, env_flag, env_int
 
 pytestmark = pytest.mark.unit
 

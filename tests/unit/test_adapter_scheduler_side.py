@@ -10,15 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from adapter import autotune_keep, prefill_empty_cache
-from adapter.autotune_keep import (
-    AutotuneCacheKeeper,
-    clear_autotune_caches,
-    default_cache_root,
-    launch_args,
-    launch_fingerprint,
-)
-from adapter.log import AdapterLog
+from adapter.autotune_keep import AutotuneCacheKeeper, launch_args, launch_fingerprint
 from adapter.prefill_empty_cache import PrefillEmptyCache, should_empty_cache
+from dsv41.adapterlog import AdapterLog
+from dsv41.autotune_cache import clear_autotune_caches, default_cache_root
 
 pytestmark = pytest.mark.unit
 

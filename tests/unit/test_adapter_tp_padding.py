@@ -77,7 +77,7 @@ def flash_config(tp: int, draft: bool = False):
 def test_config_hook_pads_deepseek_v4_once_and_only_when_needed() -> None:
     import io
 
-    from adapter.log import AdapterLog
+    from dsv41.adapterlog import AdapterLog
     from adapter.tp3_pad import Tp3Pad
 
     buf = io.StringIO()
@@ -101,7 +101,7 @@ def test_config_hook_pads_deepseek_v4_once_and_only_when_needed() -> None:
 def test_vocab_hook_only_touches_the_token_vocabulary() -> None:
     import io
 
-    from adapter.log import AdapterLog
+    from dsv41.adapterlog import AdapterLog
     from adapter.tp3_pad import Tp3Pad
 
     pad = Tp3Pad(AdapterLog(io.StringIO()))

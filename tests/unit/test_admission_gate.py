@@ -11,9 +11,9 @@ import pytest
 
 from adapter import admission_gate as ag
 from adapter.boot import build_specs, env_keys
-from adapter.log import AdapterLog
-from adapter.settings import SettingError
 from dsv41 import admission
+from dsv41.adapterlog import AdapterLog
+from dsv41.ranksettings import SettingError
 from sim.allocator import CachingAllocator, CountedMemory
 from sim.engine import Engine, EngineConfig, Phase
 

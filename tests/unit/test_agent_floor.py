@@ -13,7 +13,7 @@ import pytest
 from agent import floor as f
 from agent.rank import MEMORY_FLOOR, ExitRecord
 from agent.rankspec import NO_FLOOR, FloorSpec, SpecInvalid, check_floor, floor_from_fields, unit_properties
-from agent.service import exit_pb
+from agent.rpc_rank import exit_pb
 from dsv41.v1 import agent_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -43,8 +43,10 @@ class Rank:
         self.current = (invocation, spec)
         self.causes = {}
         self.published = set()
+        self.asked = 0  # passes of the floor's thread
 
     def floor(self):
+        self.asked += 1
         return self.current
 
     def note_cause(self, invocation, cause, detail, publish=True):
@@ -122,7 +124,10 @@ def test_no_rank_running_or_no_floor_means_nothing_is_read_or_sent():
         sampler = Sampler([0])
         node = f.NodeFloor(rank, sampler, lambda s: pytest.fail("signalled"), Events(), "spark1", idle_poll_s=0.01)
         node.start()
-        time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while rank.asked < 5:  # five passes that could have read and signalled
+            assert time.monotonic() < deadline, f"the floor's thread made {rank.asked} passes"
+            time.sleep(0.01)
         node.stop()
         assert not sampler.read.is_set() and node.actions == []
 

@@ -28,17 +28,44 @@ def test_the_example_file_loads_unchanged():
     assert [(n.name, n.rank, n.address, n.nfs_server) for n in cfg.nodes] == [
         ("spark1", 0, "10.0.0.1", None), ("spark2", 1, "10.0.0.2", "10.0.22.1"),
         ("spark3", 2, "10.0.0.3", "10.0.23.1")]
-    assert cfg["TP_SIZE"] == 3 and cfg["EP_SIZE"] == 1 and cfg["NNODES"] == 3
-    assert cfg["MEM_FRACTION_STATIC"] == 0.95
-    assert cfg["MODEL_DIR"] == "/home/op/NewModels/DeepSeek-V4.1-Flash"
-    assert cfg["EXTRA_SGLANG_ARGS"] == ("--fp8-gemm-backend", "flashinfer_cutlass", "--watchdog-timeout", "1800",
-                                        "--sleep-on-idle")
-    assert cfg["IB_HCA"] == ("rocep1s0f0", "rocep1s0f1")
-    assert cfg["NFS_CLIENTS"] == ("10.0.0.2", "10.0.0.3", "10.0.22.0/24", "10.0.23.0/24", "10.0.33.0/24")
-    assert cfg["SGLANG_DSV41_REASONING_EFFORT"] == 75
-    assert cfg["DSV41_VERIFY_CAP"] == 0.1
-    assert cfg["NFS_SHARE"] is True and cfg["DSV41_RESIDENT_SCALES"] is False
+    assert cfg.integer("TP_SIZE") == 3 and cfg.integer("EP_SIZE") == 1 and cfg.integer("NNODES") == 3
+    assert cfg.number("MEM_FRACTION_STATIC") == 0.95
+    assert cfg.text("MODEL_DIR") == "/home/op/NewModels/DeepSeek-V4.1-Flash"
+    assert cfg.words("EXTRA_SGLANG_ARGS") == ("--fp8-gemm-backend", "flashinfer_cutlass", "--watchdog-timeout",
+                                              "1800", "--sleep-on-idle")
+    assert cfg.words("IB_HCA") == ("rocep1s0f0", "rocep1s0f1")
+    assert cfg.optional_words("NFS_CLIENTS") == ("10.0.0.2", "10.0.0.3", "10.0.22.0/24", "10.0.23.0/24", "10.0.33.0/24")
+    assert cfg.settings["SGLANG_DSV41_REASONING_EFFORT"] == 75  # an effort: 1-100 or a tier, read by the rank only
+    assert cfg.number("DSV41_VERIFY_CAP") == 0.1
+    assert cfg.flag("NFS_SHARE") is True and cfg.flag("DSV41_RESIDENT_SCALES") is False
     assert cfg.passthrough == {}
+
+
+def test_a_key_reads_only_as_the_kind_its_schema_declares():
+    cfg = config.load(SEED_ENV, HOME)
+    assert isinstance(cfg.number("HANG_TIMEOUT_S"), float) and isinstance(cfg.integer("PORT"), int)
+    with pytest.raises(TypeError, match="TP_SIZE is an integer; it was read as a number"):
+        cfg.number("TP_SIZE")
+    with pytest.raises(TypeError, match="NFS_SHARE is a flag; it was read as a text"):
+        cfg.text("NFS_SHARE")
+    with pytest.raises(TypeError, match="API_KEY_FILE is an optional text; it was read as a text"):
+        cfg.text("API_KEY_FILE")  # may be None: read with optional_text
+    with pytest.raises(KeyError, match="TP_SIZ is not a cluster.env key"):
+        cfg.integer("TP_SIZ")
+
+
+def test_every_schema_key_has_a_typed_reader():
+    cfg = config.load(SEED_ENV, HOME)
+    readers = {(config.v.Kind.INTEGER, False): cfg.integer, (config.v.Kind.NUMBER, False): cfg.number,
+               (config.v.Kind.FLAG, False): cfg.flag, (config.v.Kind.TEXT, False): cfg.text,
+               (config.v.Kind.WORDS, False): cfg.words, (config.v.Kind.INTEGER, True): cfg.optional_integer,
+               (config.v.Kind.NUMBER, True): cfg.optional_number, (config.v.Kind.TEXT, True): cfg.optional_text,
+               (config.v.Kind.WORDS, True): cfg.optional_words, (config.v.Kind.LISTEN, True): cfg.optional_listen}
+    rank_only = {config.v.Kind.EFFORT, config.v.Kind.ALLOC_CONF}  # read by the rank from its environment
+    for key in schema.KEYS:
+        if key.parse.kind in rank_only:
+            continue
+        assert readers[(key.parse.kind, key.parse.optional)](key.name) == cfg.settings[key.name], key.name
 
 
 def test_every_key_of_the_example_is_understood():
@@ -59,7 +86,7 @@ def test_unused_keys_are_reported_with_a_reason():
 
 def test_home_defined_in_the_file_wins_over_the_environment():
     cfg = load("HOME=/home/operator\n" + SEED_TEXT, {})
-    assert cfg["NCCL_HOST_DIR"] == "/home/operator/nccl-2.30.7"
+    assert cfg.optional_text("NCCL_HOST_DIR") == "/home/operator/nccl-2.30.7"
 
 
 def test_undefined_home_is_a_clear_error():

@@ -18,21 +18,21 @@ def errors_of(text, environ=HOME, file_problem=None):
 
 def test_defaults_serve_metrics_on_9441_and_run_no_hook():
     cfg = config.parse(SEED_TEXT, "/etc/dsv41/cluster.env", HOME)
-    assert str(cfg["METRICS_LISTEN"]) == "0.0.0.0:9441" and cfg["METRICS_POLL_S"] == 5.0
-    assert cfg["INCIDENT_HOOK"] is None or cfg["INCIDENT_HOOK"] == ""
-    assert cfg["INCIDENT_HOOK_TIMEOUT_S"] == 10.0
+    assert str(cfg.optional_listen("METRICS_LISTEN")) == "0.0.0.0:9441" and cfg.number("METRICS_POLL_S") == 5.0
+    assert cfg.optional_text("INCIDENT_HOOK") is None
+    assert cfg.number("INCIDENT_HOOK_TIMEOUT_S") == 10.0
 
 
 @pytest.mark.parametrize("value, host, port", [("127.0.0.1:9100", "127.0.0.1", 9100), ("[::]:9441", "::", 9441),
                                                ("[::1]:1", "::1", 1)])
 def test_metrics_listen_accepts_ipv4_and_bracketed_ipv6(value, host, port):
     cfg = config.parse(edited(METRICS_LISTEN=value), "/etc/dsv41/cluster.env", HOME)
-    assert (cfg["METRICS_LISTEN"].host, cfg["METRICS_LISTEN"].port) == (host, port)
+    assert (cfg.optional_listen("METRICS_LISTEN").host, cfg.optional_listen("METRICS_LISTEN").port) == (host, port)
 
 
 def test_an_empty_metrics_listen_turns_metrics_off():
     cfg = config.parse(edited(METRICS_LISTEN=""), "/etc/dsv41/cluster.env", HOME)
-    assert not cfg["METRICS_LISTEN"]
+    assert not cfg.optional_listen("METRICS_LISTEN")
 
 
 @pytest.mark.parametrize("value", ["9441", "localhost:9441", "0.0.0.0:0", "0.0.0.0:70000", "::1:9441", "0.0.0.0:x"])
@@ -74,7 +74,7 @@ def test_load_checks_the_hook_file_on_disk(tmp_path):
     assert "is not executable (mode 0644): chmod 755 it" in str(info.value)
     script.chmod(0o755)
     if os.geteuid() == 0:
-        assert config.load(path, HOME)["INCIDENT_HOOK"] == str(script)
+        assert config.load(path, HOME).optional_text("INCIDENT_HOOK") == str(script)
     else:
         with pytest.raises(config.ConfigInvalid, match="must be owned by root"):
             config.load(path, HOME)
@@ -98,13 +98,13 @@ def test_home_from_the_environment_is_a_warning_that_names_the_fix():
     (warning,) = [w for w in cfg.warnings if "$HOME" in w]
     assert "comes from the environment of the process reading the file (here '/home/op')" in warning
     assert "define HOME=/home/USER as the first line" in warning
-    assert cfg["MODEL_DIR"] == "/home/op/NewModels/DeepSeek-V4.1-Flash"  # the recipe's file still loads
+    assert cfg.text("MODEL_DIR") == "/home/op/NewModels/DeepSeek-V4.1-Flash"  # the recipe's file still loads
 
 
 def test_home_defined_in_the_file_gives_no_warning():
     cfg = config.parse("HOME=/home/spark\n" + SEED_TEXT, "/etc/dsv41/cluster.env", {"HOME": "/root"})
     assert not [w for w in cfg.warnings if "$HOME" in w]
-    assert cfg["MODEL_DIR"] == "/home/spark/NewModels/DeepSeek-V4.1-Flash"
+    assert cfg.text("MODEL_DIR") == "/home/spark/NewModels/DeepSeek-V4.1-Flash"
 
 
 def test_home_undefined_everywhere_is_an_error_that_names_the_fix():

@@ -95,3 +95,67 @@ def test_a_rank_its_memory_floor_stopped_says_so_in_its_last_exit():
     lines = out.getvalue().splitlines()
     assert any(line.strip() == "last exit: its memory floor stopped it: signal, killed 9" for line in lines), lines
     assert any(line.strip() == "last exit: exit-code, exited 1" for line in lines), lines
+
+
+def test_fold_breaks_between_words_and_indents_what_follows():
+    text = "  last incident 3m02s ago: spark3: spark3 lost: not heard from since 01:29:37 (6.1 s, NODE_LEASE_S=5)"
+    lines = ctl_cluster.fold(text, 80, 4)
+    assert lines == ["  last incident 3m02s ago: spark3: spark3 lost: not heard from since 01:29:37",
+                     "    (6.1 s, NODE_LEASE_S=5)"]
+    assert ctl_cluster.fold("short", 80, 4) == ["short"]
+    assert ctl_cluster.fold("", 80, 4) == [""]
+
+
+def test_fold_leaves_room_for_what_precedes_the_first_line_and_cuts_only_a_word_longer_than_a_line():
+    lines = ctl_cluster.fold("not answering for 12 s (frozen, powered off or cut off?)", 40, 13, lead=22)
+    assert lines == ["not answering for", "             12 s (frozen, powered off", "             or cut off?)"]
+    lines = ctl_cluster.fold("x" * 100, 40, 4)
+    assert all(len(line) <= 40 for line in lines) and "".join(line.strip() for line in lines) == "x" * 100
+
+
+def frozen_spark3():
+    st = status()
+    st.nodes[2].agent_error = "not answering for 12 s (frozen, powered off or cut off?)"
+    st.nodes[2].lease_age_s = 12.0
+    st.last_incident.CopyFrom(pb.Incident(at_unix_s=NOW - 182, node="spark3", kind="node_lost", message=(
+        "spark3 lost: not heard from since 01:29:37 (6.1 s, NODE_LEASE_S=5); then rank exits on spark1 (result "
+        "exit-code, exited status 1), spark2 (result exit-code, exited status 1)")))
+    return st
+
+
+def test_status_wraps_long_lines_under_80_columns_without_cutting_a_number():
+    out = io.StringIO()
+    ctl_cluster.render_status(frozen_spark3(), out, now=NOW)
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    assert "spark3   2    down    not answering for 12 s (frozen, powered off or cut off?)" in lines, text
+    incident = next(i for i, line in enumerate(lines) if line.startswith("  last incident 3m02s ago"))
+    said = " ".join(line.strip() for line in lines[incident:incident + 3])
+    assert ("last incident 3m02s ago: spark3: spark3 lost: not heard from since 01:29:37 (6.1 s, NODE_LEASE_S=5); "
+            "then rank exits on spark1 (result exit-code, exited status 1), spark2 (result exit-code, exited "
+            "status 1)") == said, text
+    assert lines[incident + 1].startswith("    ") and lines[incident + 2].startswith("    ")
+    assert "fabric: rocep1s0f1 port 1: state 1: DOWN" in text and "x" * 100 in text.replace("\n", "").replace(" ", "")
+
+
+def test_on_a_terminal_status_uses_its_width():
+    out = io.StringIO()
+    ctl_cluster.render_status(frozen_spark3(), out, now=NOW, width=250)
+    lines = out.getvalue().splitlines()
+    assert any(line.startswith("  last incident 3m02s ago: spark3: spark3 lost:") and line.endswith("exited status 1)")
+               for line in lines), lines
+    assert max(len(line) for line in lines) > 200 and all(len(line) <= 250 for line in lines)
+
+
+def test_the_terminal_width_is_asked_of_a_terminal_only(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+        def fileno(self):
+            return 99
+
+    monkeypatch.setattr(ctl_cluster.os, "get_terminal_size", lambda fd: ctl_cluster.os.terminal_size((132, 40)))
+    assert ctl_cluster._width(Terminal()) == 132
+    assert ctl_cluster._width(io.StringIO()) == 80

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +81,7 @@ def test_names() -> None:
 
 
 def test_floor_split_ranges_partition_any_table() -> None:
-    from adapter.engram.format import coverage_faults
+    from dsv41.engram_format import coverage_faults
 
     for n in (0, 1, 2, 1001, 384016682):
         for tp in (1, 2, 3, 4, 8):
@@ -91,7 +91,7 @@ def test_floor_split_ranges_partition_any_table() -> None:
 
 
 def test_gaps_overlaps_and_rows_past_the_end_are_named() -> None:
-    from adapter.engram.format import Fault, coverage_faults
+    from dsv41.engram_format import Fault, coverage_faults
 
     assert coverage_faults([(0, 333), (334, 667), (667, 1001)], 1001) == [Fault("gap", 333, 334, (0, 1))]
     assert coverage_faults([(0, 334), (333, 667), (667, 1001)], 1001) == [Fault("overlap", 333, 334, (0, 1))]

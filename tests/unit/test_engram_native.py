@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from adapter.engram import format as fmt
 from adapter.engram import native
 from adapter.engram.settings import StoreSettings
 from adapter.engram.stats import RankStats
 from adapter.engram.store import RowStore, StoreError
+from dsv41 import engram_format as fmt
 from agent.pack.packer import PackJob, Packer
 from dsv41.sdnotify import SdNotify
 from tests.unit.test_pack_checkpoint import packed_row, write_checkpoint
@@ -337,8 +337,8 @@ def test_a_failed_host_function_with_an_exit_line_ends_the_process(packs, librar
 import ctypes, os
 from array import array
 from adapter.engram import native
-from adapter.engram.store import RowStore
 from adapter.engram.settings import StoreSettings
+from adapter.engram.store import RowStore
 lib = native.Library({str(library.path)!r})
 store = RowStore.open_rank({str(tmp_path)!r}, layer=14, rank=0, tp=3, settings=StoreSettings(io_threads=4), native=lib)
 store.native.exit_on_failure("dsv41-adapter: engram_offload: reading Engram rows failed: StoreError: ")

@@ -138,7 +138,7 @@ def test_settings_from_env() -> None:
     assert StoreSettings.from_env({}) == StoreSettings()
     with pytest.raises(ValueError, match=r"DSV41_IO_THREADS='many': expected an integer"):
         StoreSettings.from_env({"DSV41_IO_THREADS": "many"})
-    with pytest.raises(ValueError, match=r"io_threads must be in \[1, 1024\], got 0"):
+    with pytest.raises(ValueError, match=r"DSV41_IO_THREADS=0: outside the allowed range \[1, 1024\]"):
         StoreSettings.from_env({"DSV41_IO_THREADS": "0"})
 
 

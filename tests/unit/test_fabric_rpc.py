@@ -1,4 +1,4 @@
-"""CheckFabric end to end through the RPC mixin, on the Spark sysfs fixture and this machine's
+"""CheckFabric end to end through its RPC handler, on the Spark sysfs fixture and this machine's
 loopback: the netlink probe does the interface work and the agent's process never imports
 pyroute2 (about 22 MB the head cannot spare)."""
 
@@ -16,7 +16,7 @@ SPARK = Path(__file__).parent / "fixtures" / "sysfs_spark"
 SCRIPT = """
 import json, sys
 import agent.service  # everything the daemon imports
-from agent.rpc_nodechecks import NodeCheckRpcs
+from agent.rpc_nodechecks import NodeCheckRpcs, build_node_checks
 from dsv41.v1 import agent_pb2 as pb
 
 class Settings:
@@ -27,12 +27,12 @@ class Events:
     def info(self, *a, **k): pass
     def warning(self, *a, **k): pass
 
-class Service(NodeCheckRpcs):
-    _settings, _systemd, _events, _rank = Settings(), None, Events(), None
+settings, events = Settings(), Events()
+service = NodeCheckRpcs(settings, events, None, lambda: build_node_checks(settings, None, events))
 
 spec = pb.FabricSpec(hcas=["rocep1s0f0", "rocep1s0f1"], iface="lo", address="10.0.0.2", mtu=65536,
                      socket_ifaces=["lo"], peers=[pb.Peer(name="self", address="127.0.0.1", port=1)])
-report = Service().CheckFabric(spec, None)
+report = service.CheckFabric(spec, None)
 print(json.dumps({"pyroute2": sorted(m for m in sys.modules if m.startswith("pyroute2")),
                   "gid": report.roce_gid_index,
                   "checks": {c.name: [c.ok, c.warning, c.detail] for c in report.checks}}))

@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from agent import memory
-from agent.service import AgentService
+from agent.rpc_memory import MemoryRpcs
 from dsv41.v1 import agent_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -49,8 +48,7 @@ def service(tmp_path, triggers, monotonic=time.monotonic):
     (tmp_path / "proc/pressure").mkdir()
     (tmp_path / "proc/pressure/memory").write_text("some avg10=1.25 avg60=0.00 avg300=0.00 total=4242\n")
     sampler = memory.MemorySampler(str(tmp_path / "proc"), str(tmp_path / "cg"))
-    settings = SimpleNamespace(allowed_runtimes=("host",), allowed_images=())
-    return AgentService(settings, None, None, sampler, triggers, None, monotonic(), monotonic=monotonic)
+    return MemoryRpcs(sampler, triggers, monotonic=monotonic)
 
 
 @pytest.mark.parametrize("send", [{}, {"min_change_bytes": 1 << 30, "heartbeat_ms": 10_000}])

@@ -56,18 +56,15 @@ class NoSystemd:
         return fail
 
 
-class Service(NodeCheckRpcs):
-    def __init__(self, tmp_path, running=False, **settings):
-        self._settings = Settings(str(tmp_path), **settings)
-        self._systemd = NoSystemd()
-        self._events = Events()
-        self._rank = Rank(running)
-        # An empty host view: no request can reach this machine's real directories.
-        view = tmp_path / "host"
-        (view / "var" / "tmp").mkdir(parents=True, exist_ok=True)
-        # Files of this test's user count as root's: the paths' owners are checked, not who runs the test.
-        self._node_checks_built = build_node_checks(self._settings, self._systemd, self._events, str(view),
-                                                    owner=os.getuid())
+def handler(tmp_path, running=False, settings=None) -> NodeCheckRpcs:
+    settings = settings or Settings(str(tmp_path))
+    systemd, events = NoSystemd(), Events()
+    # An empty host view: no request can reach this machine's real directories.
+    view = tmp_path / "host"
+    (view / "var" / "tmp").mkdir(parents=True, exist_ok=True)
+    # Files of this test's user count as root's: the paths' owners are checked, not who runs the test.
+    checks = build_node_checks(settings, systemd, events, str(view), owner=os.getuid())
+    return NodeCheckRpcs(settings, events, Rank(running), lambda: checks)
 
 
 def abort_of(call, request):
@@ -87,7 +84,7 @@ GOOD_MOUNT = dict(what="10.0.22.1:/", where="/var/tmp/DeepSeek-V4.1-Flash", type
     ("clients", ["0.0.0.0/0"], "wider"), ("options", "rw", "not allowed"), ("backend", "", "kernel, ganesha"),
     ("name", "", "pseudo path")])
 def test_ensure_export_rejects_bad_fields(tmp_path, field, value, why):
-    code, details = abort_of(Service(tmp_path).EnsureExport, pb.ExportSpec(**{**GOOD_EXPORT, field: value}))
+    code, details = abort_of(handler(tmp_path).EnsureExport, pb.ExportSpec(**{**GOOD_EXPORT, field: value}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details
 
 
@@ -97,12 +94,12 @@ def test_ensure_export_rejects_bad_fields(tmp_path, field, value, why):
     ("options", "ro,hard", "must include nosuid, nodev"), ("what", "spark1:/", "IP address"),
     ("expected_shards", 0, "expected_shards"), ("server", "10.0.0.9", "must be the address in what")])
 def test_ensure_mount_rejects_bad_fields(tmp_path, field, value, why):
-    code, details = abort_of(Service(tmp_path).EnsureMount, pb.MountSpec(**{**GOOD_MOUNT, field: value}))
+    code, details = abort_of(handler(tmp_path).EnsureMount, pb.MountSpec(**{**GOOD_MOUNT, field: value}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details
 
 
 def test_a_valid_request_without_systemd_is_unavailable(tmp_path):
-    code, details = abort_of(Service(tmp_path).EnsureMount, pb.MountSpec(**GOOD_MOUNT))
+    code, details = abort_of(handler(tmp_path).EnsureMount, pb.MountSpec(**GOOD_MOUNT))
     assert code == grpc.StatusCode.UNAVAILABLE and details.startswith("systemd over D-Bus:")
     # the agent made the mount point itself, before anyone else could
     assert (tmp_path / "host/var/tmp/DeepSeek-V4.1-Flash").is_dir()
@@ -115,7 +112,7 @@ def test_mounts_outside_the_allowed_paths_and_servers_are_denied(tmp_path, field
     request = {**GOOD_MOUNT, field: value}
     if field == "what":
         request["server"] = "10.0.99.1"
-    code, details = abort_of(Service(tmp_path).EnsureMount, pb.MountSpec(**request))
+    code, details = abort_of(handler(tmp_path).EnsureMount, pb.MountSpec(**request))
     assert code == grpc.StatusCode.PERMISSION_DENIED and why in details
 
 def test_bind_mounts_only_where_the_settings_allow_them(tmp_path):
@@ -123,21 +120,20 @@ def test_bind_mounts_only_where_the_settings_allow_them(tmp_path):
     class TestSettings(Settings):
         allowed_mount_types: tuple = ("nfs4", "none")
 
-    service = Service(tmp_path)
-    service._settings = TestSettings(str(tmp_path))
+    service = handler(tmp_path, settings=TestSettings(str(tmp_path)))
     bind = pb.MountSpec(what="/srv/src", where="/srv/dst", type="none", options="bind,rw", expected_shards=1)
     code, details = abort_of(service.EnsureMount, bind)  # the type passes; rw still does not
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "'rw' is not allowed" in details
 
 
 def test_remove_export_validates_and_refuses(tmp_path):
-    service = Service(tmp_path)
+    service = handler(tmp_path)
     code, details = abort_of(service.RemoveExport, pb.RemoveExportRequest(mounted_by=["spark2 && reboot"]))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "node name" in details
 
 
 def test_mount_changes_while_the_rank_runs_are_failed_precondition(tmp_path):
-    service = Service(tmp_path, running=True)
+    service = handler(tmp_path, running=True)
     code, details = abort_of(service.Remount, pb.RemountRequest())
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "EnsureMount first" in details
     state = service.GetMount(pb.GetMountRequest(), Context())
@@ -151,7 +147,7 @@ def test_mount_changes_while_the_rank_runs_are_failed_precondition(tmp_path):
                                              ("address", "::1", "IPv4"), ("mtu", 70000, "68..65536")])
 def test_check_fabric_rejects_bad_fields(tmp_path, field, value, why):
     good = dict(hcas=["rocep1s0f0"], iface="enp1s0f0np0", address="10.0.0.2", mtu=9000)
-    code, details = abort_of(Service(tmp_path).CheckFabric, pb.FabricSpec(**{**good, field: value}))
+    code, details = abort_of(handler(tmp_path).CheckFabric, pb.FabricSpec(**{**good, field: value}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details
 
 
@@ -164,7 +160,7 @@ text = st.text(max_size=80) | st.sampled_from(["/", "/etc", "..", "/srv/a/../b",
 def test_hostile_requests_are_invalid_argument_never_a_crash(tmp_path_factory, data):
     """Whatever the fields hold, each RPC answers INVALID_ARGUMENT (or, for well-formed requests that
     reach the node's state, FAILED_PRECONDITION/UNAVAILABLE) and nothing else."""
-    service = Service(tmp_path_factory.mktemp("agent"))
+    service = handler(tmp_path_factory.mktemp("agent"))
     rpc, request = data.draw(st.sampled_from([
         (service.EnsureExport, st.builds(pb.ExportSpec, path=text, clients=st.lists(text, max_size=3), options=text,
                                          backend=text, name=text)),

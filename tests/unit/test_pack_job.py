@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from test_pack_checkpoint import ROWS, packed_row, write_checkpoint
 
-from adapter.engram import format as fmt
 from adapter.engram.settings import StoreSettings
 from adapter.engram.store import RowStore
+from dsv41 import engram_format as fmt
 from agent.pack.__main__ import main
 from agent.pack.packer import PackError, PackJob, Packer, status_line
 from agent.pack.state import Status, pack_state

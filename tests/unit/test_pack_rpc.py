@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 from test_pack_checkpoint import ROWS, write_checkpoint
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from agent.pack.packer import PackJob, Packer
+from agent.pathtrust import PathTrust
 from agent.rpc_pack import PackRpcs
 from dsv41.sdnotify import SdNotify
 from dsv41.v1 import agent_pb2 as pb
@@ -19,12 +20,11 @@ from tests.unit.test_nfs_rpc import Context, NoSystemd, Rank
 pytestmark = pytest.mark.unit
 
 
-class Service(PackRpcs):
-    def __init__(self, root: Path) -> None:
-        self._systemd = NoSystemd()  # no pack unit: not running
-        self._rank = Rank()
-        self._host_root = "/"  # paths as they are: this test's tree is not behind a PrivateTmp
-        self._settings = SimpleNamespace(allowed_paths=(str(root),))  # the node's ALLOWED_PATHS
+def pack_rpcs(root: Path) -> PackRpcs:
+    return PackRpcs(SimpleNamespace(allowed_paths=(str(root),)),  # the node's ALLOWED_PATHS
+                    NoSystemd(),  # no pack unit: not running
+                    events=None, rank=Rank(), path_trust=PathTrust,
+                    host_root="/")  # paths as they are: this test's tree is not behind a PrivateTmp
 
 
 def test_pack_state_carries_each_files_rows(tmp_path: Path) -> None:
@@ -33,7 +33,7 @@ def test_pack_state_carries_each_files_rows(tmp_path: Path) -> None:
     Packer(PackJob(model_dir=model, out_dir=out, rank=2, tp=3, layers=(14,)), SdNotify(None),
            log=lambda _line: None).run()
     spec = pb.PackSpec(source_dir=str(model), out_dir=str(out), tp=3, ranks=[2], layers=[1, 14])
-    state = Service(tmp_path).GetPackState(spec, Context())
+    state = pack_rpcs(tmp_path).GetPackState(spec, Context())
     assert not state.running
     by_layer = {s.layer: s for s in state.layers}
     assert by_layer[14].state == "complete" and by_layer[14].rank == 2

@@ -24,8 +24,7 @@ DISTRIBUTION_MODULES = {
 }
 # What the launchers put on sys.path besides the package's own directory: the directory of
 # another package this one depends on.
-EXTRA_PATHS = {"dsv41-agent": {"/usr/share/dsv41/rank": "dsv41-adapter"},
-               "dsv41-coordinator": {"/usr/share/dsv41/rank": "dsv41-adapter"},
+EXTRA_PATHS = {"dsv41-coordinator": {"/usr/share/dsv41/rank": "dsv41-adapter"},
                "dsv41-sim": {"/usr/share/dsv41/rank": "dsv41-adapter"}}
 
 
@@ -63,6 +62,9 @@ def shipped_files(package: str) -> dict[str, Path]:
     """{installed path: source file} of everything dh_install copies for the package."""
     out = {}
     for src, dest in install_entries(package):
+        if "*" in src:  # a glob: dh_install copies each match into dest
+            out.update({f"/{dest}/{f.name}": f for f in sorted(REPO.glob(src)) if f.is_file()})
+            continue
         source = REPO / src
         if source.is_dir():
             for f in sorted(source.rglob("*")):
@@ -123,8 +125,8 @@ def test_required_distribution_dependencies() -> None:
     assert coordinator["python3-prometheus-client"] == "(>= 0.16)"
     # The agent writes the pack format the installed adapter reads: always the same build.
     assert agent["dsv41-adapter"] == "(= ${binary:Version})"
-    # The coordinator reads the installed adapters' declarations of what takes effect in the rank:
-    # at least its own build, and the rank-side packages may move ahead of it (upgraded first).
+    # The coordinator imports the admission rule from the installed adapter: at least its own build,
+    # and the rank-side packages may move ahead of it (upgraded first).
     assert coordinator["dsv41-adapter"] == "(>= ${binary:Version})"
     # The adapter's files run in the rank's own Python, never the host's.
     adapter = relations(control["dsv41-adapter"]["Depends"])

@@ -138,7 +138,7 @@ def test_cluster_env_ends_with_a_newline_so_an_appended_key_is_its_own_line() ->
     with open(ETC / "cluster.env") as f:
         appended = f.read() + "METRICS_POLL_S=7\n"  # what `echo KEY=VALUE >> cluster.env` does
     cfg = cluster_config.parse(appended, "/etc/dsv41/cluster.env", {"HOME": "/home/spark"})
-    assert cfg.raw[key] == value and cfg["METRICS_POLL_S"] == 7.0
+    assert cfg.raw[key] == value and cfg.number("METRICS_POLL_S") == 7.0
 
 
 # ----- man pages -----

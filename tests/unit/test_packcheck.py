@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapter.engram import format as fmt
+from dsv41 import engram_format as fmt
 from coordinator.packcheck import PackProblem, partition_problems
 from dsv41.v1 import agent_pb2 as pb
 

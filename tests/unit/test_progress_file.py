@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from adapter import progress
+from dsv41 import progress
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,13 @@ preempt a bring-up, the newer request wins, an agent lost in the middle of a ste
 naming the node (an incident, and the restart policy goes on), a rank exit fails the bring-up.
 
 The real thing (agents in booted systemd nodes, the stand-in engine) is in
-tests/integration/test_supervisor_preemption.py; these pin the supervisor's own logic fast."""
+tests/integration/test_supervisor_preemption.py; these pin the supervisor's own logic fast.
+
+The supervisor runs on a fake clock (tests.fakeclock) that only the test moves, a tick at a time:
+the agents' heartbeats and the serving probe's observations come with the ticks, and after each
+tick the test waits until the supervisor has applied them and checked leases and hangs at the new
+time. "Nothing happened" is asserted after the supervisor had its chance to act over a stated span
+of its time; "something happened" within a stated span of it."""
 
 from __future__ import annotations
 
@@ -17,14 +23,15 @@ import grpc
 import pytest
 
 from adapter.boot import BUILDERS
-from adapter.log import PREFIX
+from dsv41.adapterlog import PREFIX
 from coordinator import config
 from coordinator.agents import AgentUnavailable
-from coordinator.messages import WorkSeen
+from coordinator.messages import Wake, WorkSeen
 from coordinator.runtime import ClusterRuntime
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 from tests.configtext import HOME, SEED_TEXT, edited
+from tests.fakeclock import FakeClock
 from tests.rpcfailure import RpcFailure
 
 pytestmark = pytest.mark.unit
@@ -60,7 +67,8 @@ class RankZero:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # its shutdown waits for a poll of serve_forever: 50 ms, not the default 500
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
     def close(self):
         self.server.shutdown()
@@ -71,8 +79,9 @@ class FakeAgent:
     """A node agent in memory: ranks start and stop at once; `down` makes every call fail like a
     node that cannot be reached; `pack` is this node's pack layers' state."""
 
-    def __init__(self, node, journal):
+    def __init__(self, node, journal, clock):
         self.node, self.target = node, f"{node}:7441"
+        self.clock = clock
         self.journal = journal  # shared list of (node, call) in call order across nodes
         self.down = False
         self.running = ""
@@ -84,18 +93,18 @@ class FakeAgent:
         self.on_event = None
         self.frozen = False  # a frozen node: no heartbeat, and every call hangs until thawed
         self.boot = f"{node}-boot1"
-        self.steps, self.stepped_at = 0, time.monotonic()
+        self.steps, self.stepped_at = 0, clock.monotonic()
         self.last_exit = None  # the ExitInfo of the rank's last run, as the agent reports it
         self.stop_deadlines = []  # the deadline of each StopRank
         self.output = []  # lines the rank logged, after its adapters' (recent_journal)
 
     def _call(self, what, timeout=None):
         self.journal.append((self.node, what))
-        end = time.monotonic() + (timeout or 10.0)
+        end = self.clock.monotonic() + (timeout or 10.0)
         while self.frozen:  # a frozen node's kernel takes the connection; nobody answers
-            if time.monotonic() > end:
+            if self.clock.monotonic() >= end:
                 raise AgentUnavailable(self.node, what, SILENT)
-            time.sleep(0.01)
+            self.clock.wait(0.01)  # the call's timeout is on the fake clock; a thaw is seen within 10 ms
         if self.down:
             raise AgentUnavailable(self.node, what, DOWN)
 
@@ -112,7 +121,7 @@ class FakeAgent:
         """The rank's output: every adapter reports installed, as in a rank that armed them; then
         `output`, lines the test gives it (at the time of the call)."""
         self._call("read_journal", timeout)
-        now = time.time()
+        now = self.clock.time()
         return [pb.JournalLine(node=self.node, unit="dsv41-rank.service", message=f"{PREFIX}{name} installed (x)")
                 for name, _build in BUILDERS] + [pb.JournalLine(node=self.node, unit="dsv41-rank.service",
                                                                 message=m, at_unix_s=now - ago)
@@ -165,21 +174,25 @@ class FakeAgent:
         return pb.StopRankResponse(outcome=pb.StopRankResponse.CLEAN if was else pb.StopRankResponse.WAS_NOT_RUNNING)
 
     def watch_rank(self, on_event, on_lost, stop, heartbeat_ms=0):
-        """Heartbeats as the agent sends them, while the node is up and not frozen."""
+        """Heartbeats as the agent sends them, every heartbeat_ms of the fake clock while the node
+        is up and not frozen: sent as the clock moves, so the supervisor has them before the tick's
+        markers."""
         self.on_event = on_event
+        due = [self.clock.monotonic() + heartbeat_ms / 1000]
 
-        def beat():
-            while not stop.wait(heartbeat_ms / 1000):
-                if not self.down and not self.frozen:
-                    on_event(pb.RankEvent(rank=self.rank(), boot_id=self.boot, heartbeat=True, progress=[
-                        pb.RankProgress(forward_count=self.steps, last_step_age_s=time.monotonic() - self.stepped_at)]))
-        thread = threading.Thread(target=beat, daemon=True)
-        thread.start()
-        return thread
+        def beat(now):
+            if stop.is_set() or now < due[0]:
+                return
+            due[0] = now + heartbeat_ms / 1000
+            if not self.down and not self.frozen:
+                on_event(pb.RankEvent(rank=self.rank(), boot_id=self.boot, heartbeat=True, progress=[
+                    pb.RankProgress(forward_count=self.steps, last_step_age_s=now - self.stepped_at)]))
+        self.clock.on_advance(beat)
+        return threading.Thread(target=lambda: None)  # the beats need no thread of their own
 
     def step(self):
         self.steps += 1
-        self.stepped_at = time.monotonic()
+        self.stepped_at = self.clock.monotonic()
 
     def floor_stopping(self, detail):
         """This node's memory floor has signalled its rank, which is still stopping (draining)."""
@@ -191,11 +204,78 @@ class FakeAgent:
         """The rank process ends; the agent streams its unit's state (`floor`: its memory floor
         ended it, with this detail)."""
         invocation, self.running = self.running, ""
-        info = pb.ExitInfo(result=result, code=code, status=status, at_unix_s=at or time.time(),
+        info = pb.ExitInfo(result=result, code=code, status=status, at_unix_s=at or self.clock.time(),
                            invocation_id=invocation, cause=pb.ExitInfo.MEMORY_FLOOR if floor else 0,
                            cause_detail=floor)
         self.on_event(pb.RankEvent(rank=pb.RankState(active_state="failed", invocation_id=invocation,
                                                      last_exit=info)))
+
+
+TICK_S = 0.05  # how far the fake clock moves a tick: a fifth of the fastest heartbeat (LIVE's)
+SUPERVISOR_REAL_S = 10.0  # real time the supervisor may take to apply a tick's messages
+
+
+def real_wait(condition, what, limit_s=SUPERVISOR_REAL_S):
+    """Waits in real time for a condition a real thread brings about, failing after limit_s."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {limit_s:g} s for {what}")
+        time.sleep(0.001)
+
+
+class Driver:
+    """Moves the fake clock under a running supervisor, a tick at a time."""
+
+    def __init__(self, rt, clock):
+        self.rt, self.clock = rt, clock
+
+    def _queued(self, marker):
+        with self.rt._inbox.mutex:
+            return any(m is marker for m in self.rt._inbox.queue)
+
+    def settle(self):
+        """Returns once the supervisor has applied every message posted so far and checked leases
+        and hangs after it: it has taken the second of two markers posted now (the first was
+        followed by a check, or by the recovery it found, which sets the phase `stopping` first)."""
+        first, second = Wake(), Wake()
+        self.rt.post(first)
+        self.rt.post(second)
+        real_wait(lambda: not self._queued(second) or not self.rt._worker.is_alive(), "the supervisor's inbox")
+
+    def tick(self):
+        self.clock.advance(TICK_S)
+        self.settle()
+
+    def run_for(self, seconds):
+        """The supervisor's next `seconds`, tick by tick."""
+        end = self.clock.monotonic() + seconds
+        while self.clock.monotonic() < end - 1e-9:
+            self.tick()
+
+    def until(self, condition, within, what):
+        """Ticks until condition() holds (its value), for at most `within` seconds of the clock."""
+        end = self.clock.monotonic() + within
+        self.settle()
+        while True:
+            found = condition()
+            if found:
+                return found
+            if self.clock.monotonic() >= end:
+                raise AssertionError(f"not within {within:g} s: {what()}")
+            self.tick()
+
+    def in_thread(self, fn, within, what):
+        """fn() on a thread of its own (it waits for the supervisor), ticking until it returns."""
+        done = threading.Event()
+        threading.Thread(target=lambda: (fn(), done.set()), daemon=True).start()
+        end = self.clock.monotonic() + within
+        while not done.wait(0.001 if self.clock.monotonic() < end else SUPERVISOR_REAL_S):
+            if self.clock.monotonic() >= end:
+                raise AssertionError(f"not within {within:g} s: {what}")
+            self.clock.advance(TICK_S)
+            if self.rt._worker.is_alive():
+                self.settle()
 
 
 @pytest.fixture
@@ -210,26 +290,29 @@ def cluster():
                                     "MEMORY_RECOVERY_TIMEOUT_S": "1", **keys})
         cfg = config.parse(text, "cluster.env", HOME)
         journal = []
-        agents = {n.name: FakeAgent(n.name, journal) for n in cfg.nodes}
+        clock = FakeClock()
+        agents = {n.name: FakeAgent(n.name, journal, clock) for n in cfg.nodes}
         stream = io.StringIO()
-        rt = ClusterRuntime(cfg, agents, EventLog("test", {}, stream=stream, use_journal=False))
-        made.append((rt, rank0))
-        return rt, agents, rank0, journal, stream
+        rt = ClusterRuntime(cfg, agents, EventLog("test", {}, stream=stream, use_journal=False), clock=clock.time,
+                            monotonic=clock.monotonic)
+        drive = Driver(rt, clock)
+        made.append((rt, rank0, agents, drive))
+        return rt, agents, rank0, journal, stream, drive
     yield make
-    for rt, rank0 in made:
+    for rt, rank0, agents, drive in made:
         if rt._worker.is_alive():
-            rt.shutdown(stop_cluster=False)
+            for agent in agents.values():
+                agent.frozen = False
+            drive.in_thread(lambda: rt.shutdown(stop_cluster=False), 120, "the supervisor to shut down")
         rank0.close()
 
 
-def wait_phase(rt, *phases, timeout=10.0, detail=""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = rt.snapshot()
-        if snap.phase in phases and detail in snap.detail:
-            return snap
-        time.sleep(0.01)
-    raise AssertionError(f"phase {rt.snapshot().phase} ({rt.snapshot().detail}), wanted {phases}")
+def wait_phase(drive, *phases, within=10.0, detail=""):
+    def reached():
+        snap = drive.rt.snapshot()
+        return snap if snap.phase in phases and detail in snap.detail else None
+    return drive.until(reached, within, lambda: f"phase {drive.rt.snapshot().phase} ({drive.rt.snapshot().detail}), "
+                       f"wanted {phases}")
 
 
 def calls(journal, what):
@@ -237,84 +320,81 @@ def calls(journal, what):
 
 
 def test_a_stop_during_health_cancels_the_bring_up_and_stops_the_ranks_head_first(cluster):
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     rt.run()
-    wait_phase(rt, "health")
-    asked = time.monotonic()
+    wait_phase(drive, "health")
     rt.request("stop")
-    snap = wait_phase(rt, "stopped")
-    assert time.monotonic() - asked < 1.0
+    snap = wait_phase(drive, "stopped", within=1.0)
     assert snap.detail == "requested by dsv41ctl stop"
     assert calls(journal, "stop_rank")[0] == "spark1" and sorted(calls(journal, "stop_rank")) == ["spark1", "spark2",
                                                                                                    "spark3"]
     assert not any(a.running for a in agents.values())
-    time.sleep(0.3)
+    drive.run_for(1.0)
     assert rt.snapshot().phase == "stopped" and sum(a.starts for a in agents.values()) == 3
 
 
 def test_a_restart_then_a_stop_queued_during_a_bring_up_ends_stopped_without_a_second_bring_up(cluster):
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     rt.run()
-    wait_phase(rt, "health")
+    wait_phase(drive, "health")
     rt.request("restart")
     rt.request("stop")
-    wait_phase(rt, "stopped")
-    time.sleep(0.5)
+    wait_phase(drive, "stopped")
+    drive.run_for(1.0)
     assert rt.snapshot().phase == "stopped"
     assert sum(a.starts for a in agents.values()) == 3  # the first bring-up's ranks only
     assert calls(journal, "check_fabric").count("spark1") == 1
 
 
 def test_a_restart_during_a_bring_up_stops_and_brings_up_once_more(cluster):
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     rt.run()
-    wait_phase(rt, "health")
+    wait_phase(drive, "health")
     rt.request("restart")
-    deadline = time.monotonic() + 10
-    while sum(a.starts for a in agents.values()) < 6 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    wait_phase(rt, "health")
+    drive.until(lambda: sum(a.starts for a in agents.values()) >= 6, 10,
+                lambda: {n: a.starts for n, a in agents.items()})
+    wait_phase(drive, "health")
     assert all(a.starts == 2 for a in agents.values())
     assert calls(journal, "stop_rank")[:1] == ["spark1"]
     rank0.healthy.set()
-    wait_phase(rt, "serving")
+    wait_phase(drive, "serving")
 
 
 def test_a_shutdown_during_health_returns_at_once_with_every_rank_stopped(cluster):
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     rt.run()
-    wait_phase(rt, "health")
-    asked = time.monotonic()
-    rt.shutdown(stop_cluster=True)
-    assert time.monotonic() - asked < 1.0
+    wait_phase(drive, "health")
+    asked = drive.clock.monotonic()
+    done = threading.Event()
+    threading.Thread(target=lambda: (rt.shutdown(stop_cluster=True), done.set()), daemon=True).start()
+    real_wait(done.is_set, "the shutdown")  # the clock standing still: it waits for nothing
+    assert drive.clock.monotonic() == asked
     assert not any(a.running for a in agents.values())
     assert calls(journal, "stop_rank")[0] == "spark1"
 
 
 def test_a_start_during_a_bring_up_is_that_bring_up(cluster):
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     rt.run()
-    wait_phase(rt, "health")
+    wait_phase(drive, "health")
     rt.request("start")
     rank0.healthy.set()
-    wait_phase(rt, "serving")
-    time.sleep(0.3)
+    wait_phase(drive, "serving")
+    drive.run_for(1.0)
     assert rt.snapshot().phase == "serving" and all(a.starts == 1 for a in agents.values())
 
 
 def test_an_agent_lost_while_the_pack_job_runs_fails_the_pack_step_naming_it_and_the_restart_policy_goes_on(cluster):
-    rt, agents, rank0, journal, stream = cluster(OFFLOAD_MODE="nvme", SKIP_PREPARE="0", RESTART_BACKOFF_S="0.3")
+    rt, agents, rank0, journal, stream, drive = cluster(OFFLOAD_MODE="nvme", SKIP_PREPARE="0", RESTART_BACKOFF_S="0.3")
     for agent in agents.values():
         agent.pack = pb.PackLayerState.ABSENT
     rt.run()
-    wait_phase(rt, "pack")
-    deadline = time.monotonic() + 5
-    while "start_pack" not in [c for _, c in journal] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_phase(drive, "pack")
+    drive.until(lambda: "start_pack" in [c for _, c in journal], 5, lambda: journal)
     agents["spark2"].down = True  # the pack step polls every 2 s: the next poll finds it gone
-    snap = wait_phase(rt, "restarting", timeout=10)
-    assert snap.detail.startswith("attempt 1/3 in 0.3 s after: pack: spark2: agent at spark2:7441 unreachable: "
-                                  "UNAVAILABLE: failed to connect"), snap.detail
+    snap = wait_phase(drive, "restarting", within=10)
+    assert snap.detail.startswith("attempt 1/3 in 0.3 s after: pack: spark2: agent at spark2:7441 refusing "
+                                  "connections: dsv41-agent not running"), snap.detail
     incident = rt.incidents()[-1]
     assert (incident.kind, incident.node) == ("pack_failed", "spark2")
     assert "internal error" not in stream.getvalue()
@@ -322,65 +402,61 @@ def test_an_agent_lost_while_the_pack_job_runs_fails_the_pack_step_naming_it_and
     for agent in agents.values():
         agent.pack, agent.pack_running = pb.PackLayerState.COMPLETE, False
     rank0.healthy.set()
-    wait_phase(rt, "serving", timeout=15)
+    wait_phase(drive, "serving", within=15)
 
 
 def test_packs_whose_rows_do_not_partition_the_table_fail_the_pack_step_before_launch(cluster):
-    rt, agents, rank0, journal, _ = cluster(OFFLOAD_MODE="nvme")
+    rt, agents, rank0, journal, _, drive = cluster(OFFLOAD_MODE="nvme")
     agents["spark2"].rows = (2, 6)  # overlaps spark1's [0, 3)
     rt.run()
-    snap = wait_phase(rt, "failed")
+    snap = wait_phase(drive, "failed")
     assert snap.detail == ("pack: spark2: layer 1: rows [2, 3) of 9 are in two shards: spark1 rank 0 [0, 3) and "
                            "spark2 rank 1 [2, 6); re-pack with `dsv41ctl pack --start`")
     assert calls(journal, "start_rank") == []
 
 
 def test_an_agent_lost_while_the_share_polls_the_mounts_fails_the_share_step_naming_it(cluster):
-    rt, agents, rank0, journal, _ = cluster(NFS_SHARE="1", SHARE_TIMEOUT_S="30")
+    rt, agents, rank0, journal, _, drive = cluster(NFS_SHARE="1", SHARE_TIMEOUT_S="30")
     agents["spark3"].mount = pb.MountState.MOUNTING
     rt.run()
-    wait_phase(rt, "share")
-    deadline = time.monotonic() + 5
-    while calls(journal, "get_mount").count("spark3") < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_phase(drive, "share")
+    drive.until(lambda: calls(journal, "get_mount").count("spark3") >= 2, 5, lambda: journal)
     agents["spark3"].down = True
-    snap = wait_phase(rt, "restarting", "failed", timeout=10)
-    assert "share: spark3: agent at spark3:7441 unreachable: UNAVAILABLE" in snap.detail, snap.detail
+    snap = wait_phase(drive, "restarting", "failed", within=10)
+    assert "share: spark3: agent at spark3:7441 refusing connections: dsv41-agent not running" in snap.detail, \
+        snap.detail
     assert (rt.incidents()[-1].kind, rt.incidents()[-1].node) == ("share_failed", "spark3")
 
 
 def test_a_rank_that_exits_during_health_fails_the_step_naming_its_node(cluster):
-    rt, agents, rank0, journal, _ = cluster(RESTART_BACKOFF_S="30")
+    rt, agents, rank0, journal, _, drive = cluster(RESTART_BACKOFF_S="30")
     rt.run()
-    wait_phase(rt, "health")
+    wait_phase(drive, "health")
     agents["spark3"].exit_rank(result="exit-code", code="exited", status=1)
-    snap = wait_phase(rt, "restarting", timeout=5)
+    snap = wait_phase(drive, "restarting", within=5)
     assert "health: spark3: during bring-up, rank on spark3 died first: rank unit failed: result exit-code" in \
         snap.detail, snap.detail
     assert rt.incidents()[-1].kind == "health_failed" and rt.incidents()[-1].node == "spark3"
     # the restart's backoff (30 s) gives way to an operator's start at once
     rank0.healthy.set()
     rt.request("start")
-    wait_phase(rt, "serving", timeout=5)
+    wait_phase(drive, "serving", within=5)
 
 
 def test_a_rank_exit_while_serving_is_blamed_and_recovered(cluster):
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     rank0.healthy.set()
     rt.run()
-    wait_phase(rt, "serving")
-    now = time.time()
+    wait_phase(drive, "serving")
+    now = drive.clock.time()
     agents["spark1"].exit_rank(result="exit-code", code="exited", status=1, at=now)
     agents["spark3"].exit_rank(result="signal", code="killed", status=9, at=now + 0.01)
-    deadline = time.monotonic() + 5
-    while not [i for i in rt.incidents() if i.kind == "rank_exit"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    incident = next(i for i in rt.incidents() if i.kind == "rank_exit")
+    incident = wait_incident(drive, "rank_exit", within=5)
     assert incident.node == "spark3", incident.message  # ended from outside, within the blame window
     assert incident.message.endswith("then spark1 (result exit-code, exited status 1)")
-    wait_restarted(rt, agents, timeout=10)
+    wait_restarted(drive, agents, within=10)
     # the broken group is not drained: rank 0 gets the workers' grace, not RANK_STOP_TIMEOUT_S
-    assert agents["spark1"].stop_deadlines[-1] == 5 < int(rt.cfg["RANK_STOP_TIMEOUT_S"])
+    assert agents["spark1"].stop_deadlines[-1] == 5 < rt.cfg.integer("RANK_STOP_TIMEOUT_S")
 
 
 GLOO_CLOSED = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.1]:42374"
@@ -390,99 +466,99 @@ def blame_of_two_exits(cluster, first, then, output, unreadable=None):
     """Serving, `first`'s rank is SIGKILLed 30 ms before `then`'s, their ranks having logged `output`
     (node -> lines); `unreadable`: a node whose journal cannot be read meanwhile. The incident, and
     the runtime and agents, to see the cluster restart."""
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     rank0.healthy.set()
     rt.run()
-    wait_phase(rt, "serving")
+    wait_phase(drive, "serving")
     for node, lines in output.items():
         agents[node].output = lines
     if unreadable:
         def fail(lines, units, timeout=30):
             raise AgentUnavailable(unreadable, "ReadJournal", DOWN)
         agents[unreadable].recent_journal = fail
-    now = time.time()
+    now = drive.clock.time()
     agents[first].exit_rank(at=now)
     agents[then].exit_rank(at=now + 0.03)
-    incident = wait_incident(rt, "rank_exit")
+    incident = wait_incident(drive, "rank_exit")
     if unreadable:
         del agents[unreadable].recent_journal  # the class's again
-    return incident, rt, agents
+    return incident, drive, agents
 
 
 def test_a_rank_whose_engine_said_a_peer_went_away_is_not_blamed_though_it_exited_first(cluster):
     # SGLang over gloo, rank 0's scheduler killed: a worker's launcher killed its tree on gloo's error
     # before rank 0's unit exited, both ended by SIGKILL
-    incident, rt, agents = blame_of_two_exits(cluster, "spark3", "spark1", {"spark3": [
+    incident, drive, agents = blame_of_two_exits(cluster, "spark3", "spark1", {"spark3": [
         "Scheduler hit an exception: Traceback (most recent call last):",
         GLOO_CLOSED + ". This is typically caused by a remote worker crashing."]})
     assert incident.node == "spark1", incident.message
     assert incident.message.endswith("then spark3 (result signal, killed status 9; its engine: Connection closed "
                                      "by peer [10.0.0.1]:42374)")
-    wait_restarted(rt, agents, timeout=10)
+    wait_restarted(drive, agents, within=10)
 
 
 def test_an_earlier_runs_words_are_not_evidence(cluster):
     # spark3's rank said its collective lost a peer, a minute ago: in the run before this one
-    incident, rt, agents = blame_of_two_exits(cluster, "spark3", "spark1", {"spark3": [(GLOO_CLOSED, 60.0)]})
+    incident, drive, agents = blame_of_two_exits(cluster, "spark3", "spark1", {"spark3": [(GLOO_CLOSED, 60.0)]})
     assert incident.node == "spark3" and "its engine" not in incident.message, incident.message
-    wait_restarted(rt, agents, timeout=10)
+    wait_restarted(drive, agents, within=10)
 
 
 def test_blame_is_decided_when_a_nodes_journal_cannot_be_read(cluster):
-    incident, rt, agents = blame_of_two_exits(cluster, "spark1", "spark3", {"spark1": [GLOO_CLOSED]},
+    incident, drive, agents = blame_of_two_exits(cluster, "spark1", "spark3", {"spark1": [GLOO_CLOSED]},
                                               unreadable="spark3")
     assert incident.node == "spark3", incident.message
-    wait_restarted(rt, agents, timeout=10)
+    wait_restarted(drive, agents, within=10)
 
 
 FLOOR = "available 0.700 GB below MEMORY_FLOOR_GB 0.800 GB: SIGTERM to every process of the rank"
 
 
 def test_a_rank_its_node_floor_stopped_is_an_incident_naming_the_node_and_the_cluster_recovers(cluster):
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     rank0.healthy.set()
     rt.run()
-    wait_phase(rt, "serving")
-    now = time.time()
+    wait_phase(drive, "serving")
+    now = drive.clock.time()
     agents["spark1"].exit_rank(result="exit-code", code="exited", status=1, at=now)  # lost its peer
     # the floor's rank ended later than the peer it took down (a rank 0 drains, then the workers
     # go first): it is the cause all the same
     agents["spark2"].exit_rank(result="success", code="exited", status=0, at=now + 2.0, floor=FLOOR)
-    incident = wait_incident(rt, "memory_floor")
+    incident = wait_incident(drive, "memory_floor")
     assert incident.node == "spark2" and FLOOR in incident.message, incident.message
     assert "stopped by the node's memory floor" in incident.message
-    wait_restarted(rt, agents, timeout=10)
+    wait_restarted(drive, agents, within=10)
     assert rt.snapshot().restart_attempt == 1  # a restart like a crash's: it spends an attempt
 
 
 def test_the_floor_is_the_cause_as_soon_as_it_signals_before_the_exits_it_causes(cluster):
     # rank 0 drains on the floor's SIGTERM and tells the workers to go: their exits come first
-    rt, agents, rank0, journal, _ = cluster(RESTART_BACKOFF_S="30")
+    rt, agents, rank0, journal, _, drive = cluster(RESTART_BACKOFF_S="30")
     rt.run()
-    wait_phase(rt, "health")
+    wait_phase(drive, "health")
     agents["spark1"].floor_stopping(FLOOR)
-    now = time.time()
+    now = drive.clock.time()
     agents["spark2"].exit_rank(result="success", code="exited", status=0, at=now)
     agents["spark3"].exit_rank(result="success", code="exited", status=0, at=now)
     agents["spark1"].exit_rank(result="success", code="exited", status=0, at=now + 0.4, floor=FLOOR)
-    snap = wait_phase(rt, "restarting", timeout=5)
+    snap = wait_phase(drive, "restarting", within=5)
     incident = rt.incidents()[-1]
     assert incident.kind == "memory_floor" and incident.node == "spark1", incident
     assert "being stopped by the node's memory floor" in snap.detail and FLOOR in snap.detail
     rt.request("stop")
-    wait_phase(rt, "stopped", timeout=5)
+    wait_phase(drive, "stopped", within=5)
 
 
 def test_a_floor_stop_during_the_model_load_fails_the_step_as_a_memory_floor_incident(cluster):
-    rt, agents, rank0, journal, _ = cluster(RESTART_BACKOFF_S="30")
+    rt, agents, rank0, journal, _, drive = cluster(RESTART_BACKOFF_S="30")
     rt.run()
-    wait_phase(rt, "health")
+    wait_phase(drive, "health")
     agents["spark1"].exit_rank(result="signal", code="killed", status=9, floor=FLOOR)
-    snap = wait_phase(rt, "restarting", timeout=5)
+    snap = wait_phase(drive, "restarting", within=5)
     assert "health: spark1: during bring-up, rank on spark1 died first" in snap.detail and FLOOR in snap.detail
     assert rt.incidents()[-1].kind == "memory_floor" and rt.incidents()[-1].node == "spark1"
     rt.request("stop")
-    wait_phase(rt, "stopped", timeout=5)
+    wait_phase(drive, "stopped", within=5)
 
 
 def test_the_rank_spec_carries_the_floor_and_it_is_not_part_of_the_fingerprint():
@@ -502,155 +578,152 @@ def test_the_rank_spec_carries_the_floor_and_it_is_not_part_of_the_fingerprint()
 
 # ----- liveness
 
-def wait_restarted(rt, agents, timeout=15.0):
+def wait_restarted(drive, agents, within=15.0):
     """Serving again after one restart of every rank: the incident is recorded before the restart
     begins, so the phase alone may still be the old serving."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if rt.snapshot().phase == "serving" and all(a.starts >= 2 for a in agents.values()):
-            break
-        time.sleep(0.01)
-    assert rt.snapshot().phase == "serving", rt.snapshot()
+    rt = drive.rt
+    drive.until(lambda: rt.snapshot().phase == "serving" and all(a.starts >= 2 for a in agents.values()), within,
+                lambda: (rt.snapshot(), {n: a.starts for n, a in agents.items()}))
     assert all(a.starts == 2 for a in agents.values()), {n: a.starts for n, a in agents.items()}
 
 
-def wait_incident(rt, kind, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [i for i in rt.incidents() if i.kind == kind]
-        if found:
-            return found[-1]
-        time.sleep(0.01)
-    raise AssertionError(f"no {kind} incident: {rt.incidents()}")
+def wait_incident(drive, kind, within=10.0):
+    def found():
+        of_kind = [i for i in drive.rt.incidents() if i.kind == kind]
+        return of_kind[-1] if of_kind else None
+    return drive.until(found, within, lambda: f"no {kind} incident: {drive.rt.incidents()}")
+
+
+def every(clock, period_s, action):
+    """action(now) every period_s of the clock, as it moves (a probe's observations)."""
+    due = [clock.monotonic() + period_s]
+
+    def tick(now):
+        if now >= due[0]:
+            due[0] = now + period_s
+            action(now)
+    clock.on_advance(tick)
 
 
 LIVE = {"NODE_LEASE_S": "1", "HANG_TIMEOUT_S": "1", "RESTART_BACKOFF_S": "0.1"}
 
 
 def test_a_frozen_worker_is_lost_naming_it_then_waited_for_and_the_cluster_serves_again_once_thawed(cluster):
-    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rt, agents, rank0, journal, _, drive = cluster(**LIVE)
     rank0.healthy.set()
     rt.run()
-    wait_phase(rt, "serving")
-    frozen_at = time.monotonic()
+    wait_phase(drive, "serving")
+    frozen_at = drive.clock.monotonic()
     agents["spark3"].frozen = True
-    lost = wait_incident(rt, "node_lost")
-    assert time.monotonic() - frozen_at < 2 * 1.0 + 0.5  # within two leases
+    lost = wait_incident(drive, "node_lost")
+    assert drive.clock.monotonic() - frozen_at <= 2 * 1.0  # within two leases
     assert lost.node == "spark3" and lost.message.startswith("spark3 lost: not heard from since ")
-    snap = wait_phase(rt, "waiting", timeout=10)
-    assert snap.detail.startswith("waiting for spark3: agent at spark3:7441: DEADLINE_EXCEEDED")
+    snap = wait_phase(drive, "waiting", within=10)
+    assert snap.detail.startswith("waiting for spark3: agent at spark3:7441 not answering for 1.0 s (frozen, "
+                                  "powered off or cut off?)"), snap.detail  # preflight's call waits a lease
     assert not agents["spark1"].running and not agents["spark2"].running  # the others were stopped
-    time.sleep(1.0)
+    drive.run_for(3.0)  # the status calls of the waiting (2 s each) time out meanwhile
     assert rt.snapshot().phase == "waiting" and rt.snapshot().restart_attempt == 0  # a lost node spends none
     agents["spark3"].frozen = False
-    wait_restarted(rt, agents)
+    wait_restarted(drive, agents)
     assert rt.snapshot().restart_attempt == 0
 
 
 def test_a_node_that_booted_again_is_recorded_and_the_cluster_restarted(cluster):
-    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rt, agents, rank0, journal, _, drive = cluster(**LIVE)
     rank0.healthy.set()
     rt.run()
-    wait_phase(rt, "serving")
-    time.sleep(0.5)  # a heartbeat from the first boot
+    wait_phase(drive, "serving")
+    drive.until(lambda: rt.liveness_views()["spark2"][0] >= 0, 1.0, lambda: "a heartbeat from the first boot")
     agents["spark2"].boot = "spark2-boot2"
     agents["spark2"].running = ""  # a new boot runs no rank
-    rebooted = wait_incident(rt, "node_rebooted")
+    rebooted = wait_incident(drive, "node_rebooted")
     assert rebooted.node == "spark2" and "booted again" in rebooted.message
-    wait_restarted(rt, agents)
+    wait_restarted(drive, agents)
 
 
 def test_a_rank_that_stops_stepping_while_work_is_pending_is_hung_and_named(cluster):
-    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rt, agents, rank0, journal, _, drive = cluster(**LIVE)
     rank0.healthy.set()
     rt.run()
-    wait_phase(rt, "serving")
-    stop = threading.Event()
-
-    def work():  # spark2 stopped at step n; the others started step n + 1 and wait in it
-        while not stop.wait(0.1):
-            rt.post(WorkSeen(True, time.monotonic()))
+    wait_phase(drive, "serving")
+    # spark2 stopped at step n; the others started step n + 1 and wait in it
     for agent in agents.values():
         agent.step()
     agents["spark1"].step()
     agents["spark3"].step()
-    threading.Thread(target=work, daemon=True).start()
-    try:
-        hung = wait_incident(rt, "rank_hung", timeout=10)
-    finally:
-        stop.set()
+    every(drive.clock, 0.1, lambda now: rt.post(WorkSeen(True, now)))  # the probe sees requests in flight
+    hung = wait_incident(drive, "rank_hung", within=10)
     assert hung.node == "spark2" and "no forward step for" in hung.message and "at step 1" in hung.message
-    wait_restarted(rt, agents)
+    wait_restarted(drive, agents)
 
 
 def test_no_hang_while_idle_or_while_every_rank_steps(cluster):
-    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rt, agents, rank0, journal, _, drive = cluster(**LIVE)
     rank0.healthy.set()
     rt.run()
-    wait_phase(rt, "serving")
-    rt.post(WorkSeen(False, time.monotonic()))
-    time.sleep(2.5)  # idle: counters standing still mean nothing
-    stop = threading.Event()
+    wait_phase(drive, "serving")
+    rt.post(WorkSeen(False, drive.clock.monotonic()))
+    drive.run_for(2.5)  # idle: counters standing still mean nothing (HANG_TIMEOUT_S is 1 s)
+    assert not rt.incidents() and rt.snapshot().phase == "serving"
 
-    def busy_and_stepping():
-        while not stop.wait(0.1):
-            rt.post(WorkSeen(True, time.monotonic()))
-            for agent in agents.values():
-                agent.step()
-    threading.Thread(target=busy_and_stepping, daemon=True).start()
-    time.sleep(2.5)
-    stop.set()
+    def busy_and_stepping(now):
+        rt.post(WorkSeen(True, now))
+        for agent in agents.values():
+            agent.step()
+    every(drive.clock, 0.1, busy_and_stepping)
+    drive.run_for(2.5)
     assert not [i for i in rt.incidents() if i.kind == "rank_hung"]
     assert rt.snapshot().phase == "serving"
 
 
 def test_ranks_that_exit_around_a_node_that_went_dark_blame_the_node(cluster):
-    rt, agents, rank0, journal, _ = cluster(**LIVE)
+    rt, agents, rank0, journal, _, drive = cluster(**LIVE)
     rank0.healthy.set()
     rt.run()
-    wait_phase(rt, "serving")
+    wait_phase(drive, "serving")
     agents["spark3"].down = True  # powered off: its agent is gone with its rank
-    now = time.time()
+    now = drive.clock.time()
     agents["spark1"].exit_rank(result="exit-code", code="exited", status=1, at=now)
     agents["spark2"].exit_rank(result="exit-code", code="exited", status=1, at=now + 0.001)
-    lost = wait_incident(rt, "node_lost", timeout=10)
+    lost = wait_incident(drive, "node_lost", within=10)
     assert lost.node == "spark3"
     assert "then rank exits on spark1 (result exit-code, exited status 1), spark2" in lost.message
     assert not [i for i in rt.incidents() if i.kind == "rank_exit"]
-    wait_phase(rt, "waiting", timeout=10)
+    wait_phase(drive, "waiting", within=10)
     agents["spark3"].down = False
-    wait_phase(rt, "serving", timeout=15)
+    wait_phase(drive, "serving", within=15)
 
 
 def test_the_coordinator_says_starting_until_it_has_looked_for_ranks_to_adopt_not_stopped(cluster):
     # The control socket answers before the supervisor's first decision; "stopped" there was a lie
     # to a status read (and to a test waiting for a bring-up to end).
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     assert rt.snapshot().phase == "starting"
     for agent in agents.values():
         agent.frozen = True  # the agents do not answer yet: the search for running ranks waits
     rt.run(autostart=False)
-    time.sleep(0.3)
+    drive.run_for(1.0)  # within the status calls' 10 s
     snap = rt.snapshot()
     assert (snap.phase, snap.detail) == ("starting", "looking for running ranks to adopt")
     ok, message = rt.unexport(force=False, unmount=False, wait_s=1)
     assert not ok and "starting (phase starting)" in message
     for agent in agents.values():
         agent.frozen = False
-    snap = wait_phase(rt, "stopped", timeout=15)
+    snap = wait_phase(drive, "stopped", within=15)
     assert snap.detail == "nothing was running; waiting for dsv41ctl start"
     assert sum(a.starts for a in agents.values()) == 0
 
 
 def test_a_floor_stop_made_while_no_coordinator_ran_is_an_incident_found_at_start(cluster):
-    rt, agents, rank0, journal, stream = cluster()
+    rt, agents, rank0, journal, stream, drive = cluster()
     at = 1796340201.0  # 2026-12-03 23:23:21 UTC
     agents["spark2"].last_exit = pb.ExitInfo(result="signal", code="killed", status=15, at_unix_s=at,
                                              cause=pb.ExitInfo.MEMORY_FLOOR, cause_detail="available 0.7 GB below "
                                              "MEMORY_FLOOR_GB 0.8 GB: SIGTERM")
     agents["spark3"].last_exit = pb.ExitInfo(result="success", code="exited", at_unix_s=at)  # an ordinary stop
     rt.run(autostart=False)
-    wait_phase(rt, "stopped", timeout=15)
+    wait_phase(drive, "stopped", within=15)
     (incident,) = rt.incidents()
     assert (incident.node, incident.kind) == ("spark2", "memory_floor")
     assert incident.message == ("found at start: the node's memory floor stopped its rank at 2026-12-03 23:23:21 UTC "
@@ -660,31 +733,33 @@ def test_a_floor_stop_made_while_no_coordinator_ran_is_an_incident_found_at_star
 
 
 def test_with_autostart_the_first_phase_after_starting_is_the_bring_up_not_stopped(cluster):
-    rt, agents, rank0, journal, stream = cluster()
-    seen = []
+    rt, agents, rank0, journal, stream, drive = cluster()
+    seen = [rt.snapshot().phase]
+    publish = rt._set
+
+    def every_phase(**changes):  # each phase the supervisor publishes, however briefly
+        if changes.get("phase", seen[-1]) != seen[-1]:
+            seen.append(changes["phase"])
+        return publish(**changes)
+    rt._set = every_phase
     rt.run()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and rt.snapshot().phase != "health":
-        if not seen or seen[-1] != rt.snapshot().phase:
-            seen.append(rt.snapshot().phase)
-        time.sleep(0.001)
-    assert rt.snapshot().phase == "health", stream.getvalue()
+    wait_phase(drive, "health")
     assert "stopped" not in seen and seen[0] in ("starting", "preflight"), seen
 
 
 def test_a_stop_while_starting_stops_what_runs_and_starts_nothing(cluster):
-    rt, agents, rank0, journal, _ = cluster()
+    rt, agents, rank0, journal, _, drive = cluster()
     for agent in agents.values():
         agent.running, agent.frozen = f"{agent.node}-old", True  # ranks of an earlier coordinator
     rt.run()
-    time.sleep(0.2)
+    drive.run_for(1.0)  # within the status calls' 10 s
     assert rt.snapshot().phase == "starting"
     rt.request("stop")
     for agent in agents.values():
         agent.frozen = False
-    snap = wait_phase(rt, "stopped", timeout=15)
+    snap = wait_phase(drive, "stopped", within=15)
     assert snap.detail == "requested by dsv41ctl stop"
-    time.sleep(0.3)
+    drive.run_for(1.0)
     assert rt.snapshot().phase == "stopped"
     assert not any(a.running for a in agents.values()) and sum(a.starts for a in agents.values()) == 0
     assert sorted(calls(journal, "stop_rank")) == ["spark1", "spark2", "spark3"]

@@ -46,7 +46,7 @@ def chain(func):
 def main():
     if sys.argv[1:] == ["legacy"]:
         from adapter.boot import build_specs
-        from adapter.log import AdapterLog
+        from dsv41.adapterlog import AdapterLog
         from adapter.patching import Installer, arm
 
         log = AdapterLog(sys.stderr)

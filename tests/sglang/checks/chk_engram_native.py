@@ -31,11 +31,11 @@ from common import emit  # noqa: E402
 
 import torch  # noqa: E402
 
-from adapter.engram import format as fmt  # noqa: E402
 from adapter.engram import native  # noqa: E402
 from adapter.engram.settings import StoreSettings  # noqa: E402
 from adapter.engram.store import RowStore  # noqa: E402
 from adapter.engram_torch import PackedTable, bit_equal, dequantize  # noqa: E402
+from dsv41 import engram_format as fmt  # noqa: E402
 
 TP = 3
 LAYERS = (1, 14)

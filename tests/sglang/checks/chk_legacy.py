@@ -8,8 +8,8 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import emit, marked  # noqa: E402
 
 from adapter.boot import build_specs  # noqa: E402
-from adapter.log import AdapterLog  # noqa: E402
 from adapter.patching import AFTER, AdapterSpec, Installer, Patch, arm  # noqa: E402
+from dsv41.adapterlog import AdapterLog  # noqa: E402
 
 buf = io.StringIO()
 log = AdapterLog(buf)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import Anything, emit, installer, marks  # noqa: E402
 
-from adapter import progress  # noqa: E402
+from dsv41 import progress  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 
 

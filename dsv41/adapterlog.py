@@ -1,4 +1,5 @@
-"""One-line messages from the adapters to the rank's stderr (the journal keeps them)."""
+"""One-line messages from the adapters to the rank's stderr (the journal keeps them), and what the
+coordinator's health step reads back from them: written by adapter/, read by coordinator/."""
 
 from __future__ import annotations
 
