@@ -30,7 +30,8 @@ room (on GB10 host memory is GPU memory; on a discrete GPU the device's free mem
 PyTorch's caching allocator holds free (reserved - allocated), taken as the minimum over the TP
 group with one all-reduce on its CPU group (with it, whether a lone request's wait is over on any
 rank), so that every rank makes the same decision: the ranks must schedule the same batch. One
-measurement per scheduling pass, only when a request is up for admission. What a piece costs is the guard's own cost model (MEMORY_GUARD_TOKEN_BYTES and
+measurement per scheduling pass, only when a request is up for admission. The rule and what a
+piece costs are the guard's own (dsv41/admission.py, dsv41/cost.py: MEMORY_GUARD_TOKEN_BYTES and
 MEMORY_GUARD_TRANSIENT_BYTES, or their defaults), passed by the coordinator with the guard level as
 DSV41_ADMISSION_* when MEMORY_GUARD_ADMISSION=1; the stand-in (sim/engine.py) applies the same rule.
 """
@@ -44,6 +45,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dsv41.admission import LONE_WAIT_S, GateSettings, admits, pieces_bytes, step_bytes
 from dsv41.adapterlog import AdapterLog
 from adapter.patching import AROUND, AdapterSpec, Patch
 from adapter.scheduler_requests import kv_in_use as scheduler_kv_in_use
@@ -56,45 +58,6 @@ SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 POLICY_MODULE = "sglang.srt.managers.schedule_policy"
 MAXIMUM_BYTES = 1 << 50
 UNLIMITED = 1 << 62  # a cgroup without a limit, and a measurement that failed
-# The most a request waits with nothing else in flight (for the guard's look to abort it) before it
-# goes in all the same: the guard looks every 0.2 s, and may not be running at all. The coordinator
-# passes 0 (no such wait) when its guard only observes.
-LONE_WAIT_S = 5.0
-
-
-def step_bytes(take: int, prefix: int, token_bytes: int, transient_bytes: float, kv_free_tokens: int = 0) -> int:
-    """What a prefill piece of `take` tokens after `prefix` tokens allocates: its tokens' cost (past
-    `kv_free_tokens` free KV pool slots whose pages are there) and the indexer's buffers
-    [take, prefix + take] (coordinator/guard/charge.py charges the same)."""
-    if take <= 0:
-        return 0
-    return max(0, take - kv_free_tokens) * token_bytes + int(transient_bytes * take * (prefix + take))
-
-
-def admits(headroom: int, planned: int, need: int, guard: int) -> bool:
-    """Whether a request's first piece (`need`) goes into the step: when the step (`planned`
-    already, then it) leaves at least `guard`."""
-    return headroom - planned - need >= guard
-
-
-def pieces_bytes(pieces: list[tuple[int, int]], s: "GateSettings", kv_free_tokens: int) -> tuple[list[int], int]:
-    """Each (take, prefix) piece's step_bytes in order, the free KV pool slots taken by the pieces
-    before it; and the free slots left after them."""
-    out = []
-    for take, prefix in pieces:
-        out.append(step_bytes(take, prefix, s.token_bytes, s.transient_bytes, kv_free_tokens))
-        kv_free_tokens = max(0, kv_free_tokens - take)
-    return out, kv_free_tokens
-
-
-@dataclass(frozen=True)
-class GateSettings:
-    guard_bytes: int
-    token_bytes: int
-    transient_bytes: float
-    lone_wait_s: float = LONE_WAIT_S  # 0: a request alone goes in at once
-
-
 def settings_from_env(env: Mapping[str, str]) -> GateSettings | None:
     """None when DSV41_ADMISSION_GUARD_BYTES is empty or 0 (the gate is off)."""
     guard = env_int(env, "DSV41_ADMISSION_GUARD_BYTES", 0, 0, MAXIMUM_BYTES)

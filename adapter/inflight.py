@@ -7,38 +7,8 @@ rids /abort_request takes. Rank 0's scheduler, a separate process, says what eac
 AFTER hook on `Scheduler.get_next_batch_to_run` (adapter/scheduler_requests.py) publishes its
 waiting queue, the request being chunk-prefilled and the decoding batch to a shared-memory
 snapshot (adapter/reqstate.py), which the route reads without a lock on the scheduler's hot path.
-Schema (the stand-in engine serves the same route with the same schema from its own scheduler):
-
-    GET /dsv41/inflight  ->  200, Content-Type: application/json
-    {
-      "requests": [
-        {"rid": "chat-17", "prompt_tokens": 5120, "prefilled_tokens": 5120, "age_s": 3.25,
-         "state": "decoding", "cached_tokens": 0, "chunk_tokens": 0, "output_tokens": 212},
-        {"rid": "3f2a...", "prompt_tokens": 200000, "prefilled_tokens": 46080, "age_s": 41.7,
-         "state": "prefilling", "cached_tokens": 1024, "chunk_tokens": 768, "output_tokens": 0},
-        {"rid": "job-9", "prompt_tokens": 30000, "prefilled_tokens": 0, "age_s": 0.4,
-         "state": "waiting", "cached_tokens": 0, "chunk_tokens": 0, "output_tokens": 0}
-      ],
-      "source": "scheduler",
-      "scheduler_age_s": 0.012,
-      "step_launched_monotonic_s": 81234.567891,
-      "kv_pool_high_water_tokens": 412032
-    }
-
-    rid               str    SGLang's request id, the value POST /abort_request {"rid": ...} takes
-                             (an OpenAI request's own "rid" when it sent one)
-    prompt_tokens     int    tokens of the tokenized prompt; 0 until tokenization has finished
-    prefilled_tokens  int    prompt tokens in the request's KV so far (prefix-cache hits included;
-                             for a waiting request, its prefix-cache match)
-    age_s             float  seconds since the request arrived
-    state             str    waiting (queued, or not at the scheduler yet: it holds nothing),
-                             prefilling (being chunk-prefilled: at most one request at a time
-                             outside the batch of whole short prompts), decoding
-    cached_tokens     int    prompt tokens served from the prefix cache (waiting: matched in it,
-                             once, when first listed; 0 where the match could not be made)
-    chunk_tokens      int    its tokens in the prefill step now launched (0: none)
-    output_tokens     int    tokens generated so far
-    Finished requests are not listed. Order: oldest first (arrival order).
+The listing's schema, its record and its encoding are the contract's: dsv41/inflight.py (the
+stand-in engine serves the same route with the same schema from its own scheduler).
 
 "source" is "scheduler" when the scheduler's snapshot was read; without one (the scheduler has not
 taken a step yet, or its process is gone) it is "tokenizer_manager" and the entries carry only
@@ -67,8 +37,9 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from dsv41.inflight import PATH, SCHEDULER_SOURCE, InflightRequest, payload
 
 from adapter import reqstate
 from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
@@ -80,37 +51,10 @@ from dsv41 import rankadapters
 NAME = "inflight"
 # The variables build() reads: dsv41ctl config check reports any other adapter key as no effect.
 ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
-PATH = "/dsv41/inflight"
-SOURCE = "tokenizer_manager"
-SCHEDULER_SOURCE = "scheduler"
 HTTP_SERVER = "sglang.srt.entrypoints.http_server"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
 SCHEDULER = "sglang.srt.managers.scheduler"
 PROMPT_ATTR = "dsv41_prompt_tokens"
-
-
-@dataclass(frozen=True)
-class InflightRequest:
-    rid: str
-    prompt_tokens: int
-    prefilled_tokens: int
-    age_s: float
-    state: str | None = None  # None: the scheduler's view was not available
-    cached_tokens: int = 0
-    chunk_tokens: int = 0
-    output_tokens: int = 0
-
-    def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "rid": self.rid,
-            "prompt_tokens": self.prompt_tokens,
-            "prefilled_tokens": self.prefilled_tokens,
-            "age_s": self.age_s,
-        }
-        if self.state is not None:
-            out.update(state=self.state, cached_tokens=self.cached_tokens, chunk_tokens=self.chunk_tokens,
-                       output_tokens=self.output_tokens)
-        return out
 
 
 def _token_count(ids: Any) -> int | None:
@@ -190,10 +134,6 @@ def merge(requests: list[InflightRequest], records: Iterable[reqstate.Record]) -
         out.append(InflightRequest(t.rid, r.prompt_tokens or t.prompt_tokens, r.prefilled_tokens, t.age_s, r.state,
                                    r.cached_tokens, r.chunk_tokens, r.output_tokens))
     return out
-
-
-def payload(requests: Iterable[InflightRequest], source: str = SOURCE, **extra: Any) -> dict[str, Any]:
-    return {"requests": [r.as_json() for r in requests], "source": source, **extra}
 
 
 def record_prompt_length(manager: Any, tokenized: Any) -> None:

@@ -60,13 +60,14 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from adapter.admission_gate import LONE_WAIT_S, GateSettings
 from agent.memory import NO_PRESSURE, ChangeFilter, Sample, SendPolicy
 from coordinator.guard import charge
 from coordinator.guard import policy as p
-from coordinator.guard.charge import CostModel
 from coordinator.guard.engine import parse_inflight
 from coordinator.guard.poolfit import largest_fit
+from dsv41.admission import LONE_WAIT_S, GateSettings
+from dsv41.cost import CostModel
+from dsv41.inflight import DECODING, PREFILLING, WAITING
 from sim.allocator import CachingAllocator, CountedMemory
 from sim.engine import Engine, EngineConfig, Phase, Rejected
 from sim.kvpool import KvPool
@@ -219,12 +220,12 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
                                "kv_pool_high_water_tokens": engine.kv_high_water()})
 
     def apply(d: p.Decision) -> None:
-        if d.kind == p.ABORT:
+        if d.kind == p.Kind.ABORT:
             for v in d.victims:
                 engine.abort(v.request.rid)
-        elif d.kind == p.ABORT_ALL:
+        elif d.kind == p.Kind.ABORT_ALL:
             engine.abort("", abort_all=True)
-        elif d.kind == p.STOP:
+        elif d.kind == p.Kind.STOP:
             run.stopped = True
         for r in requests.values():
             # a decoding request's client sees the abort at its next token (the HTTP side finishes it)
@@ -242,10 +243,10 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
             for rid in decode_until:
                 decode_until[rid] = math.inf
             if fork.aborts:
-                victims = tuple(charge.Victim(charge.InflightRequest(rid, 0, 0), "holds", 0) for rid in sorted(fork.aborts))
-                actions.append((now + LATENCY_S, p.Decision(p.ABORT, "node", "the oracle's", victims=victims)))
+                victims = tuple(charge.Victim(charge.InflightRequest(rid, 0, 0), p.Why.HOLDS, 0) for rid in sorted(fork.aborts))
+                actions.append((now + LATENCY_S, p.Decision(p.Kind.ABORT, "node", "the oracle's", victims=victims)))
             return
-        if d.kind != p.NONE:
+        if d.kind != p.Kind.NONE:
             run.decisions.append((now, d))
         if d.kind in p.ACTIONS:
             acted[0] += 1
@@ -326,18 +327,18 @@ def simulate(scenario: Scenario, guarded: bool, skip: frozenset[str] = frozenset
             for sample in gate.offer(Sample(t, 0, level, 0, 0, level, NO_PRESSURE, NO_PRESSURE, 0)):
                 decide(guard.observe("node", sample.at_monotonic_s, sample.available, t, listing), t)
             next_sample = t + step * (1 + rng.uniform(-0.1, 0.1))
-            if guard.state.pending and next_poll == math.inf:
+            if guard.state.aborts.pending and next_poll == math.inf:
                 next_poll = t + CONFIRM_POLL_S
         if guard is not None and t >= next_look:
             decide(guard.look(listing(), t), t)
             next_look = t + LOOK_S
-            if guard.state.pending and next_poll == math.inf:
+            if guard.state.aborts.pending and next_poll == math.inf:
                 next_poll = t + CONFIRM_POLL_S
         if guard is not None and t >= next_poll:
             _, queued = guard.note_listing(listing(), t)
             if queued is not None:
                 decide(queued, t)
-            next_poll = t + CONFIRM_POLL_S if guard.state.pending else math.inf
+            next_poll = t + CONFIRM_POLL_S if guard.state.aborts.pending else math.inf
         if any(r.phase is not Phase.FINISHED for r in requests.values()) or arrivals:
             run.t_end = t
     for rid, r in requests.items():
@@ -393,7 +394,7 @@ def needless_at_decisions(scenario: Scenario, seed: int, guarded: Run, settings:
         keep_all = simulate(scenario, guarded=True, seed=seed, settings=settings, fork=Fork(i, frozenset()),
                             engine_config=engine_config, cold_waiting_hits=cold_waiting_hits)
         live = sorted(keep_all.live)
-        victims = {v.request.rid for v in d.victims} if d.kind == p.ABORT else set(live)
+        victims = {v.request.rid for v in d.victims} if d.kind == p.Kind.ABORT else set(live)
         victims &= set(live)
         if keep_all.lowest >= SETTINGS.guard_bytes:
             needless |= victims
@@ -435,7 +436,7 @@ def describe(v: Verdict) -> str:
     reqs = ", ".join(f"{r.rid}@{r.arrival:g}s {r.prompt}"
                      + (f" ({r.cached} cached)" if r.cached else "") for r in s.requests)
     acted = "; ".join(f"{t:.2f}s {d.kind} {','.join(x.request.rid for x in d.victims) or ''} "
-                      f"[{d.basis}] {d.reason[:300]}"
+                      f"[{d.basis or ''}] {d.reason[:300]}"
                       for t, d in v.guard.decisions if d.kind in p.ACTIONS)
     return (f"scenario {s.index}: {(s.base - SETTINGS.guard_bytes) / MB:.0f} MB above the guard; {reqs}; "
             f"oracle aborts {v.oracle_aborts} (e.g. {sorted(v.oracle_sets[0])}), the guard {sorted(v.guard.aborted)}; "
@@ -460,8 +461,8 @@ def summary(verdicts: list[Verdict]) -> dict:
         "below_guard_first_chunk": sum(1 for v in verdicts if v.guard.lowest < g and v.guard.lowest_at_first_chunk),
         "below_guard_unguarded": sum(1 for v in verdicts if v.unguarded.lowest < g),
         "ran_out_unguarded": sum(1 for v in verdicts if v.unguarded.lowest <= 0),
-        "abort_all": sum(v.guard.kinds(p.ABORT_ALL) for v in verdicts),
-        "stops": sum(v.guard.kinds(p.STOP) for v in verdicts),
+        "abort_all": sum(v.guard.kinds(p.Kind.ABORT_ALL) for v in verdicts),
+        "stops": sum(v.guard.kinds(p.Kind.STOP) for v in verdicts),
         "lowest_margin": min(v.guard.lowest - g for v in verdicts),
         "refused": sum(len(v.guard.refused) for v in verdicts),
     }
@@ -472,7 +473,7 @@ def extra_aborts(v: Verdict) -> list[tuple[float, p.Decision, list[str]]]:
     return [(t, d, [x.request.rid for x in d.victims if x.request.rid in v.kept_by_oracle])
             for t, d in v.guard.decisions
             if d.kind in p.ACTIONS and (any(x.request.rid in v.kept_by_oracle for x in d.victims)
-                                        or (d.kind != p.ABORT and v.kept_by_oracle))]
+                                        or (d.kind != p.Kind.ABORT and v.kept_by_oracle))]
 
 
 def sized_pool(s: Scenario, engine: EngineConfig, settings: p.GuardSettings) -> tuple[EngineConfig, p.GuardSettings]:
@@ -639,9 +640,9 @@ def decision_cost(out=print, repeats: int = 20) -> None:
     per_sample = (time.perf_counter() - started) / 2000
     cells = []
     for n in (2, 4, 6, 10):
-        reqs = [charge.InflightRequest("done", 60_000, 60_000, 9.0, charge.DECODING),
-                charge.InflightRequest("grow", 100_000, 40_000, 8.0, charge.PREFILLING, chunk_tokens=CHUNK)]
-        reqs += [charge.InflightRequest(f"w{i}", 40_000 + 9_000 * i, 0, 7.0 - i, charge.WAITING) for i in range(n - 2)]
+        reqs = [charge.InflightRequest("done", 60_000, 60_000, 9.0, DECODING),
+                charge.InflightRequest("grow", 100_000, 40_000, 8.0, PREFILLING, chunk_tokens=CHUNK)]
+        reqs += [charge.InflightRequest(f"w{i}", 40_000 + 9_000 * i, 0, 7.0 - i, WAITING) for i in range(n - 2)]
         listing = charge.InflightList(tuple(reqs), step_launched_at=0.0)
         took = []
         for _ in range(repeats):

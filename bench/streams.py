@@ -1,6 +1,6 @@
 """What the CPU benches share: the memory guard's stream request and the bare-Python floor."""
 
-from coordinator.guard.policy import GuardSettings
+from coordinator.guard.settings import GuardSettings
 from dsv41.v1 import agent_pb2 as pb
 
 # The least any Python sampler does: wake every 50 ms and read /proc/meminfo, nothing else. Run as

@@ -13,7 +13,7 @@ import posixpath
 from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping
 
-from adapter.admission_gate import LONE_WAIT_S
+from dsv41.admission import LONE_WAIT_S
 
 from .config import ClusterConfig, Node
 from .guard.settings import cost_model
@@ -269,9 +269,10 @@ def _rank_env(cfg: ClusterConfig, node: Node, container: bool) -> dict[str, str]
 
 
 def admission_env(cfg: ClusterConfig) -> dict[str, str]:
-    """The admission gate's settings (adapter/admission_gate.py, the stand-in's too): the guard's
-    level and cost model, so that the rank holds back what the guard would have to abort, and the
-    guard's projection knows it does (guard.settings.cost_model); a level of 0 is off."""
+    """The admission gate's settings (the rule: dsv41/admission.py; the rank's gate and the
+    stand-in's apply it): the guard's level and cost model, so that the rank holds back what the
+    guard would have to abort, and the guard's projection knows it does (guard.settings.cost_model);
+    a level of 0 is off."""
     cost = cost_model(cfg, cfg.passthrough)
     if not cost.admission_guard_bytes:
         return {"DSV41_ADMISSION_GUARD_BYTES": "0"}

@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from adapter.admission_gate import GateSettings, HoldReport, NodeRoom, admits, pieces_bytes
+from adapter.admission_gate import HoldReport, NodeRoom
+from dsv41.admission import GateSettings, admits, pieces_bytes
 
 from .allocator import AnonymousMemory, Block, CachingAllocator
 from .kvpool import KvPool

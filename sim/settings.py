@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from adapter import admission_gate, prefill_empty_cache
-from adapter.admission_gate import GateSettings
+from dsv41.admission import GateSettings
 from dsv41.ranksettings import SettingError, env_int
 
 

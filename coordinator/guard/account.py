@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .charge import CostModel, InflightList, projection_of
+from dsv41.cost import CostModel
+from dsv41.inflight import InflightList
+
+from .charge import projector
 
 # How much further than the model's account a node may fall and the account still explain it:
 # samples are noisy by a few MB, and a model off by a quarter or more is not one to trust.
@@ -40,7 +43,7 @@ def account(node: str, at: float, level: int, inflight: InflightList, model: Cos
     """The account of this listing (None when it has no scheduler view)."""
     if inflight.unavailable or not inflight.scheduler_view:
         return None
-    return Account(node, at, level, projection_of(inflight, level, model, running_in_level).taken)
+    return Account(node, at, level, projector(inflight, level, model, running_in_level).taken)
 
 
 def explains(before: Account | None, now: Account | None) -> tuple[bool, str]:

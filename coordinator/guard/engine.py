@@ -11,11 +11,10 @@ import json
 import threading
 import urllib.parse
 
-from .charge import DECODING, PREFILLING, WAITING, InflightList, InflightRequest
+from dsv41 import inflight as contract
+from dsv41.inflight import InflightList
 
-STATES = (WAITING, PREFILLING, DECODING)
-
-INFLIGHT_PATH = "/dsv41/inflight"
+INFLIGHT_PATH = contract.PATH
 ABORT_PATH = "/abort_request"
 
 
@@ -86,28 +85,5 @@ class EngineApi:
 
 
 def parse_inflight(body: object) -> InflightList:
-    """The route's JSON (adapter/inflight.py): {"requests": [{"rid", "prompt_tokens", "prefilled_tokens",
-    "age_s", and from rank 0's scheduler "state", "cached_tokens", "chunk_tokens", "output_tokens"}],
-    "step_launched_monotonic_s": when the step it lists was launched, or null,
-    "kv_pool_high_water_tokens": the most KV pool slots held at once so far, or null, ...}."""
-    if not isinstance(body, dict) or not isinstance(body.get("requests"), list):
-        raise ValueError("expected an object with a list under 'requests'")
-    requests = []
-    for item in body["requests"]:
-        if not isinstance(item, dict) or not isinstance(item.get("rid"), str):
-            raise ValueError(f"request entry without a string rid: {item!r}")
-        state = item.get("state")
-        if state is not None and state not in STATES:
-            raise ValueError(f"request {item['rid']!r}: state {state!r} is not one of {', '.join(STATES)}")
-        requests.append(InflightRequest(item["rid"], int(item.get("prompt_tokens", 0)),
-                                        int(item.get("prefilled_tokens", 0)), float(item.get("age_s", 0.0)), state,
-                                        int(item.get("cached_tokens", 0)), int(item.get("chunk_tokens", 0)),
-                                        int(item.get("output_tokens", 0))))
-    launched = body.get("step_launched_monotonic_s")
-    if launched is not None and (isinstance(launched, bool) or not isinstance(launched, (int, float))):
-        raise ValueError(f"step_launched_monotonic_s {launched!r} is not a number")
-    high = body.get("kv_pool_high_water_tokens")
-    if high is not None and (isinstance(high, bool) or not isinstance(high, int) or high < 0):
-        raise ValueError(f"kv_pool_high_water_tokens {high!r} is not a whole number of tokens")
-    return InflightList(tuple(requests), step_launched_at=None if launched is None else float(launched),
-                        kv_high_water_tokens=high)
+    """The route's JSON (dsv41/inflight.py) as an InflightList; ValueError when it is not one."""
+    return contract.parse(body)

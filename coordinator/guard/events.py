@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .charge import Victim
-from .policy import ABORT, ABORT_ALL, HOLD, REARM, STOP, Decision
+from .kinds import Kind, Why
+from .state import Decision
 
-KINDS = {ABORT: "memory_abort", ABORT_ALL: "memory_abort_all", STOP: "memory_stop", REARM: "memory_guard_rearmed",
-         HOLD: "memory_guard_held"}
-WHY = {"growing": "prefilling", "cannot_fit": "cannot fit", "holds": "holds memory",
-       "unblocks": "first, for the request whose rid it starts with"}
+KINDS = {Kind.ABORT: "memory_abort", Kind.ABORT_ALL: "memory_abort_all", Kind.STOP: "memory_stop",
+         Kind.REARM: "memory_guard_rearmed", Kind.HOLD: "memory_guard_held"}
+WHY = {Why.GROWING: "prefilling", Why.CANNOT_FIT: "cannot fit", Why.HOLDS: "holds memory",
+       Why.UNBLOCKS: "first, for the request whose rid it starts with"}
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,15 @@ def events_of(d: Decision, mode: str, outcome: str = "") -> list[Event]:
     execution ("" when it went through)."""
     observe = mode == "observe"
     fields = _fields(d, mode, outcome)
-    if d.kind == REARM:
-        return [Event(KINDS[REARM], f"memory guard re-armed: {d.reason}", "info", fields)]
-    if d.kind == HOLD:
-        return [Event(KINDS[HOLD], f"memory guard holds: {d.reason}", "info", fields)]
+    if d.kind == Kind.REARM:
+        return [Event(KINDS[Kind.REARM], f"memory guard re-armed: {d.reason}", "info", fields)]
+    if d.kind == Kind.HOLD:
+        return [Event(KINDS[Kind.HOLD], f"memory guard holds: {d.reason}", "info", fields)]
     kind = KINDS[d.kind] + ("_observed" if observe else "")
-    priority = "warning" if observe else ("crit" if d.kind == STOP else "err")
+    priority = "warning" if observe else ("crit" if d.kind == Kind.STOP else "err")
     prefix = "observe-only, would be " if observe else ""
     suffix = f" [{outcome}]" if outcome else ""
-    if d.kind == ABORT and d.victims:
+    if d.kind == Kind.ABORT and d.victims:
         out = []
         for v in d.victims:
             r = v.request
@@ -73,7 +74,8 @@ def events_of(d: Decision, mode: str, outcome: str = "") -> list[Event]:
                     f"{WHY[v.why]}, charged {_gb(v.charged_bytes)})")
             out.append(Event(kind, f"memory guard: {verb}: {d.reason}{suffix}", priority, {**fields, **_victim_fields(v)}))
         return out
-    verb = {ABORT: "aborting request ?", ABORT_ALL: "aborting all requests", STOP: "stopping the ranks"}[d.kind]
+    verb = {Kind.ABORT: "aborting request ?", Kind.ABORT_ALL: "aborting all requests",
+            Kind.STOP: "stopping the ranks"}[d.kind]
     return [Event(kind, f"memory guard: {prefix}{verb}: {d.reason}{suffix}", priority, fields)]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .charge import CostModel
+from dsv41.cost import CostModel
 
 
 @dataclass(frozen=True)

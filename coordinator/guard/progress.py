@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from .charge import InflightList
+from dsv41.inflight import InflightList
 
 # How much sooner than memory would run out a prefill must be seen to end for the guard to wait for
 # it: the fall may speed up before the end (a chunk's indexer buffers grow with its prefix) and the

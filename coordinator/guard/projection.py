@@ -1,55 +1,21 @@
-"""The lowest available memory ahead, stepping the prefills still to come through a model of the
-caching allocator (pure: no memory is touched).
+"""The lowest available memory ahead, stepping the prefills still to come through a byte-exact
+model of PyTorch's caching allocator and SGLang's KV pool (pure: no memory is touched).
 
-What the engine does, per rank (SGLang's scheduler and PyTorch's caching allocator; the stand-in,
-sim/engine.py and sim/allocator.py, does the same):
-- the request being chunk-prefilled goes on first, then the waiting ones as they arrived
-  (--schedule-policy fcfs, SGLang's default), a chunk's token budget at a time: a prompt's last
-  piece and the next prompt's first share a step;
-- each piece allocates its tokens' KV, which the request keeps, and the indexer's buffers
-  (transient_bytes x tokens x prefix), freed when the step ends;
-- with `kv_pool` (SGLang's own layout: its KV lives in a pool of slots made at start, not in the
-  caching allocator) the KV takes the pool's free slots first and its memory grows only past the
-  slots ever used, in 2 MiB pages, as the stand-in's sim/kvpool.py: an ended or aborted request's
-  slots go back to the pool, serve later KV alone and never go back to the system; without it
-  the KV is allocated as the buffers are (the stand-in's default); a pool of `kv_pool_tokens`
-  slots admits a request not yet started only while the free slots, less what the step already
-  takes, exceed its whole rest (SGLang's PrefillAdder): it waits, and those behind it with it,
-  until requests end, which the projection does not see;
-- a freed block stays with the process and merges with the free blocks beside it in its
-  segment; a later allocation is served from the smallest free block of its pool that fits, else
-  from a new segment: requests of up to 1 MiB from the small pool (2 MiB segments, a block split
-  when 512 bytes or more would be left over), larger ones from the large pool (split when more
-  than 1 MiB would be left over);
-- before a step holding a prompt of at least the prefill_empty_cache threshold, and before the
-  step after it, every wholly free segment goes back to the system (empty_cache);
-- with the ranks' admission gate (adapter/admission_gate.py), a waiting request whose first piece
-  would leave less than the gate's level (counting the allocator's free blocks as the rank does)
-  while others are in flight waits, and those behind it with it; it is admitted at a later step
-  once enough has been freed (buffers, aborted requests), else it waits past the projection's
-  end (for requests to end), holding nothing meanwhile. A request that could not fit even with
-  everything the others hold given back is not counted as waiting: it will run once the others
-  end, and the guard should abort it before then.
-Where the allocator's free blocks are now follows from what the listed requests did: their
-prefill so far is replayed from an empty cache (replay), and the step now running counts as taken
-when the sample came after rank 0's scheduler launched it (adapter/scheduler_requests.py).
-Blocks that requests no longer listed left are not known: the projection errs low by what they
-would give the others.
-
-The allocator's rules are written here again, not imported from sim/allocator.py, on purpose:
-the stand-in is the independent implementation tests/unit/test_guard_projection.py checks this
-one against (to the byte, on queues whose history is listed).
+The guard reaches it through one function, charge.projector. What it replays (the scheduler's
+order, the allocator's blocks and segments, the KV pool, the prefill_empty_cache hook, the
+ranks' admission gate): docs/guard-internals.md. The allocator's rules are written here again,
+not imported from sim/allocator.py, on purpose: the stand-in is the independent implementation
+tests/unit/test_guard_projection.py checks this one against, to the byte.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
-from adapter.admission_gate import admits, step_bytes
-
-if TYPE_CHECKING:  # charge.py imports this module
-    from .charge import CostModel, InflightRequest
+from dsv41.admission import admits, step_bytes
+from dsv41.cost import CostModel
+from dsv41.inflight import InflightRequest
 
 MiB = 1 << 20
 POOL_PAGE = 2 * MiB         # the KV pool's memory is taken in pages of this (sim/kvpool.GRANULE)
@@ -218,7 +184,7 @@ def _position(segment: _Segment, block: list) -> int:
     raise ValueError("block not in its segment")
 
 
-def prefill_order(requests: Iterable["InflightRequest"]) -> list["InflightRequest"]:
+def prefill_order(requests: Iterable[InflightRequest]) -> list[InflightRequest]:
     """The order the scheduler prefills them in: the request being chunk-prefilled first, then the
     others as they arrived (the list is in arrival order)."""
     reqs = list(requests)
@@ -243,7 +209,7 @@ def next_step(queue: list[list], budget: int | None) -> list[tuple]:
     return pieces
 
 
-def history_batches(requests: list["InflightRequest"], model: "CostModel") -> list[list[tuple]]:
+def history_batches(requests: list[InflightRequest], model: CostModel) -> list[list[tuple]]:
     """The prefill steps that brought the listed requests where they are, as (request, prefix,
     tokens) pieces: the ones done prefilling first (oldest first; planned with the chunk budget
     shared, as the scheduler does when they were queued together; without chunking each in a
@@ -276,12 +242,12 @@ def history_batches(requests: list["InflightRequest"], model: "CostModel") -> li
     return batches
 
 
-def _hooked(pieces: list, model: "CostModel") -> bool:
+def _hooked(pieces: list, model: CostModel) -> bool:
     """Whether the prefill_empty_cache hook runs around this step (a prompt in it long enough)."""
     return any(model.hooked(r) for r, _, _ in pieces)
 
 
-def _allocate_batch(memory: _Allocator, pieces: list, model: "CostModel", kv: dict[str, list] | None) -> list:
+def _allocate_batch(memory: _Allocator, pieces: list, model: CostModel, kv: dict[str, list] | None) -> list:
     """One prefill step's memory, as the engine takes it: the hook's empty_cache() first when a
     prompt in the step is long enough, then each piece's KV (kept, and recorded in `kv` when
     given: its allocator blocks, or with the KV pool its bytes) and its indexer buffers over its
@@ -312,7 +278,7 @@ class Projection:
     """The allocator as the listed requests left it (replayed once), to project from for any
     split of them into kept and aborted (charge.choose asks for many)."""
 
-    def __init__(self, level: int, requests: Iterable["InflightRequest"], model: "CostModel",
+    def __init__(self, level: int, requests: Iterable[InflightRequest], model: CostModel,
                  running_in_level: bool = False, kv_high_water_tokens: int | None = None) -> None:
         self.level, self.model, self.running_in_level = level, model, running_in_level
         requests = list(requests)
@@ -336,7 +302,7 @@ class Projection:
             self._memory.kv_high = max(self._memory.kv_high, kv_high_water_tokens * model.token_bytes)
         self._memory.available = level  # the level sampled holds all of it
 
-    def _start(self, kept: list["InflightRequest"], aborted: Iterable["InflightRequest"]) -> tuple[_Allocator, list[list]]:
+    def _start(self, kept: list[InflightRequest], aborted: Iterable[InflightRequest]) -> tuple[_Allocator, list[list]]:
         """The allocator at the next step boundary and the queue of prefills to come from there."""
         gone = [h for r in aborted for h in self._kv.get(r.rid, ()) if h is not None]
         pooled = sum(gone) if self.model.kv_pool else 0
@@ -361,7 +327,7 @@ class Projection:
                 queue.append([r, prefix, r.prompt_tokens])
         return memory, queue
 
-    def held_at_next_step(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> set[str]:
+    def held_at_next_step(self, kept: Iterable[InflightRequest], aborted: Iterable[InflightRequest]) -> set[str]:
         """The requests the ranks hold back at the next step: by their admission gate, or waiting for
         KV pool slots (and those behind them, in order)."""
         kept = list(kept)
@@ -373,7 +339,7 @@ class Projection:
             held = min(held, _first_held(memory, queue, budget, self.model, gated))
         return {e[0].rid for e in queue[held:]}
 
-    def low(self, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"]) -> int:
+    def low(self, kept: Iterable[InflightRequest], aborted: Iterable[InflightRequest]) -> int:
         """The lowest available memory ahead if `kept` run to the end of their prefill and
         `aborted` end at the next step boundary, leaving what they hold cached for the others."""
         model = self.model
@@ -402,7 +368,7 @@ class Projection:
         return low
 
 
-def _gated(kept: list["InflightRequest"], memory: _Allocator, model: "CostModel") -> set[str]:
+def _gated(kept: list[InflightRequest], memory: _Allocator, model: CostModel) -> set[str]:
     """The waiting requests the admission gate applies to (none without a gate): those that could
     fit were every other request's KV given back (the others end before it, at worst). With the
     KV pool what they give back stays the pool's: it serves the request's KV (every page the pool
@@ -418,11 +384,11 @@ def _gated(kept: list["InflightRequest"], memory: _Allocator, model: "CostModel"
             if r.waiting and max(0, model.kv_to_come(r) - pages) + model.transient_peak(r) <= room}
 
 
-def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model: "CostModel",
+def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model: CostModel,
                 gated: set[str]) -> int:
     """The index in the queue of the first entry the admission gate holds this step (len(queue):
     none), by the step the scheduler would plan: the gate's rule (admission_gate.admits) over the
-    pieces in order (the rank's own rule and count: adapter/admission_gate.py), the headroom being
+    pieces in order (the rank's own rule and count: dsv41/admission.py), the headroom being
     available memory plus the allocator's free blocks, KV pool slots used before and free now
     costing nothing. Only `gated` requests are held: one that could not fit even once the others
     end is counted as starting (the gate holds it alone for the guard to abort)."""
@@ -444,7 +410,7 @@ def _first_held(memory: _Allocator, queue: list[list], budget: int | None, model
     return len(queue)
 
 
-def _first_without_slots(memory: _Allocator, queue: list[list], budget: int | None, model: "CostModel") -> int:
+def _first_without_slots(memory: _Allocator, queue: list[list], budget: int | None, model: CostModel) -> int:
     """The index in the queue of the first request not yet started that waits for KV pool slots
     this step (len(queue): none, or the pool has no limit): its rest is not below the slots left
     once the pieces before it are taken. The request being chunk-prefilled always goes on."""
@@ -464,12 +430,12 @@ def _first_without_slots(memory: _Allocator, queue: list[list], budget: int | No
     return len(queue)
 
 
-def started(r: "InflightRequest", prefix: int) -> bool:
+def started(r: InflightRequest, prefix: int) -> bool:
     """Whether the request has taken a step (listed so, or one projected since the listing)."""
     return not r.waiting or prefix > r.prefilled_tokens
 
 
-def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) -> int:
+def _run_at_once(memory: _Allocator, entry: list, model: CostModel, low: int) -> int:
     """The whole chunks in the middle of a long prompt, at once; the last piece is left to the
     stepping (it may share its step). With the hook every chunk starts from an empty cache, so
     once no free block is left that its KV or its buffers fit, each takes a new segment for both
@@ -511,8 +477,8 @@ def _run_at_once(memory: _Allocator, entry: list, model: "CostModel", low: int) 
     return min(low, memory.available - last)
 
 
-def projected_low(level: int, kept: Iterable["InflightRequest"], aborted: Iterable["InflightRequest"],
-                  model: "CostModel", running_in_level: bool = False, kv_high_water_tokens: int | None = None) -> int:
+def projected_low(level: int, kept: Iterable[InflightRequest], aborted: Iterable[InflightRequest],
+                  model: CostModel, running_in_level: bool = False, kv_high_water_tokens: int | None = None) -> int:
     """The lowest available memory ahead if `kept` run to the end of their prefill and `aborted`
     leave what they hold in the allocator for them. `running_in_level`: the level was sampled
     after the step now running was launched, so it holds that step's KV and buffers.

@@ -28,8 +28,11 @@ from dsv41.journal import EventLog
 from ..state import Phase
 from .engine import EngineApi
 from .events import confirmation_events, events_of
-from .policy import ABORT, ABORT_ALL, ACTIONS, HOLD, REARM, STOP, Decision, Guard, GuardSettings
+from .kinds import ACTIONS, Kind
+from .policy import Guard
 from .poolfit import pool_fit
+from .settings import GuardSettings, log_fields
+from .state import Decision
 
 CONFIRM_POLL_S = 0.05
 LOOK_S = 0.2  # the in-flight list read between samples while serving
@@ -113,8 +116,7 @@ class MemoryGuard:
         self._log.info("memory_guard_started", f"memory guard {s.mode}: keeps {s.guard_bytes / 1e9:.3f} GB available "
                        f"on {len(self._sources)} nodes, sampling every {s.interval_ms} ms (sent on a change of "
                        f"{s.send_change_bytes / 2**20:g} MiB or every {s.heartbeat_ms} ms), acting {s.lead_s:g} s "
-                       "ahead of the predicted crossing", guard_mode=s.mode, guard_bytes=s.guard_bytes,
-                       interval_ms=s.interval_ms, send_change_bytes=s.send_change_bytes, lead_s=s.lead_s)
+                       "ahead of the predicted crossing", **log_fields(s))  # every setting, as DSV41_* fields
         self._thread.start()
 
     def stop(self) -> None:
@@ -241,9 +243,9 @@ class MemoryGuard:
         """Under the session's lock."""
         if d.kind in ACTIONS:
             self._execute(session, d)
-        elif d.kind in (REARM, HOLD):
+        elif d.kind in (Kind.REARM, Kind.HOLD):
             self._emit(d)
-        if self.settings.mode != "observe" and session.guard.state.pending and \
+        if self.settings.mode != "observe" and session.guard.state.aborts.pending and \
                 (session.checker is None or not session.checker.is_alive()):
             session.checker = threading.Thread(target=self._check_aborts, args=(session,), name="guard-confirm",
                                                daemon=True)
@@ -253,19 +255,19 @@ class MemoryGuard:
         """Reads the in-flight list until the aborts sent are seen gone, or past their deadline."""
         while not session.stopped.wait(CONFIRM_POLL_S):
             with session.lock:
-                asked = tuple(session.guard.state.pending)  # a victim chosen meanwhile is judged by the next look
+                asked = tuple(session.guard.state.aborts.pending)  # a victim chosen meanwhile is judged by the next look
             listing = self._engine.inflight()
             with session.lock:
                 if session.stopped.is_set():
                     return
                 guard = session.guard
-                since = self._monotonic() - guard.state.pending_since
+                since = self._monotonic() - guard.state.aborts.pending_since
                 seen, queued = guard.note_listing(listing, self._monotonic(), asked=asked)
                 for e in confirmation_events(guard.acting_node(), seen.gone, seen.still, since):
                     self._log.event(e.kind, e.message, e.priority, **e.fields)
                 if queued is not None:
                     self._execute(session, queued)
-                if not guard.state.pending or guard.state.overdue_reported:
+                if not guard.state.aborts.pending or guard.state.aborts.overdue_reported:
                     return
 
     def _execute(self, session: _Session, d: Decision) -> None:
@@ -277,27 +279,27 @@ class MemoryGuard:
         if found is None or found[0] != session.key:
             self._emit(d, "not carried out: the ranks stopped meanwhile")
             return
-        if d.kind == STOP and self._stopping():
+        if d.kind == Kind.STOP and self._stopping():
             # Asked again, it would be served after this stop (and undo a restart's bring-up).
             self._emit(d, "not carried out: the cluster is stopping already")
             return
-        if d.kind == STOP:
+        if d.kind == Kind.STOP:
             # Logged before the request: the stop is the supervisor's, asynchronous, and its own events
             # (and the phase `stopped`) must follow the guard's reason for it, never precede it.
             self._emit(d)
         try:
-            if d.kind == ABORT:
+            if d.kind == Kind.ABORT:
                 for victim in d.victims:
                     self._engine.abort(victim.request.rid)
-            elif d.kind == ABORT_ALL:
+            elif d.kind == Kind.ABORT_ALL:
                 self._engine.abort(None)
-            elif d.kind == STOP:
+            elif d.kind == Kind.STOP:
                 self._stop_cluster(d.reason)
         except Exception as exc:  # an engine error, a refused stop: reported, and the guard goes on
             self.stats.failures += 1
             self._emit(d, f"failed: {exc}")
             return
-        if d.kind != STOP:
+        if d.kind != Kind.STOP:
             self._emit(d)
 
     def _emit(self, d: Decision, outcome: str = "") -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from adapter import admission_gate as ag
 from adapter.boot import build_specs, env_keys
+from dsv41 import admission
 from dsv41.adapterlog import AdapterLog
 from dsv41.ranksettings import SettingError
 from sim.allocator import CachingAllocator, CountedMemory
@@ -19,27 +20,27 @@ from sim.engine import Engine, EngineConfig, Phase
 pytestmark = pytest.mark.unit
 
 MB = 1_000_000
-SETTINGS = ag.GateSettings(guard_bytes=150 * MB, token_bytes=16_384, transient_bytes=4.0)
+SETTINGS = admission.GateSettings(guard_bytes=150 * MB, token_bytes=16_384, transient_bytes=4.0)
 REFUSED = "OTHER"  # stands in for AddReqResult.OTHER
 
 
 def test_a_piece_costs_its_tokens_and_the_indexer_buffers_over_its_prefix() -> None:
-    assert ag.step_bytes(768, 0, 16_384, 4.0) == 768 * 16_384 + 4 * 768 * 768
+    assert admission.step_bytes(768, 0, 16_384, 4.0) == 768 * 16_384 + 4 * 768 * 768
     # a prefix-cache hit's first piece: few tokens of its own, buffers over the whole cached prefix
-    assert ag.step_bytes(768, 60_000, 16_384, 4.0) == 768 * 16_384 + 4 * 768 * 60_768
-    assert ag.step_bytes(0, 60_000, 16_384, 4.0) == 0
+    assert admission.step_bytes(768, 60_000, 16_384, 4.0) == 768 * 16_384 + 4 * 768 * 60_768
+    assert admission.step_bytes(0, 60_000, 16_384, 4.0) == 0
 
 
 def test_the_rule_admits_a_piece_that_leaves_at_least_the_guard() -> None:
-    assert ag.admits(400 * MB, 100 * MB, 150 * MB, 150 * MB)  # leaves exactly the guard
-    assert not ag.admits(400 * MB, 100 * MB, 150 * MB + 1, 150 * MB)
+    assert admission.admits(400 * MB, 100 * MB, 150 * MB, 150 * MB)  # leaves exactly the guard
+    assert not admission.admits(400 * MB, 100 * MB, 150 * MB + 1, 150 * MB)
 
 
 def test_kv_pool_slots_used_before_and_free_now_cost_nothing_and_are_taken_in_order() -> None:
     # 1000 free slots: the first piece's 768 tokens take 768 of them, the second's 500 the 232 left
-    needs, left = ag.pieces_bytes([(768, 0), (500, 10_000)], SETTINGS, 1000)
+    needs, left = admission.pieces_bytes([(768, 0), (500, 10_000)], SETTINGS, 1000)
     assert needs == [4 * 768 * 768, 268 * 16_384 + 4 * 500 * 10_500] and left == 0
-    assert ag.step_bytes(768, 0, 16_384, 4.0, kv_free_tokens=100) == 668 * 16_384 + 4 * 768 * 768
+    assert admission.step_bytes(768, 0, 16_384, 4.0, kv_free_tokens=100) == 668 * 16_384 + 4 * 768 * 768
 
 
 def test_settings_are_off_unless_the_guard_level_is_given_and_bad_values_say_what_is_allowed() -> None:
@@ -47,7 +48,7 @@ def test_settings_are_off_unless_the_guard_level_is_given_and_bad_values_say_wha
     assert ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "0"}) is None
     got = ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "1500000000", "DSV41_ADMISSION_TOKEN_BYTES": "12000",
                                 "DSV41_ADMISSION_TRANSIENT_BYTES": "20.0"})
-    assert got == ag.GateSettings(1_500_000_000, 12_000, 20.0, ag.LONE_WAIT_S)
+    assert got == admission.GateSettings(1_500_000_000, 12_000, 20.0, admission.LONE_WAIT_S)
     assert ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "1", "DSV41_ADMISSION_LONE_WAIT_S": "0"}).lone_wait_s == 0
     with pytest.raises(SettingError, match=r"DSV41_ADMISSION_LONE_WAIT_S='soon'.*a number in \[0, 600\]"):
         ag.settings_from_env({"DSV41_ADMISSION_GUARD_BYTES": "1", "DSV41_ADMISSION_LONE_WAIT_S": "soon"})
@@ -126,7 +127,7 @@ class Harness:
     """The two hooks as SGLang calls them: a scheduling pass (around _get_new_batch_prefill_raw)
     in which the PrefillAdder is offered the waiting requests one by one."""
 
-    def __init__(self, headroom, settings: ag.GateSettings = SETTINGS, tp_size: int = 1,
+    def __init__(self, headroom, settings: admission.GateSettings = SETTINGS, tp_size: int = 1,
                  kv: tuple[int, int] | None = None) -> None:
         self.out = io.StringIO()
         self.collectives: list[tuple[int, ...]] = []
@@ -194,7 +195,7 @@ def test_a_request_alone_that_does_not_fit_waits_for_the_guard_at_most_lone_wait
     # waits for the guard's look to abort it, not into a first step that takes the node below
     assert h.run_pass(adder(), [req("b", 2_000, 10_000)]) == [REFUSED]
     assert h.collectives[-1] == (160 * MB, 1)
-    h.now += ag.LONE_WAIT_S - 0.1
+    h.now += admission.LONE_WAIT_S - 0.1
     assert h.run_pass(adder(), [req("b", 2_000, 10_000)]) == [REFUSED]
     h.now += 0.1  # the guard did not abort it (it may not be running): it goes in
     assert h.run_pass(adder(), [req("b", 2_000, 10_000)]) == ["CONTINUE"]
@@ -218,7 +219,7 @@ def test_a_request_alone_goes_in_at_once_when_it_fits_and_its_wait_alone_says_wh
 
 def test_with_no_lone_wait_a_request_alone_goes_in_at_once_without_measuring() -> None:
     calls = []
-    h = Harness(headroom=lambda: calls.append(1) or 0, settings=ag.GateSettings(150 * MB, 16_384, 4.0, 0.0))
+    h = Harness(headroom=lambda: calls.append(1) or 0, settings=admission.GateSettings(150 * MB, 16_384, 4.0, 0.0))
     assert h.run_pass(adder(), [req("huge", 768, 900_000)]) == ["CONTINUE"]
     assert calls == [] and h.collectives == [] and h.out.getvalue() == ""
     assert h.run_pass(adder(running=1), [req("huge2", 768, 900_000)]) == [REFUSED]  # with others: held as ever
@@ -276,7 +277,7 @@ def test_outside_a_scheduling_pass_the_original_runs() -> None:
 
 # --- the stand-in engine's copy of the rule ------------------------------------------------------------
 
-def engine(base: int, gate: ag.GateSettings | None, log=lambda line: None) -> tuple[Engine, CountedMemory]:
+def engine(base: int, gate: admission.GateSettings | None, log=lambda line: None) -> tuple[Engine, CountedMemory]:
     backing = CountedMemory()
     config = EngineConfig(chunk_tokens=768, max_running=8, prefill_tokens_per_s=20_000.0, decode_tokens_per_s=10.0,
                           bytes_per_token=16_384, max_total_tokens=0, context_length=None, transient_bytes=4.0,
@@ -364,6 +365,6 @@ def test_the_stand_in_holds_a_request_alone_that_does_not_fit_until_the_guard_ab
     assert hit.phase is Phase.FINISHED and backing.mapped == 0
     late = eng.submit("late", 61_000, 60_000)
     assert eng.next_prefill() is None
-    now[0] += ag.LONE_WAIT_S  # no guard came: it goes in
+    now[0] += admission.LONE_WAIT_S  # no guard came: it goes in
     assert [r.rid for r, _ in eng.next_prefill()] == ["late"] and late.phase is Phase.PREFILL
     assert lines[-1].startswith("admission_gate: request late admitted waited 5 s with nothing else in flight")

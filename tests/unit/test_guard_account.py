@@ -74,26 +74,26 @@ def urgent_with(fell_mb: float, charged_mb: float, state: p.GuardState = CONFIRM
     listing = p.InflightList((GROWING, decoding("chat", 2000)))
     mine = account.account("spark1", 5.0, LEVEL, listing, SIM.cost, running_in_level=False)
     before = account.Account("spark1", 4.9, LEVEL + int(fell_mb * MB), mine.taken - int(charged_mb * MB))
-    return p.decide(SIM, dataclasses.replace(state, accounts=(before,)), URGENT, 5.0, listing)
+    return p.decide(SIM, state.evolve(accounts=(before,)), URGENT, 5.0, listing)
 
 
 def test_close_to_running_out_a_fall_the_model_has_just_accounted_for_is_held():
     d, state = urgent_with(fell_mb=50, charged_mb=50)
-    assert d.kind == p.HOLD, d
+    assert d.kind == p.Kind.HOLD, d
     assert "memory fell 0.050 GB in 0.10 s, as the model charges the steps listed (0.050 GB)" in d.reason, d.reason
     assert "though memory would run out in 0.42 s at this rate" in d.reason, d.reason
     # the listing's own account is kept for the next check
-    (kept,) = state.accounts
+    (kept,) = state.looks.accounts
     assert (kept.node, kept.at, kept.level) == ("spark1", 5.0, LEVEL)
 
 
 @pytest.mark.parametrize("case, fell_mb, charged_mb, state", [
     ("the node fell twice what the model charged", 100, 50, CONFIRMED),
     ("the model charged nothing", 50, 0, CONFIRMED),
-    ("the model failed earlier in this fall", 50, 50, dataclasses.replace(CONFIRMED, model_failed=True)),
+    ("the model failed earlier in this fall", 50, 50, CONFIRMED.evolve(model_failed=True)),
 ])
 def test_close_to_running_out_a_fall_the_model_does_not_account_for_aborts_the_request_growing(case, fell_mb,
                                                                                              charged_mb, state):
     d, _ = urgent_with(fell_mb, charged_mb, state)
-    assert d.kind == p.ABORT and d.victim.rid == "short", (case, d)
+    assert d.kind == p.Kind.ABORT and d.victim.rid == "short", (case, d)
     assert "as the model charges" not in d.reason

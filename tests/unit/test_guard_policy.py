@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.guard import charge
 from coordinator.guard import policy as p
-from coordinator.guard.charge import CostModel
+from dsv41.cost import CostModel
 from tests.unit.test_guard_traces import (GB, GB10_GUARD, MB, Engine, agent_send_policy, gb10_guard, gb10_head,
                                           prompt_minutes, run_guard, run_poll)
 
@@ -47,8 +47,8 @@ def test_a_slow_climb_that_levels_off_takes_no_action():
 def test_a_runaway_prefill_is_aborted_before_the_guard_is_crossed():
     engine = sim_engine(700 * MB).add("small", 0, 2_000).add("runaway", 0.5, 60_000)
     out = run_guard(engine, SIM, 8)
-    assert actions(out) == [(p.ABORT, "runaway")]
-    t, d = out.first(p.ABORT)
+    assert actions(out) == [(p.Kind.ABORT, "runaway")]
+    t, d = out.first(p.Kind.ABORT)
     assert d.crossing_s is not None and d.crossing_s > 0  # predicted, not yet crossed
     assert out.lowest >= SIM.guard_bytes
     assert d.victim.prompt_tokens == 60_000 and 0 < d.victim.prefilled_tokens < 60_000
@@ -63,8 +63,8 @@ def test_of_two_concurrent_long_prompts_the_one_that_cannot_fit_is_aborted_and_t
     # a60k is left to finish.
     engine = sim_engine(2_000 * MB).add("a60k", 0, 60_000).add("b120k", 0.05, 120_000)
     out = run_guard(engine, SIM, 12)
-    assert actions(out) == [(p.ABORT, "b120k")]
-    _, d = out.first(p.ABORT)
+    assert actions(out) == [(p.Kind.ABORT, "b120k")]
+    _, d = out.first(p.Kind.ABORT)
     assert d.victims[0].why == "cannot_fit" and d.victim.prefilled_tokens == 0 and d.basis == "model"
     assert "b120k waits with a 120000-token prompt whose projected peak 1.966 GB cannot fit" in d.reason
     assert d.projected_low >= SIM.guard_bytes > d.projected_low_kept
@@ -80,12 +80,12 @@ def test_an_abort_that_does_not_help_escalates_to_abort_all_then_a_clean_stop_be
     engine = Engine(base=3_000 * MB, chunk=768, rate=lambda _: 2_000.0, kv_per_token=1_000, external=leak,
                     decode_s=60.0)
     out = run_guard(engine.add("chat", 0, 500).add("x", 0.3, 500_000), SIM, 15)
-    assert actions(out) == [(p.ABORT, "x"), (p.ABORT_ALL, None), (p.STOP, None)]
+    assert actions(out) == [(p.Kind.ABORT, "x"), (p.Kind.ABORT_ALL, None), (p.Kind.STOP, None)]
     times = [t for t, d in out.decisions if d.kind in p.ACTIONS]
     assert times == sorted(times)
     assert engine.stopped_at is not None
     assert out.lowest > 0  # the node never ran out
-    stop = out.first(p.STOP)[1]
+    stop = out.first(p.Kind.STOP)[1]
     assert "after abort_all" in stop.reason
 
 
@@ -95,9 +95,9 @@ def test_a_stop_waits_for_the_deadline_when_memory_falls_slowly():
                     decode_s=60.0)
     out = run_guard(engine.add("chat", 0, 500).add("x", 0.3, 500_000), SIM, 40)
     kinds = actions(out)
-    assert kinds == [(p.ABORT, "x"), (p.ABORT_ALL, None), (p.STOP, None)]
-    t_all = out.first(p.ABORT_ALL)[0]
-    t_stop = out.first(p.STOP)[0]
+    assert kinds == [(p.Kind.ABORT, "x"), (p.Kind.ABORT_ALL, None), (p.Kind.STOP, None)]
+    t_all = out.first(p.Kind.ABORT_ALL)[0]
+    t_stop = out.first(p.Kind.STOP)[0]
     assert t_stop - t_all >= SIM.stop_after_s
     assert out.lowest > 0
 
@@ -115,7 +115,7 @@ def test_noise_around_the_threshold_does_not_flap(seed):
     engine = Engine(base=GB10_GUARD.guard_bytes + 300 * MB, chunk=768, rate=lambda _: 1.0, external=drift)
     out = run_guard(engine, GB10_GUARD, 120, noise=40 * MB, seed=seed)
     assert len(actions(out)) <= 1, out.decisions
-    assert p.STOP not in [k for k, _ in actions(out)]
+    assert p.Kind.STOP not in [k for k, _ in actions(out)]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -146,15 +146,15 @@ def test_two_equal_prompts_the_older_being_prefilled_is_aborted_not_its_waiting_
     # twin waits and holds nothing yet. Either one alone would do, and the one now growing is it.
     engine = sim_engine(700 * MB).add("older", 0, 25_000).add("twin", 0.1, 25_000)
     out = run_guard(engine, SIM, 8)
-    assert actions(out) == [(p.ABORT, "older")]
-    _, d = out.first(p.ABORT)
+    assert actions(out) == [(p.Kind.ABORT, "older")]
+    _, d = out.first(p.Kind.ABORT)
     assert d.victims[0].why == "growing" and 0 < d.victim.prefilled_tokens < 25_000
     twin = next(r for r in engine.requests if r.rid == "twin")
     assert not twin.abort and twin.prefilled == 25_000  # it ran, reusing what the older one left
     assert out.lowest >= SIM.guard_bytes
     assert [(rid, ok) for _, rid, ok in out.confirmations] == [("older", True)]
     # near its end the twin's fall looked like a crossing to the trend; its cost said it ends above
-    assert kinds_of(out, p.HOLD) and all(d.projected_low_kept >= SIM.guard_bytes for _, d in kinds_of(out, p.HOLD))
+    assert kinds_of(out, p.Kind.HOLD) and all(d.projected_low_kept >= SIM.guard_bytes for _, d in kinds_of(out, p.Kind.HOLD))
 
 
 def test_several_prompts_that_each_fit_alone_lose_the_fewest_and_at_least_one_completes():
@@ -165,14 +165,14 @@ def test_several_prompts_that_each_fit_alone_lose_the_fewest_and_at_least_one_co
         .add("p18k", 0.02, 18_000)
     out = run_guard(engine, SIM, 10)
     kinds = [k for k, _ in actions(out)]
-    assert p.ABORT_ALL not in kinds and p.STOP not in kinds
-    aborted = {v.request.rid for _, d in kinds_of(out, p.ABORT) for v in d.victims}
+    assert p.Kind.ABORT_ALL not in kinds and p.Kind.STOP not in kinds
+    aborted = {v.request.rid for _, d in kinds_of(out, p.Kind.ABORT) for v in d.victims}
     done = [r.rid for r in engine.requests if r.prefilled == r.prompt and not r.abort]
     # 12k and 15k fit together (443 MB): the fewest is one abort, and the one that cannot fit goes
     assert aborted == {"p18k"} and done == ["p12k", "p15k"]
     assert out.lowest >= SIM.guard_bytes
     # the waiting one that cannot fit was aborted before it started, and the journal says why
-    waiting = [(v, d) for _, d in kinds_of(out, p.ABORT) for v in d.victims if v.why == "cannot_fit"]
+    waiting = [(v, d) for _, d in kinds_of(out, p.Kind.ABORT) for v in d.victims if v.why == "cannot_fit"]
     assert waiting and all(v.request.prefilled_tokens == 0 for v, _ in waiting)
     assert "cannot fit in what is left" in waiting[0][1].reason
 
@@ -182,18 +182,18 @@ def test_rids_r_1_beside_r_10_r_1_is_never_aborted_by_its_rid():
     # so r-10 is aborted first, by its own rid, and r-1 once r-10 is seen gone.
     engine = sim_engine(700 * MB).add("r-1", 0, 60_000).add("r-10", 0.05, 2_000)
     out = run_guard(engine, SIM, 8)
-    assert actions(out) == [(p.ABORT, "r-10"), (p.ABORT, "r-1")]
+    assert actions(out) == [(p.Kind.ABORT, "r-10"), (p.Kind.ABORT, "r-1")]
     (t10, rid10), (t1, rid1) = engine.aborts
     r10_gone = next(t for t, rid, ok in out.confirmations if rid == "r-10" and ok)
     assert (rid10, rid1) == ("r-10", "r-1") and t10 < r10_gone < t1  # never by "r-1" while r-10 was in flight
-    first = out.first(p.ABORT)[1]
+    first = out.first(p.Kind.ABORT)[1]
     assert first.victims[0].why == "unblocks" and first.skipped == (("r-1", "/abort_request 'r-1' would also end r-10"),)
     assert "not aborting r-1 alone" in first.reason
     assert out.lowest >= SIM.guard_bytes
     # r-10 beside a growing r-1 that fits: r-10 is exact to abort, and aborting it is enough
     engine = sim_engine(900 * MB).add("r-10", 0, 25_000).add("r-1", 0.05, 25_000)
     out = run_guard(engine, SIM, 8)
-    assert actions(out) == [(p.ABORT, "r-10")] and [rid for _, rid in engine.aborts] == ["r-10"]
+    assert actions(out) == [(p.Kind.ABORT, "r-10")] and [rid for _, rid in engine.aborts] == ["r-10"]
     assert next(r for r in engine.requests if r.rid == "r-1").prefilled == 25_000
 
 
@@ -206,9 +206,9 @@ def test_a_rid_that_starts_with_a_queued_victims_arriving_after_the_unblocking_a
     out = run_guard(engine, SIM, 8)
     assert [rid for _, rid in engine.aborts] == ["r-10", "r-11", "r-1"]
     assert engine.aborts[0][0] == pytest.approx(t10, abs=0.01)
-    assert actions(out) == [(p.ABORT, "r-10"), (p.ABORT, "r-11"), (p.ABORT, "r-1")]
-    assert out.first(p.ABORT)[1].victims[0].why == "unblocks"
-    second = [d for _, d in out.decisions if d.kind == p.ABORT][1]
+    assert actions(out) == [(p.Kind.ABORT, "r-10"), (p.Kind.ABORT, "r-11"), (p.Kind.ABORT, "r-1")]
+    assert out.first(p.Kind.ABORT)[1].victims[0].why == "unblocks"
+    second = [d for _, d in out.decisions if d.kind == p.Kind.ABORT][1]
     assert second.victims[0].why == "unblocks" and "r-1" in second.reason
     assert out.lowest > SIM.guard_bytes
 
@@ -225,7 +225,7 @@ def test_after_a_re_arm_with_memory_left_low_the_next_runaway_is_aborted_by_its_
     for i in range(3):
         engine.add(f"runaway-{i}", 0.5 + 4.0 * i, 60_000)
     out = run_guard(engine, SIM, 14)
-    aborts = [d for _, d in out.decisions if d.kind == p.ABORT]
+    aborts = [d for _, d in out.decisions if d.kind == p.Kind.ABORT]
     assert [d.victim.rid for d in aborts] == ["runaway-0", "runaway-1", "runaway-2"]
     assert all(d.basis == "model" for d in aborts), [(d.basis, d.level) for d in aborts]
     if base_mb == 205:
@@ -242,15 +242,15 @@ def test_a_request_that_arrived_just_before_a_re_arm_with_memory_low_is_judged_a
     # and the next chunk then took it below the guard (149.7 MB against 150).
     send = agent_send_policy(SIM)
     first = run_guard(sim_engine(200 * MB, hook_tokens=0).add("runaway", 0.5, 60_000), SIM, 6, send=send)
-    rearmed = next(t for t, d in first.decisions if d.kind == p.REARM)
+    rearmed = next(t for t, d in first.decisions if d.kind == p.Kind.REARM)
     engine = sim_engine(200 * MB, hook_tokens=0).add("runaway", 0.5, 60_000).add("short", rearmed - 0.1, 4_000)
     out = run_guard(engine, SIM, rearmed + 4, send=send)
-    assert actions(out) == [(p.ABORT, "runaway"), (p.ABORT, "short")]
-    kinds = [(d.kind, d.level) for _, d in out.decisions if d.kind in (p.REARM, p.ABORT)]
+    assert actions(out) == [(p.Kind.ABORT, "runaway"), (p.Kind.ABORT, "short")]
+    kinds = [(d.kind, d.level) for _, d in out.decisions if d.kind in (p.Kind.REARM, p.Kind.ABORT)]
     (rearm, level), (abort, abort_level) = kinds[1:]
-    assert (rearm, abort) == (p.REARM, p.ABORT)
+    assert (rearm, abort) == (p.Kind.REARM, p.Kind.ABORT)
     assert abort_level == level                 # no fall between the re-arm and the abort
-    assert out.first(p.ABORT)[1].basis == "model" and kinds_of(out, p.ABORT)[1][1].basis == "model"
+    assert out.first(p.Kind.ABORT)[1].basis == "model" and kinds_of(out, p.Kind.ABORT)[1][1].basis == "model"
     assert out.lowest >= SIM.guard_bytes
 
 
@@ -285,8 +285,8 @@ def test_an_abort_that_does_not_take_effect_is_not_repeated_the_guard_aborts_all
                 self.aborts.append((at, rid))
     engine = Deaf(base=700 * MB, chunk=768, rate=lambda _: 20_000.0, kv_per_token=16_384).add("runaway", 0, 60_000)
     out = run_guard(engine, SIM, 6)
-    assert actions(out) == [(p.ABORT, "runaway"), (p.ABORT_ALL, None)]
-    _, d = out.first(p.ABORT_ALL)
+    assert actions(out) == [(p.Kind.ABORT, "runaway"), (p.Kind.ABORT_ALL, None)]
+    _, d = out.first(p.Kind.ABORT_ALL)
     assert "the abort of runaway has not taken effect" in d.reason
     assert [rid for _, rid in engine.aborts] == ["runaway", "*"]  # never the same rid twice
     assert out.lowest >= SIM.guard_bytes
@@ -299,11 +299,11 @@ def test_after_an_abort_memory_stays_low_and_the_guard_still_catches_the_next_ru
     for i in range(4):
         engine.add(f"runaway-{i}", 0.5 + 3.0 * i, 60_000)
     out = run_guard(engine, SIM, 14)
-    assert actions(out) == [(p.ABORT, f"runaway-{i}") for i in range(4)]
-    assert all(d.basis == "model" for _, d in kinds_of(out, p.ABORT))
+    assert actions(out) == [(p.Kind.ABORT, f"runaway-{i}") for i in range(4)]
+    assert all(d.basis == "model" for _, d in kinds_of(out, p.Kind.ABORT))
     assert out.lowest >= SIM.guard_bytes
     assert engine.cache > 0 and engine.available() == 700 * MB - engine.cache  # never returned
-    assert len(kinds_of(out, p.REARM)) == 4
+    assert len(kinds_of(out, p.Kind.REARM)) == 4
 
 
 def test_by_the_trend_alone_the_guard_rearms_over_memory_the_engine_keeps_and_catches_the_next():
@@ -316,17 +316,17 @@ def test_by_the_trend_alone_the_guard_rearms_over_memory_the_engine_keeps_and_ca
     for i in range(4):
         engine.add(f"runaway-{i}", 0.5 + 3.0 * i, 60_000)
     out = run_guard(engine, TREND_ONLY, 14)
-    assert actions(out) == [(p.ABORT, f"runaway-{i}") for i in range(4)]
-    assert all(d.basis in ("slope", "lows") for _, d in kinds_of(out, p.ABORT))
+    assert actions(out) == [(p.Kind.ABORT, f"runaway-{i}") for i in range(4)]
+    assert all(d.basis in ("slope", "lows") for _, d in kinds_of(out, p.Kind.ABORT))
     assert out.lowest >= SIM.guard_bytes
-    assert [t for t, rid, ok in out.confirmations if ok] and len(kinds_of(out, p.REARM)) >= 3
+    assert [t for t, rid, ok in out.confirmations if ok] and len(kinds_of(out, p.Kind.REARM)) >= 3
 
 
 def test_during_bring_up_what_cannot_be_aborted_is_stopped():
     # Model load (no request in flight, the route not up yet): a stop, never abort_all
     load = lambda t: int(max(0.0, t - 1) * 300 * MB)  # noqa: E731
     out = run_guard(Engine(base=1_000 * MB, chunk=768, rate=lambda _: 1.0, external=load), SIM, 6, serving=False)
-    assert actions(out) == [(p.STOP, None)] and "nothing is in flight" in out.first(p.STOP)[1].reason
+    assert actions(out) == [(p.Kind.STOP, None)] and "nothing is in flight" in out.first(p.Kind.STOP)[1].reason
     assert out.lowest > 0
     guard = p.Guard(SIM)
     down = lambda: p.InflightList(unavailable="GET /dsv41/inflight: connection refused")  # noqa: E731
@@ -335,10 +335,10 @@ def test_during_bring_up_what_cannot_be_aborted_is_stopped():
     for level in ramp(700 * MB, 400 * MB, 2.0):
         t += 0.02
         decisions.append(guard.observe("spark1", t, int(level), t, down, serving=False))
-    assert [d.kind for d in decisions if d.kind in p.ACTIONS] == [p.STOP]
+    assert [d.kind for d in decisions if d.kind in p.ACTIONS] == [p.Kind.STOP]
     # a smoke request that grows is aborted like any other
     smoke = sim_engine(700 * MB).add("smoke", 0, 60_000)
-    assert actions(run_guard(smoke, SIM, 8, serving=False)) == [(p.ABORT, "smoke")]
+    assert actions(run_guard(smoke, SIM, 8, serving=False)) == [(p.Kind.ABORT, "smoke")]
 
 
 # ---------------------------------------------------------------- the example configuration's incidents
@@ -350,15 +350,15 @@ def test_incident_the_256k_prompt_that_went_20_mb_below_the_1_s_guard_is_aborted
     assert poll.lowest < GB10_GUARD.guard_bytes  # the replay reproduces the miss
     out = run_guard(gb10_head(1024, decode_stack=False).add("p256k", 0, 256_000), GB10_GUARD, duration,
                     noise=5 * MB)
-    assert actions(out) == [(p.ABORT, "p256k")]
+    assert actions(out) == [(p.Kind.ABORT, "p256k")]
     assert out.lowest >= GB10_GUARD.guard_bytes
-    _, d = out.first(p.ABORT)
+    _, d = out.first(p.Kind.ABORT)
     assert d.basis == "model"  # its cost says it cannot fit: aborted as soon as memory began to fall
     assert d.victim.prompt_tokens == 256_000 and d.victim.prefilled_tokens <= 2 * 1024
     # by the trend alone it is seen coming from the chunks' lows, a chunk ahead
     out = run_guard(gb10_head(1024, decode_stack=False).add("p256k", 0, 256_000),
                     dataclasses.replace(GB10_GUARD, cost=CostModel()), duration, noise=5 * MB)
-    assert actions(out) == [(p.ABORT, "p256k")] and out.first(p.ABORT)[1].basis == "lows"
+    assert actions(out) == [(p.Kind.ABORT, "p256k")] and out.first(p.Kind.ABORT)[1].basis == "lows"
     assert out.lowest >= GB10_GUARD.guard_bytes
 
 
@@ -366,7 +366,7 @@ def test_incident_the_200k_prompt_at_chunk_1024_that_hung_the_head_is_aborted_ab
     duration = 60 * prompt_minutes(200_000, 1024) + 5
     assert gb10_head(1024).add("p200k", 0, 200_000).advance(duration) <= 0  # unguarded: out of memory
     out = run_guard(gb10_head(1024).add("p200k", 0, 200_000), GB10_GUARD, duration, noise=5 * MB)
-    assert actions(out) == [(p.ABORT, "p200k")]
+    assert actions(out) == [(p.Kind.ABORT, "p200k")]
     assert out.lowest >= GB10_GUARD.guard_bytes
 
 
@@ -419,7 +419,7 @@ def test_a_quiet_node_costs_one_message_per_heartbeat_and_a_runaway_every_sample
     assert heartbeats <= len(quiet.observed) <= heartbeats + 2  # one per heartbeat, not 50 a second
     # the trend alone (no cost model) lets the fall run long enough to see the stream
     out = run_guard(sim_engine(700 * MB).add("runaway", 0.5, 60_000), TREND_ONLY, 3, send=agent_send_policy(SIM))
-    aborted_at = out.first(p.ABORT)[0]
+    aborted_at = out.first(p.Kind.ABORT)[0]
     falling = [at for at in out.observed if 0.5 <= at <= aborted_at]
     # the fall is streamed at the sampling rate (the gaps are the sampling's jitter)
     assert len(falling) >= (aborted_at - 0.5) * 1000 / SIM.interval_ms * 0.85
@@ -447,7 +447,7 @@ def test_without_an_in_flight_list_the_guard_aborts_all_and_says_why():
     decisions, _ = feed(guard, "spark1", ramp(700 * MB, 400 * MB, 2.0),
                         inflight=lambda: p.InflightList(unavailable="GET /dsv41/inflight: 404 (route missing)"))
     acted = [d for d in decisions if d.kind in p.ACTIONS]
-    assert acted[0].kind == p.ABORT_ALL and "404" in acted[0].reason and "404" in acted[0].unavailable
+    assert acted[0].kind == p.Kind.ABORT_ALL and "404" in acted[0].reason and "404" in acted[0].unavailable
 
 
 def test_when_nothing_is_prefilling_the_guard_aborts_all():
@@ -455,7 +455,7 @@ def test_when_nothing_is_prefilling_the_guard_aborts_all():
     guard = p.Guard(SIM)
     decisions, _ = feed(guard, "spark1", ramp(700 * MB, 400 * MB, 2.0), inflight=lambda: decoding)
     acted = [d for d in decisions if d.kind in p.ACTIONS]
-    assert acted[0].kind == p.ABORT_ALL and "no request is prefilling" in acted[0].reason
+    assert acted[0].kind == p.Kind.ABORT_ALL and "no request is prefilling" in acted[0].reason
 
 
 def test_the_in_flight_list_is_only_fetched_when_an_action_needs_it():
@@ -471,7 +471,7 @@ def test_the_in_flight_list_is_only_fetched_when_an_action_needs_it():
     # one fetch as the fall begins (this list says nothing of what requests do, so no more such
     # looks), one for the abort, one for the next decision (did it take effect?); the stop after
     # abort_all needs none
-    assert len(calls) == 3 and [d.kind for d in decisions if d.kind in p.ACTIONS] == [p.ABORT, p.ABORT_ALL, p.STOP]
+    assert len(calls) == 3 and [d.kind for d in decisions if d.kind in p.ACTIONS] == [p.Kind.ABORT, p.Kind.ABORT_ALL, p.Kind.STOP]
 
 
 def test_danger_on_a_worker_aborts_and_rearming_waits_for_every_node():
@@ -485,32 +485,32 @@ def test_danger_on_a_worker_aborts_and_rearming_waits_for_every_node():
         head = guard.observe("spark1", t, 600 * MB, t, victim)
         level = 700 * MB - 400 * MB * t if t < 1.0 else 650 * MB
         worker = guard.observe("spark2", t, int(level), t, victim)
-        kinds += [(d.node, d.kind) for d in (head, worker) if d.kind != p.NONE]
+        kinds += [(d.node, d.kind) for d in (head, worker) if d.kind != p.Kind.NONE]
         if t >= 1.0:
             listed.clear()  # the abort took effect
-        if guard.state.pending:
+        if guard.state.aborts.pending:
             guard.note_listing(victim(), t)  # the runner's look at the list after an abort
-    assert kinds[0] == ("spark2", p.ABORT)
-    assert [k for k in kinds if k[1] in p.ACTIONS] == [("spark2", p.ABORT)]
-    assert kinds[-1][1] == p.REARM and guard.state.phase == p.ARMED
+    assert kinds[0] == ("spark2", p.Kind.ABORT)
+    assert [k for k in kinds if k[1] in p.ACTIONS] == [("spark2", p.Kind.ABORT)]
+    assert kinds[-1][1] == p.Kind.REARM and guard.state.phase == p.Phase.ARMED
 
 
 def test_a_node_still_low_keeps_the_guard_from_rearming():
     guard = p.Guard(SIM)
     victim = lambda: p.InflightList((p.InflightRequest("r", 100_000, 10_000),))  # noqa: E731
     feed(guard, "spark1", ramp(700 * MB, 400 * MB, 1.0), inflight=victim)
-    assert guard.state.phase == p.ABORTED
+    assert guard.state.phase == p.Phase.ABORTED
     feed(guard, "spark2", [100 * MB] * 20, t0=1.5)       # a worker sits below the guard, not falling
     feed(guard, "spark1", [700 * MB] * 20, t0=2.0)       # the head is back
-    assert guard.state.phase == p.ABORTED                 # not every node is back above guard + band
+    assert guard.state.phase == p.Phase.ABORTED                 # not every node is back above guard + band
 
 
 def test_a_stopped_guard_does_nothing_more():
-    state = p.GuardState(phase=p.STOPPED)
+    state = p.GuardState.of(phase=p.Phase.STOPPED)
     a = p.Assessment("spark1", 0, True, 0, "slope", -1e9, 0.0, 0.5, 0.0)
     for _ in range(5):
         d, state = p.decide(SIM, state, a, 1.0, p.InflightList())
-        assert d.kind == p.NONE
+        assert d.kind == p.Kind.NONE
 
 
 def req(rid, prompt, prefilled=0, state=None, chunk=0, age=0.0):
@@ -661,7 +661,7 @@ def test_a_steady_fall_is_acted_on_once_the_crossing_is_an_actions_time_ahead_no
         settings = dataclasses.replace(TREND_ONLY, confirm_samples=confirm)
         dt = settings.interval_ms / 1000
         reference, acted, d = steady_fall(settings, 2e9, 3_000 * MB)
-        assert d.kind == p.ABORT and d.victim.rid == "runaway"
+        assert d.kind == p.Kind.ABORT and d.victim.rid == "runaway"
         assert reference - dt - 1e-9 <= acted <= reference + 1e-9, (confirm, acted - reference)
 
 
@@ -705,9 +705,9 @@ class Feed:
             self.t += self.dt
             at = level(self.t)
             d = self.guard.observe("spark1", self.t, at, self.t, self.listing)
-            if d.kind in p.ACTIONS or d.kind == p.HOLD:
+            if d.kind in p.ACTIONS or d.kind == p.Kind.HOLD:
                 self.actions.append((self.t, at, d))
-            if self.guard.state.pending:
+            if self.guard.state.aborts.pending:
                 self.guard.note_listing(self.listing(), self.t)
 
 
@@ -737,15 +737,15 @@ def test_a_prompt_arriving_after_an_abort_is_aborted_before_memory_falls_a_furth
     # abort's chunk boundary; listed longer while memory ran out within the lead it would be aborted all)
     feed.run(0.1, lambda t: g - 60 * MB - int(200 * MB * (t - start)))
     (t1, _, first), = [x for x in feed.actions if x[2].kind in p.ACTIONS]
-    assert first.kind == p.ABORT and first.victim.rid == "spike" and t1 == pytest.approx(start + 0.02)
+    assert first.kind == p.Kind.ABORT and first.victim.rid == "spike" and t1 == pytest.approx(start + 0.02)
     feed.requests = (decoding("chat", 2_000),)   # gone: the abort took effect
     feed.run(0.2, lambda t: g + 20 * MB)
-    assert feed.guard.state.phase == p.ABORTED and not feed.guard.state.pending
+    assert feed.guard.state.phase == p.Phase.ABORTED and not feed.guard.state.aborts.pending
     feed.requests += (prefilling("late", 40_000, 0, 0.01),)   # 655 MB of KV: it cannot fit
     start = feed.t
     feed.run(0.5, lambda t: g + 20 * MB - int(500 * MB * (t - start)))
     later = [x for x in feed.actions if x[2].kind in p.ACTIONS and x[0] > t1]
-    assert later and later[0][2].kind == p.ABORT and later[0][2].victim.rid == "late", later
+    assert later and later[0][2].kind == p.Kind.ABORT and later[0][2].victim.rid == "late", later
     assert later[0][1] >= g - 30 * MB, (later[0][1] - g) / MB
 
 
@@ -761,16 +761,16 @@ def test_a_hold_broken_by_a_request_that_arrived_since_does_not_discredit_the_co
     feed.run(1.0, lambda t: g + 400 * MB)
     start = feed.t
     feed.run(0.65, lambda t: g + 400 * MB - int(300 * MB * (t - start)))
-    holds = [x for x in feed.actions if x[2].kind == p.HOLD]
+    holds = [x for x in feed.actions if x[2].kind == p.Kind.HOLD]
     assert holds and not [x for x in feed.actions if x[2].kind in p.ACTIONS], feed.actions
     feed.requests = (prefilling("fits", 20_000, 19_768), prefilling("new", 60_000, 0, 0.01))
     at = feed.t
     feed.run(0.2, lambda t: g + 400 * MB - int(300 * MB * (t - start)) - 150 * MB - int(300 * MB * (t - at)))
     acted = [x for x in feed.actions if x[2].kind in p.ACTIONS]
-    assert acted and acted[0][2].kind == p.ABORT and acted[0][2].victim.rid == "new", acted
+    assert acted and acted[0][2].kind == p.Kind.ABORT and acted[0][2].victim.rid == "new", acted
     assert acted[0][2].victims[0].why in ("cannot_fit", "growing") and acted[0][1] > g
     assert "arrived since" in acted[0][2].reason
-    assert not feed.guard.state.model_failed
+    assert not feed.guard.state.trust.model_failed
 
 
 def test_a_hold_projected_at_the_guard_is_broken_by_memory_below_the_guard_not_by_a_samples_worth():
@@ -780,17 +780,17 @@ def test_a_hold_projected_at_the_guard_is_broken_by_memory_below_the_guard_not_b
     # deciding at the same moment kept, on the scenario bench); within the agent's change
     # threshold of the guard it is broken once memory is below the guard.
     s, g = SIM, SIM.guard_bytes
-    held = p.GuardState(hold_low=g + 2 * MB)
+    held = p.GuardState.of(hold_low=g + 2 * MB)
 
     def broken(st, level):
-        return p._hold_broken(st, p.Assessment("spark1", level, True), s)
+        return p.hold_broken(st, p.Assessment("spark1", level, True), s)
     assert not broken(held, g + 1 * MB) and not broken(held, g)
     assert broken(held, g - 1)
     # further above the guard, half the way to it as before, and never more than a band
-    assert not broken(p.GuardState(hold_low=g + 40 * MB), g + 21 * MB)
-    assert broken(p.GuardState(hold_low=g + 40 * MB), g + 19 * MB)
-    assert broken(p.GuardState(hold_low=g + 300 * MB), g + 249 * MB)
-    assert not broken(p.GuardState(), g - 100 * MB)   # no hold: nothing to break
+    assert not broken(p.GuardState.of(hold_low=g + 40 * MB), g + 21 * MB)
+    assert broken(p.GuardState.of(hold_low=g + 40 * MB), g + 19 * MB)
+    assert broken(p.GuardState.of(hold_low=g + 300 * MB), g + 249 * MB)
+    assert not broken(p.GuardState.of(), g - 100 * MB)   # no hold: nothing to break
 
 
 def test_settings_refuse_nonsense():
@@ -874,19 +874,19 @@ def test_a_fall_that_ended_with_every_request_decoding_is_held_not_aborted_all()
     g = SIM.guard_bytes
     a = p.Assessment("spark1", g + 100 * MB, True, g + 14 * MB, "lows", -390 * MB, 0.04, 0.77,
                      (g + 14 * MB) / (390 * MB), at=5.0)
-    confirmed = p.GuardState(marks=(("spark1", p.NodeMark(1, g + 100 * MB, True)),))
+    confirmed = p.GuardState.of(marks=(("spark1", p.NodeMark(1, g + 100 * MB, True)),))
     decoding_only = p.InflightList((decoding("chat", 2_000), decoding("long", 60_000)))
     d, state = p.decide(SIM, confirmed, a, 5.0, decoding_only)
-    assert d.kind == p.HOLD and "every request in flight is decoding" in d.reason, d
-    assert state.phase == p.ARMED
+    assert d.kind == p.Kind.HOLD and "every request in flight is decoding" in d.reason, d
+    assert state.phase == p.Phase.ARMED
     # the same with a request still prefilling: it is the one aborted (the urgent path)
     growing = p.InflightList((decoding("chat", 2_000), prefilling("long", 60_000, 59_232)))
     d, _ = p.decide(SIM, confirmed, a, 5.0, growing)
-    assert d.kind == p.ABORT and d.victim.rid == "long", d
+    assert d.kind == p.Kind.ABORT and d.victim.rid == "long", d
     # and without the scheduler's view of them (an older route), the fallback as before
     legacy = p.InflightList((p.InflightRequest("chat", 2_000, 2_000), p.InflightRequest("long", 60_000, 60_000)))
     d, _ = p.decide(SIM, confirmed, a, 5.0, legacy)
-    assert d.kind == p.ABORT_ALL, d
+    assert d.kind == p.Kind.ABORT_ALL, d
 
 
 def test_a_fall_that_ended_with_the_rest_waiting_for_kv_pool_slots_is_held_not_aborted_all():
@@ -897,15 +897,15 @@ def test_a_fall_that_ended_with_the_rest_waiting_for_kv_pool_slots_is_held_not_a
     g = SIM.guard_bytes
     a = p.Assessment("spark1", g + 100 * MB, True, g + 14 * MB, "lows", -390 * MB, 0.04, 0.77,
                      (g + 14 * MB) / (390 * MB), at=5.0)
-    confirmed = p.GuardState(marks=(("spark1", p.NodeMark(1, g + 100 * MB, True)),))
+    confirmed = p.GuardState.of(marks=(("spark1", p.NodeMark(1, g + 100 * MB, True)),))
     queued = p.InflightList((decoding("long", 60_000), p.InflightRequest("next", 5_000, 0, 1.0, "waiting")),
                             kv_high_water_tokens=60_000)
     sized = dataclasses.replace(SIM, cost=dataclasses.replace(SIM.cost, kv_pool=True, kv_pool_tokens=62_000))
     d, state = p.decide(sized, confirmed, a, 5.0, queued)
-    assert d.kind == p.HOLD and "every request in flight is decoding" in d.reason, d
+    assert d.kind == p.Kind.HOLD and "every request in flight is decoding" in d.reason, d
     unsized = dataclasses.replace(SIM, cost=dataclasses.replace(SIM.cost, kv_pool=True))
     d, _ = p.decide(unsized, confirmed, a, 5.0, queued)
-    assert d.kind == p.ABORT_ALL, d
+    assert d.kind == p.Kind.ABORT_ALL, d
 
 
 def test_memory_below_the_guard_with_every_request_decoding_is_still_aborted_all():
@@ -919,7 +919,7 @@ def test_memory_below_the_guard_with_every_request_decoding_is_still_aborted_all
     start = feed.t
     feed.run(1.5, lambda t: g + 300 * MB - int(400 * MB * (t - start)))
     acted = [(at, d) for _, at, d in feed.actions if d.kind in p.ACTIONS]
-    assert acted and acted[0][1].kind == p.ABORT_ALL, [d.reason for _, _, d in feed.actions]
+    assert acted and acted[0][1].kind == p.Kind.ABORT_ALL, [d.reason for _, _, d in feed.actions]
     assert acted[0][0] <= g, (acted[0][0] - g) / MB
 
 
@@ -957,9 +957,9 @@ def test_a_request_that_arrives_after_an_abort_all_and_grows_is_aborted_by_its_r
     engine = DeafTo("runaway", base=350 * MB, chunk=768, rate=lambda _: 20_000.0, kv_per_token=16_384,
                     hook_tokens=0).add("runaway", 0, 60_000).add("next", 4.0, 60_000)
     out = run_guard(engine, SIM, 9)
-    assert actions(out) == [(p.ABORT, "runaway"), (p.ABORT_ALL, None), (p.ABORT, "next")]
+    assert actions(out) == [(p.Kind.ABORT, "runaway"), (p.Kind.ABORT_ALL, None), (p.Kind.ABORT, "next")]
     assert engine.stopped_at is None
-    last = [d for _, d in out.decisions if d.kind == p.ABORT][-1]
+    last = [d for _, d in out.decisions if d.kind == p.Kind.ABORT][-1]
     assert "next arrived after the last abort and grows" in last.reason
     # looked at on the quarter-band lines: within one of them of the guard, where the stop came 39 MB below it
     assert out.lowest > SIM.guard_bytes - SIM.hysteresis_bytes // 4
@@ -971,40 +971,40 @@ def test_a_retry_that_reuses_an_aborted_rid_is_a_new_request_aborted_by_it_again
     # and the guard held, then aborted all.
     engine = sim_engine(700 * MB).add("job-7", 0.5, 60_000).add("job-7", 4.0, 60_000)
     out = run_guard(engine, SIM, 10)
-    assert actions(out) == [(p.ABORT, "job-7"), (p.ABORT, "job-7")]
+    assert actions(out) == [(p.Kind.ABORT, "job-7"), (p.Kind.ABORT, "job-7")]
     assert [rid for _, rid in engine.aborts] == ["job-7", "job-7"] and out.lowest > SIM.guard_bytes
 
 
 def test_a_listing_asked_for_before_a_victim_was_chosen_does_not_confirm_it_gone():
     # The runner's check asks for the list, and a reader thread aborts a request that arrived
     # meanwhile: that listing cannot show it, so its absence there confirms nothing.
-    state = p.GuardState(phase=p.ABORTED, pending=("old", "new"), pending_since=1.0)
+    state = p.GuardState.of(phase=p.Phase.ABORTED, pending=("old", "new"), pending_since=1.0)
     listing = p.InflightList((p.InflightRequest("other", 1_000, 1_000),))
     seen, after = p.confirm(SIM, state, listing, 1.1, asked=("old",))
-    assert seen.gone == ("old",) and after.pending == ("new",) and after.gone == ("old",)
+    assert seen.gone == ("old",) and after.aborts.pending == ("new",) and after.aborts.gone == ("old",)
     seen, after = p.confirm(SIM, after, listing, 1.2, asked=("new",))
-    assert seen.gone == ("new",) and after.pending == ()
+    assert seen.gone == ("new",) and after.aborts.pending == ()
     # a rid seen gone and listed again is forgotten as aborted
-    back = p.forget_reused(dataclasses.replace(after, aborted=("old", "new")),
+    back = p.forget_reused(after.evolve(aborted=("old", "new")),
                            p.InflightList((p.InflightRequest("old", 5_000, 100),)))
-    assert back.aborted == ("new",) and back.gone == ("new",)
+    assert back.aborts.aborted == ("new",) and back.aborts.gone == ("new",)
 
 
 def test_a_look_aborts_an_arrived_waiting_request_that_cannot_fit_once_and_never_a_running_one():
     s = p.GuardSettings(guard_bytes=150 * MB, lead_s=0.5, envelope_s=0.25, hysteresis_bytes=50 * MB, cost=COST)
     guard = p.Guard(s)
-    assert guard.look(charge.InflightList(), 1.0).kind == p.NONE  # no sample yet: no level to judge by
+    assert guard.look(charge.InflightList(), 1.0).kind == p.Kind.NONE  # no sample yet: no level to judge by
     guard.observe("n", 0.0, 400 * MB, 0.0, lambda: charge.InflightList())
     decoding = charge.InflightRequest("chat", 1_000, 1_000, state="decoding")
     small = charge.InflightRequest("small", 2_000, 0, state="waiting")  # 20 MB: fits in 250
     huge = charge.InflightRequest("huge", 60_000, 0, state="waiting")  # 614 MB: cannot
-    assert guard.look(charge.InflightList((decoding, small)), 1.0).kind == p.NONE
+    assert guard.look(charge.InflightList((decoding, small)), 1.0).kind == p.Kind.NONE
     d = guard.look(charge.InflightList((decoding, small, huge)), 1.2)
-    assert d.kind == p.ABORT and [v.request.rid for v in d.victims] == ["huge"] and d.basis == "look"
+    assert d.kind == p.Kind.ABORT and [v.request.rid for v in d.victims] == ["huge"] and d.basis == "look"
     assert d.victims[0].why == "cannot_fit" and "with huge arrived" in d.reason
-    assert guard.look(charge.InflightList((decoding, small, huge)), 1.4).kind == p.NONE  # pending: not again
+    assert guard.look(charge.InflightList((decoding, small, huge)), 1.4).kind == p.Kind.NONE  # pending: not again
     # a prefill that grows past the guard is the samples' to judge, not the look's
     fresh = p.Guard(s)
     fresh.observe("n", 0.0, 400 * MB, 0.0, lambda: charge.InflightList())
     growing = charge.InflightRequest("grows", 60_000, 10_000, state="prefilling", chunk_tokens=1024)
-    assert fresh.look(charge.InflightList((growing, small)), 1.0).kind == p.NONE
+    assert fresh.look(charge.InflightList((growing, small)), 1.0).kind == p.Kind.NONE

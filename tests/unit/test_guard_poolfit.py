@@ -8,8 +8,8 @@ import time
 import pytest
 
 from coordinator.guard import policy as p
-from coordinator.guard.charge import CostModel
 from coordinator.guard.poolfit import largest_fit, pool_fit
+from dsv41.cost import CostModel
 from dsv41.v1 import agent_pb2 as pb
 from tests.unit.test_guard_runner import SETTINGS, rig  # noqa: F401 - the runner's rig
 

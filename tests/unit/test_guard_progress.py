@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.guard import policy as p
 from coordinator.guard import progress
-from coordinator.guard.charge import CostModel
+from dsv41.cost import CostModel
 from tests.unit.test_guard_policy import SIM, actions, sim_engine
 from tests.unit.test_guard_traces import MB, run_guard
 
@@ -72,27 +72,27 @@ def test_when_a_prefills_end_cannot_be_told(case, seen, now, requests, why):
 # tokens of 16 KiB): no abort is needed by it, but that is the model the urgency does not trust.
 LEVEL = SIM.guard_bytes + 60 * MB
 URGENT = p.Assessment("spark1", LEVEL, True, LEVEL, "slope", -500 * MB, 0.12, 0.77, LEVEL / (500 * MB), at=5.0)
-CONFIRMED = p.GuardState(marks=(("spark1", p.NodeMark(1, LEVEL, True)),))
+CONFIRMED = p.GuardState.of(marks=(("spark1", p.NodeMark(1, LEVEL, True)),))
 GROWING = prefilling("short", 6000, 4608)
 
 
 def decide_with(seen: tuple[progress.Sighting, ...], *others: p.InflightRequest, state=CONFIRMED):
-    return p.decide(SIM, dataclasses.replace(state, sightings=seen), URGENT, 5.0,
+    return p.decide(SIM, state.evolve(sightings=seen), URGENT, 5.0,
                     p.InflightList((GROWING, *others)))
 
 
 def test_close_to_running_out_a_prefill_seen_ending_well_before_memory_would_is_held():
     # seen gaining 20k tokens/s: the 1392 tokens left take 0.07 s, twice that is within the 0.42 s
     d, state = decide_with((progress.Sighting("short", 4.9, 2608),), decoding("chat", 2000))
-    assert d.kind == p.HOLD, d
+    assert d.kind == p.Kind.HOLD, d
     assert "the prefills growing end in 0.07 s at the 20000 tokens/s seen" in d.reason, d.reason
-    assert state.phase == p.ARMED and state.hold_low is not None
+    assert state.phase == p.Phase.ARMED and state.trust.hold_low is not None
     # a short prompt waiting behind it adds its own tokens at that speed: 0.12 s, still in time
     d, _ = decide_with((progress.Sighting("short", 4.9, 2608),), waiting("next", 1000))
-    assert d.kind == p.HOLD and "end in 0.12 s" in d.reason, d.reason
+    assert d.kind == p.Kind.HOLD and "end in 0.12 s" in d.reason, d.reason
     # and seen at 10k tokens/s alone: 0.14 s
     d, _ = decide_with((progress.Sighting("short", 4.8, 2608),))
-    assert d.kind == p.HOLD and "end in 0.14 s" in d.reason, d.reason
+    assert d.kind == p.Kind.HOLD and "end in 0.14 s" in d.reason, d.reason
 
 
 @pytest.mark.parametrize("case, seen, others, state", [
@@ -107,12 +107,12 @@ def test_close_to_running_out_a_prefill_seen_ending_well_before_memory_would_is_
     ("never seen progressing", (), (), CONFIRMED),
     # the model erred before in this fall: not trusted at all, whatever the prefill's end
     ("the model failed", (progress.Sighting("short", 4.9, 2608),), (),
-     dataclasses.replace(CONFIRMED, model_failed=True)),
+     CONFIRMED.evolve(model_failed=True)),
 ])
 def test_close_to_running_out_the_request_growing_is_aborted_unless_its_end_is_seen_in_time(case, seen, others,
                                                                                            state):
     d, _ = decide_with(seen, *others, state=state)
-    assert d.kind == p.ABORT and d.victim.rid == "short", (case, d)
+    assert d.kind == p.Kind.ABORT and d.victim.rid == "short", (case, d)
     assert "ends in" not in d.reason
 
 
@@ -125,8 +125,8 @@ def test_a_cost_model_that_charges_an_eighth_of_the_truth_still_does_not_let_the
     wrong = dataclasses.replace(SIM, cost=CostModel(2_048, 0.0, 768, 8192))
     engine = sim_engine(670 * MB, rate=lambda prefix: 60_000.0).add("big", 0, 40_000)
     out = run_guard(engine, wrong, 5)
-    acted = [d for _, d in out.decisions if d.kind in (*p.ACTIONS, p.HOLD)]
-    assert [(d.kind, d.victim.rid if d.victim else None) for d in acted] == [(p.ABORT, "big")], \
+    acted = [d for _, d in out.decisions if d.kind in (*p.ACTIONS, p.Kind.HOLD)]
+    assert [(d.kind, d.victim.rid if d.victim else None) for d in acted] == [(p.Kind.ABORT, "big")], \
         [d.reason for d in acted]
     assert "do not explain the whole fall" in acted[0].reason and "ends in" not in acted[0].reason
     assert out.lowest >= SIM.guard_bytes + 150 * MB, (out.lowest - SIM.guard_bytes) / MB

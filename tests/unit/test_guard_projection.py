@@ -11,11 +11,12 @@ import statistics
 
 import pytest
 
-from coordinator.guard import charge, projection
-from coordinator.guard.charge import CostModel, InflightRequest
+from coordinator.guard import projection
 from coordinator.guard.engine import parse_inflight
+from dsv41.admission import GateSettings
+from dsv41.cost import CostModel
+from dsv41.inflight import InflightRequest
 from sim.allocator import CachingAllocator, CountedMemory
-from adapter.admission_gate import GateSettings
 from sim.engine import Engine, EngineConfig
 from sim.kvpool import KvPool
 
@@ -87,7 +88,7 @@ def error_mb(rng: random.Random, mid_step: bool, ended: bool = False, hook: bool
     items = cold_hits(engine.inflight()) if cold else engine.inflight()
     listing = parse_inflight({"requests": items, "step_launched_monotonic_s": engine.step_launched_at(),
                               "kv_pool_high_water_tokens": engine.kv_high_water() if high_water else None})
-    projected = charge.projected_low(level, listing.requests, [], model,
+    projected = projection.projected_low(level, listing.requests, [], model,
                                      running_in_level=listing.step_launched_at is not None,
                                      kv_high_water_tokens=listing.kv_high_water_tokens)
     low = level
@@ -160,12 +161,12 @@ def test_with_the_gate_a_request_that_fits_once_others_end_is_held_and_one_that_
     fits = waiting("hit", 61_000, 60_000)  # ~200 MB for its first piece: not now, once "long" is done
     never = waiting("runaway", 200_000)  # 3.3 GB of KV: more than the node and all the others hold
     level = 300 * MB
-    alone = charge.projected_low(level, [running], [], gated)
+    alone = projection.projected_low(level, [running], [], gated)
     assert alone > 150 * MB
-    assert charge.projected_low(level, [running, fits], [], gated) == alone  # held: it takes nothing ahead
+    assert projection.projected_low(level, [running, fits], [], gated) == alone  # held: it takes nothing ahead
     # without the gate it shares the last step of "long", and the guard would have to abort one of them
-    assert charge.projected_low(level, [running, fits], [], MODEL) < 150 * MB
-    assert charge.projected_low(level, [running, never], [], gated) < 0  # counted as starting: the guard aborts it
+    assert projection.projected_low(level, [running, fits], [], MODEL) < 150 * MB
+    assert projection.projected_low(level, [running, never], [], gated) < 0  # counted as starting: the guard aborts it
 
 
 def test_with_the_gate_and_the_kv_pool_what_others_give_back_serves_kv_but_never_buffers():
@@ -179,12 +180,12 @@ def test_with_the_gate_and_the_kv_pool_what_others_give_back_serves_kv_but_never
     hit = waiting("hit", 61_000, 60_000)
     for pool in (False, True):
         model = dataclasses.replace(MODEL, admission_guard_bytes=150 * MB, kv_pool=pool)
-        assert charge.projected_low(200 * MB, [decoding], [], model) == 200 * MB  # nothing more to prefill
-        low = charge.projected_low(200 * MB, [decoding, hit], [], model)
+        assert projection.projected_low(200 * MB, [decoding], [], model) == 200 * MB  # nothing more to prefill
+        low = projection.projected_low(200 * MB, [decoding, hit], [], model)
         assert low == 200 * MB if not pool else low < 150 * MB, (pool, low)
         # 190 MB above the gate: its 187 MB of buffers fit, its 1000 tokens of KV in the pages the
         # decoding request leaves (or its blocks); its first piece (199 MB) waits for that
-        assert charge.projected_low(340 * MB, [decoding, hit], [], model) == 340 * MB, pool
+        assert projection.projected_low(340 * MB, [decoding, hit], [], model) == 340 * MB, pool
 
 
 @pytest.mark.parametrize("mid_step", [False, True], ids=["between_steps", "a_step_running"])
@@ -251,8 +252,8 @@ def test_with_the_kv_pool_an_aborted_requests_kv_serves_later_kv_but_no_buffer()
     held = InflightRequest("held", 50_000, 30_720, state="prefilling")  # 480 MiB of KV in the pool
     short = waiting("short", 6_000)                                        # no hook: its buffers stay
     base = 2_000 * MB
-    alone = charge.projected_low(base, [short], [], pooled)
-    freed = charge.projected_low(base, [short], [held], pooled)
+    alone = projection.projected_low(base, [short], [], pooled)
+    freed = projection.projected_low(base, [short], [held], pooled)
     # its 6000 tokens of KV come from the aborted request's slots: only its buffers take memory
     buffers = base - freed
     assert 0 < buffers < base - alone
@@ -263,9 +264,9 @@ def test_the_pools_high_water_mark_covers_later_kv_and_is_not_taken_again():
     pooled = dataclasses.replace(MODEL, kv_pool=True)
     short = waiting("short", 6_000)
     level = 2_000 * MB
-    blind = level - charge.projected_low(level, [short], [], pooled)
+    blind = level - projection.projected_low(level, [short], [], pooled)
     # 20000 tokens once held (requests that ended since): the short prompt's KV fits in those pages
-    known = level - charge.projected_low(level, [short], [], pooled, kv_high_water_tokens=20_000)
+    known = level - projection.projected_low(level, [short], [], pooled, kv_high_water_tokens=20_000)
     assert blind - known == 6_000 * 16_384 + (-(6_000 * 16_384) % projection.POOL_PAGE)
     # what the listed requests hold is in the level already: the mark takes nothing from it
     decoding = InflightRequest("done", 9_000, 9_000, state="decoding")
@@ -273,8 +274,8 @@ def test_the_pools_high_water_mark_covers_later_kv_and_is_not_taken_again():
     marked = projection.Projection(level, [decoding], pooled, kv_high_water_tokens=50_000)
     assert plain.taken == marked.taken > 0
     # the allocator's model has no pool: the mark means nothing to it
-    assert charge.projected_low(level, [short], [], MODEL, kv_high_water_tokens=20_000) == \
-        charge.projected_low(level, [short], [], MODEL)
+    assert projection.projected_low(level, [short], [], MODEL, kv_high_water_tokens=20_000) == \
+        projection.projected_low(level, [short], [], MODEL)
 
 
 def test_without_the_hook_long_prompts_are_counted_at_once_and_never_kindly():
@@ -291,8 +292,8 @@ def waiting(rid: str, prompt: int, cached: int = 0) -> InflightRequest:
 
 
 def test_a_short_prompt_reuses_the_buffers_the_one_before_it_left_at_the_same_prefixes():
-    one = charge.projected_low(BASE, [waiting("a", 6144)], [], MODEL)
-    two = charge.projected_low(BASE, [waiting("a", 6144), waiting("b", 6144)], [], MODEL)
+    one = projection.projected_low(BASE, [waiting("a", 6144)], [], MODEL)
+    two = projection.projected_low(BASE, [waiting("a", 6144), waiting("b", 6144)], [], MODEL)
     kv = 8 * segment(768 * MODEL.token_bytes)
     buffers = sum(int(4.0 * 768 * p) for p in range(768, 6145, 768))  # 85 MB over 8 chunks
     extra = (one - two) - kv
@@ -304,16 +305,16 @@ def test_a_short_prompt_reuses_the_buffers_the_one_before_it_left_at_the_same_pr
 
 def test_a_long_prompt_starts_from_an_empty_cache_and_its_low_is_at_its_last_chunk():
     long = waiting("l", 30 * 768)
-    alone = charge.projected_low(BASE, [long], [], MODEL)
+    alone = projection.projected_low(BASE, [long], [], MODEL)
     kv = 30 * segment(768 * MODEL.token_bytes)
     assert alone == BASE - kv - segment(int(4.0 * 768 * 30 * 768))
     # a long prompt after it: the hook returned the first one's buffers before its chunks
     second = waiting("m", 20 * 768)
-    both = charge.projected_low(BASE, [long, second], [], MODEL)
+    both = projection.projected_low(BASE, [long, second], [], MODEL)
     assert both == BASE - kv - 20 * segment(768 * MODEL.token_bytes) - segment(int(4.0 * 768 * 20 * 768))
     # a short prompt before a long one leaves its buffers cached, but none of them is stacked on
     # the long one's peak beyond the segments they share with its KV
-    after_short = charge.projected_low(BASE, [waiting("s", 4 * 768), long], [], MODEL)
+    after_short = projection.projected_low(BASE, [waiting("s", 4 * 768), long], [], MODEL)
     assert alone - 4 * segment(768 * MODEL.token_bytes) - 2 * projection.LARGE_BUFFER <= after_short \
         <= alone - 4 * segment(768 * MODEL.token_bytes)
 
@@ -321,13 +322,13 @@ def test_a_long_prompt_starts_from_an_empty_cache_and_its_low_is_at_its_last_chu
 def test_an_aborted_requests_kv_is_reused_by_the_kept_ones():
     held = InflightRequest("gone", 40 * 768, 20 * 768, 0.0, "prefilling", 0, 0, 0)
     kept = [waiting("w", 20 * 768)]
-    assert charge.projected_low(BASE, kept, [held], MODEL) == BASE - projection.segment_size(int(4.0 * 768 * 20 * 768))
+    assert projection.projected_low(BASE, kept, [held], MODEL) == BASE - projection.segment_size(int(4.0 * 768 * 20 * 768))
 
 
 def test_the_running_step_counts_as_taken_only_when_the_level_was_sampled_after_its_launch():
     running = InflightRequest("r", 40 * 768, 10 * 768, 0.0, "prefilling", 0, 768, 0)
-    before = charge.projected_low(BASE, [running], [], MODEL)
-    after = charge.projected_low(BASE, [running], [], MODEL, running_in_level=True)
+    before = projection.projected_low(BASE, [running], [], MODEL)
+    after = projection.projected_low(BASE, [running], [], MODEL, running_in_level=True)
     # after its launch the level holds the chunk's KV, and its buffers' segment, which the hook
     # returns once the step ends (the chunk before's went back when it ended)
     chunk_kv = segment(768 * MODEL.token_bytes)
@@ -335,13 +336,13 @@ def test_the_running_step_counts_as_taken_only_when_the_level_was_sampled_after_
     assert after - before == chunk_kv + buffers
     # before it, what the level holds is the chunk before's buffers (the hook returns them next)
     nothing_done = InflightRequest("r", 40 * 768, 0, 0.0, "prefilling", 0, 768, 0)
-    assert charge.projected_low(BASE, [nothing_done], [], MODEL) < before
+    assert projection.projected_low(BASE, [nothing_done], [], MODEL) < before
 
 
 def test_small_kv_chunks_share_segments():
     def kv_only(token_bytes, chunk, tokens):
         model = CostModel(token_bytes=token_bytes, transient_bytes=0.0, chunk_tokens=chunk, empty_cache_tokens=0)
-        return BASE - charge.projected_low(BASE, [waiting("k", tokens)], [], model)
+        return BASE - projection.projected_low(BASE, [waiting("k", tokens)], [], model)
     assert kv_only(10_000, 1000, 4000) == 2 * projection.LARGE_BUFFER  # 10 MB a chunk, two to a segment
     assert kv_only(16_384, 768, 768 * 3) == 3 * 12 * MiB                # 12 MiB chunks, their own
     # the last token's 16 KiB is a small-pool request: a 2 MiB segment, as torch's allocator makes

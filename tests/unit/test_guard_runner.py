@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from coordinator.guard import policy as p
-from coordinator.guard.charge import CostModel
 from coordinator.guard.engine import EngineApi, EngineError, parse_inflight
 from coordinator.guard.events import event_of
 from coordinator.guard.runner import MemoryGuard
+from dsv41.cost import CostModel
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 
@@ -392,7 +392,7 @@ def test_engine_api_refuses_what_is_not_plain_http():
 
 
 def test_an_observed_stop_is_a_warning_and_a_real_stop_critical():
-    d = p.Decision(p.STOP, "spark1", "kept falling", 100 * MB, -2e8, 0.0, "slope", 150 * MB)
+    d = p.Decision(p.Kind.STOP, "spark1", "kept falling", 100 * MB, -2e8, 0.0, "slope", 150 * MB)
     act, observe = event_of(d, "act"), event_of(d, "observe")
     assert act.kind == "memory_stop" and act.priority == "crit"
     assert observe.kind == "memory_stop_observed" and observe.priority == "warning"

@@ -8,7 +8,7 @@ import pytest
 from dataclasses import replace
 
 from bench import guard_scenarios as gs
-from coordinator.guard.charge import CostModel
+from dsv41.cost import CostModel
 
 pytestmark = pytest.mark.unit
 

@@ -29,7 +29,7 @@ import pytest
 
 from agent.memory import NO_PRESSURE, ChangeFilter, Sample, SendPolicy
 from coordinator.guard import policy as p
-from coordinator.guard.charge import CostModel
+from dsv41.cost import CostModel
 
 pytestmark = pytest.mark.unit
 
@@ -225,11 +225,11 @@ def run_guard(engine: Engine, settings: p.GuardSettings, duration: float, latenc
         for at, level in delivered:
             observed.append(at)
             d = guard.observe(node, at, level, t, engine.inflight, serving=serving)
-            if d.kind != p.NONE:
+            if d.kind != p.Kind.NONE:
                 decisions.append((t, d))
             if d.kind in p.ACTIONS:
                 pending.append((t + latency_s, d))
-        if guard.state.pending and t - polled >= POLL_S:  # the runner's check that the aborts took effect
+        if guard.state.aborts.pending and t - polled >= POLL_S:  # the runner's check that the aborts took effect
             polled = t
             seen, queued = guard.note_listing(engine.inflight(), t)
             confirmations.extend((t, rid, True) for rid in seen.gone)
@@ -241,12 +241,12 @@ def run_guard(engine: Engine, settings: p.GuardSettings, duration: float, latenc
 
 
 def _apply(engine: Engine, d: p.Decision, at: float) -> None:
-    if d.kind == p.ABORT:
+    if d.kind == p.Kind.ABORT:
         for v in d.victims:
             engine.abort(v.request.rid, at)
-    elif d.kind == p.ABORT_ALL:
+    elif d.kind == p.Kind.ABORT_ALL:
         engine.abort(None, at)
-    elif d.kind == p.STOP:
+    elif d.kind == p.Kind.STOP:
         engine.stop(at)
 
 
@@ -259,7 +259,7 @@ def run_poll(engine: Engine, guard_bytes: int, duration: float, phase: float = 0
     while t < duration:
         lowest = min(lowest, engine.advance(t))
         if engine.available() < guard_bytes and not engine.aborts:
-            d = p.Decision(p.ABORT_ALL, "spark1", "below the guard", engine.available())
+            d = p.Decision(p.Kind.ABORT_ALL, "spark1", "below the guard", engine.available())
             decisions.append((t, d))
             lowest = min(lowest, engine.advance(t + latency_s))
             engine.abort(None, t + latency_s)
