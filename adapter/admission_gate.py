@@ -45,28 +45,25 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsv41.admission import LONE_WAIT_S, GateSettings, admits, pieces_bytes, step_bytes
+from dsv41.admission import GateSettings, admits, pieces_bytes, step_bytes
 from dsv41.adapterlog import AdapterLog
 from adapter.patching import AROUND, AdapterSpec, Patch
 from adapter.scheduler_requests import kv_in_use as scheduler_kv_in_use
-from dsv41.ranksettings import env_float, env_int
 from dsv41 import rankadapters
 
 NAME = "admission_gate"
 ENV_KEYS = rankadapters.BY_NAME[NAME].keys  # every variable build() reads, declared in dsv41
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 POLICY_MODULE = "sglang.srt.managers.schedule_policy"
-MAXIMUM_BYTES = 1 << 50
 UNLIMITED = 1 << 62  # a cgroup without a limit, and a measurement that failed
 def settings_from_env(env: Mapping[str, str]) -> GateSettings | None:
     """None when DSV41_ADMISSION_GUARD_BYTES is empty or 0 (the gate is off)."""
-    guard = env_int(env, "DSV41_ADMISSION_GUARD_BYTES", 0, 0, MAXIMUM_BYTES)
+    guard = rankadapters.DSV41_ADMISSION_GUARD_BYTES.read(env)
     if guard == 0:
         return None
-    token = env_int(env, "DSV41_ADMISSION_TOKEN_BYTES", 0, 0, 1 << 30)
-    transient = env_float(env, "DSV41_ADMISSION_TRANSIENT_BYTES", 0.0, 0.0, 1e6)
-    lone = env_float(env, "DSV41_ADMISSION_LONE_WAIT_S", LONE_WAIT_S, 0.0, 600.0)
-    return GateSettings(guard, token, transient, lone)
+    return GateSettings(guard, rankadapters.DSV41_ADMISSION_TOKEN_BYTES.read(env),
+                        rankadapters.DSV41_ADMISSION_TRANSIENT_BYTES.read(env),
+                        rankadapters.DSV41_ADMISSION_LONE_WAIT_S.read(env))
 
 
 def _field(text: bytes, name: bytes) -> int | None:

@@ -43,9 +43,7 @@ from dsv41.inflight import PATH, SCHEDULER_SOURCE, InflightRequest, payload
 
 from adapter import reqstate
 from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
-from dsv41.progress import DIRECTORY
 from adapter.scheduler_requests import SchedulerRequests
-from dsv41.ranksettings import SettingError, env_flag
 from dsv41 import rankadapters
 
 NAME = "inflight"
@@ -238,11 +236,9 @@ class InflightRoute:
 
 
 def build(env: Mapping[str, str]) -> AdapterSpec | None:
-    if not env_flag(env, "DSV41_INFLIGHT_ROUTE", True):
+    if not rankadapters.DSV41_INFLIGHT_ROUTE.read(env):
         return None
-    directory = env.get("DSV41_PROGRESS_DIR", "").strip() or DIRECTORY
-    if not os.path.isabs(directory):
-        raise SettingError(f"DSV41_PROGRESS_DIR={directory!r}: must be an absolute path")
+    directory = rankadapters.DSV41_PROGRESS_DIR.read(env)
     tracker = SchedulerRequests(directory)
     route = InflightRoute(scheduler=SchedulerSnapshot(directory))
     return AdapterSpec(

@@ -17,6 +17,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dsv41.admission import LONE_WAIT_S
 from dsv41.progress import DIRECTORY as PROGRESS_DIRECTORY
 from dsv41.ranksettings import Kind, Setting
 
@@ -199,11 +200,22 @@ DSV41_PROGRESS_DIR = Setting(
     "DSV41_PROGRESS_DIR", Kind.PATH, PROGRESS_DIRECTORY,
     "directory of the rank's forward-step counter and request-state files", in_cluster_env=False)
 # The admission gate's cost and level, which the plan derives from the MEMORY_GUARD_* keys.
-ADMISSION = tuple(Setting(name, Kind.TEXT, "", help, in_cluster_env=False) for name, help in (
-    ("DSV41_ADMISSION_GUARD_BYTES", "memory the gate keeps on the node, bytes (0: the gate is off)"),
-    ("DSV41_ADMISSION_TOKEN_BYTES", "what a prompt token costs the rank, bytes"),
-    ("DSV41_ADMISSION_TRANSIENT_BYTES", "a prefill chunk's buffers, bytes per chunk token x prefix token"),
-    ("DSV41_ADMISSION_LONE_WAIT_S", "longest hold of a request alone in the rank, seconds")))
+ADMISSION_MAXIMUM_BYTES = 1 << 50  # 1 PiB: any real level; a larger one is a unit mistake
+DSV41_ADMISSION_GUARD_BYTES = Setting(
+    "DSV41_ADMISSION_GUARD_BYTES", Kind.INTEGER, "0",
+    "memory the gate keeps on the node, bytes (0: the gate is off)", low=0, high=ADMISSION_MAXIMUM_BYTES,
+    in_cluster_env=False)
+DSV41_ADMISSION_TOKEN_BYTES = Setting(
+    "DSV41_ADMISSION_TOKEN_BYTES", Kind.INTEGER, "0",
+    "what a prompt token costs the rank, bytes", low=0, high=1 << 30, in_cluster_env=False)
+DSV41_ADMISSION_TRANSIENT_BYTES = Setting(
+    "DSV41_ADMISSION_TRANSIENT_BYTES", Kind.REAL, "0",
+    "a prefill chunk's buffers, bytes per chunk token x prefix token", low=0, high=1e6, in_cluster_env=False)
+DSV41_ADMISSION_LONE_WAIT_S = Setting(
+    "DSV41_ADMISSION_LONE_WAIT_S", Kind.REAL, f"{LONE_WAIT_S:g}",
+    "longest hold of a request alone in the rank, seconds", low=0, high=600, in_cluster_env=False)
+ADMISSION = (DSV41_ADMISSION_GUARD_BYTES, DSV41_ADMISSION_TOKEN_BYTES, DSV41_ADMISSION_TRANSIENT_BYTES,
+             DSV41_ADMISSION_LONE_WAIT_S)
 # SGLang's own variables, read by the adapters to refuse what they cannot serve beside.
 SGLANG_RAGGED_VERIFY_MODE = Setting(
     "SGLANG_RAGGED_VERIFY_MODE", Kind.TEXT, "", "SGLang's verify scheduling; verify_cap needs it static",

@@ -1,7 +1,8 @@
 """Which parts of the tree may import which, read from the source (static imports, function-local
 ones included): the coordinator and the agent never import the rank's adapter package (what they
 share with it lives in dsv41/), and dsv41/ outside its generated gRPC stubs needs nothing beyond
-the standard library, so the rank's Python can carry it.
+the standard library, so the rank's Python can carry it; no module of the coordinator imports
+itself back through others.
 
 Each rule is a function over the parsed modules; a new rule is one more test over `modules(...)`.
 """
@@ -136,3 +137,49 @@ def test_dsv41_needs_only_the_standard_library_outside_its_grpc_stubs() -> None:
     # journal.py sends to systemd's journal when python3-systemd is there, and writes lines otherwise.
     assert any(i.optional and i.module == "systemd" for m in found for i in m.imports)
     assert violations(found, lambda module: _top(module) in stdlib or _top(module) == "dsv41") == []
+
+
+def cycles(found: list[Module]) -> list[list[str]]:
+    """The import cycles among `found`: each strongly connected set of two or more modules (Tarjan),
+    over every static import, those inside functions and under TYPE_CHECKING included."""
+    names = {m.name for m in found}
+    graph = {m.name: sorted({i.module for i in m.imports if i.module in names and i.module != m.name})
+             for m in found}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for name in graph:
+        if name not in index:
+            visit(name)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_local_import() -> None:
+    a = Module(Path("x/a.py"), "x.a", (Import("x.b", 1),))
+    b = Module(Path("x/b.py"), "x.b", (Import("x.c", 1),))
+    c = Module(Path("x/c.py"), "x.c", (Import("x.a", 9),))
+    assert cycles([a, b, c]) == [["x.a", "x.b", "x.c"]]
+    assert cycles([a, b]) == []
+
+
+def test_no_import_cycle_in_the_coordinator() -> None:
+    found = modules("coordinator")
+    assert any(m.name == "coordinator.guard.policy" for m in found)
+    assert cycles(found) == []

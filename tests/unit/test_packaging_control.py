@@ -24,8 +24,7 @@ DISTRIBUTION_MODULES = {
 }
 # What the launchers put on sys.path besides the package's own directory: the directory of
 # another package this one depends on.
-EXTRA_PATHS = {"dsv41-coordinator": {"/usr/share/dsv41/rank": "dsv41-adapter"},
-               "dsv41-sim": {"/usr/share/dsv41/rank": "dsv41-adapter"}}
+EXTRA_PATHS = {"dsv41-sim": {"/usr/share/dsv41/rank": "dsv41-adapter"}}
 
 
 def paragraphs() -> dict[str, dict[str, str]]:
@@ -125,9 +124,8 @@ def test_required_distribution_dependencies() -> None:
     assert coordinator["python3-prometheus-client"] == "(>= 0.16)"
     # The agent writes the pack format the installed adapter reads: always the same build.
     assert agent["dsv41-adapter"] == "(= ${binary:Version})"
-    # The coordinator imports the admission rule from the installed adapter: at least its own build,
-    # and the rank-side packages may move ahead of it (upgraded first).
-    assert coordinator["dsv41-adapter"] == "(>= ${binary:Version})"
+    # What the coordinator shares with the rank is in its own copy of dsv41/: it needs no adapter.
+    assert "dsv41-adapter" not in coordinator
     # The adapter's files run in the rank's own Python, never the host's.
     adapter = relations(control["dsv41-adapter"]["Depends"])
     assert not [name for name in adapter if name.startswith("python3") or "python3:" in name], adapter
