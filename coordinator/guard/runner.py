@@ -211,7 +211,6 @@ class MemoryGuard:
         with session.lock:
             if session.stopped.is_set():
                 return
-            self.stats.samples += 1
             for listener in self._sample_listeners:
                 listener(node, int(sample.available_bytes))
             if session.serving and node not in session.pool_checked:
@@ -225,6 +224,7 @@ class MemoryGuard:
             d = session.guard.observe(node, sample.at_monotonic_s, int(sample.available_bytes), self._monotonic(),
                                       self._engine.inflight, serving=session.serving)
             self._carry_out(session, d)
+            self.stats.samples += 1  # counted once decided and carried out: a test may wait for it
 
     def _look(self, session: _Session) -> None:
         while not session.stopped.wait(LOOK_S):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 
@@ -11,7 +10,7 @@ from coordinator.guard import policy as p
 from coordinator.guard.poolfit import largest_fit, pool_fit
 from dsv41.cost import CostModel
 from dsv41.v1 import agent_pb2 as pb
-from tests.unit.test_guard_runner import SETTINGS, rig  # noqa: F401 - the runner's rig
+from tests.unit.test_guard_runner import SETTINGS, rig, wait_all_handled  # noqa: F401 - the runner's rig
 
 pytestmark = pytest.mark.unit
 GB = 1_000_000_000
@@ -55,5 +54,5 @@ def test_the_runner_warns_once_per_node_when_serving_begins(rig):  # noqa: F811
     event = journal.wait_for("kv_pool_too_large")
     assert event["PRIORITY"] == "4" and event["DSV41_KV_POOL_FITS_TOKENS"] == str(largest_fit(7 * GB - 150_000_000,
                                                                                              HEAD, 262_144))
-    time.sleep(0.1)
+    wait_all_handled(guard, 3)
     assert journal.kinds().count("kv_pool_too_large") == 1 and rank0.aborts == []

@@ -115,10 +115,33 @@ class Source:
         self.opened.set()
         return stream
 
-    def push_ramp(self, start: int, rate: float, seconds: float, t0: float = 0.0, step: float = 0.02):
-        for i in range(int(seconds / step)):
+    def push_ramp(self, start: int, rate: float, seconds: float, t0: float = 0.0, step: float = 0.02) -> int:
+        """Queues the ramp's samples; returns how many."""
+        count = int(seconds / step)
+        for i in range(count):
             level = max(0, int(start - rate * i * step))
             self.streams[-1].q.put(pb.MemorySample(at_monotonic_s=t0 + i * step, available_bytes=level))
+        return count
+
+
+def wait_until(condition, what: str, timeout: float = 5.0) -> None:
+    """Waits for `condition()` against a deadline (the guard's threads run on their own)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.005)
+
+
+def wait_all_handled(guard, pushed: int) -> None:
+    """Every sample queued has been decided on, and what was decided carried out (the runner counts
+    a sample after both)."""
+    wait_until(lambda: guard.stats.samples >= pushed, f"{pushed} samples handled (got {guard.stats.samples})")
+
+
+def confirmations_ended() -> bool:
+    """The thread that reads the list after an abort, the only one that journals its confirmation, has ended."""
+    return not any(t.name == "guard-confirm" and t.is_alive() for t in threading.enumerate())
 
 
 class Journal:
@@ -152,14 +175,18 @@ def rig():
         source = Source("spark1")
         journal = Journal()
         stops: list[str] = []
-        state = {"key": serving_key, "serving": serving, "journal_at_stop": [], "stopping": stopping}
+        state = {"key": serving_key, "serving": serving, "journal_at_stop": [], "stopping": stopping, "asked": 0}
+
+        def guarded():
+            state["asked"] += 1
+            return None if state["key"] is None else (state["key"], state["serving"])
 
         def stop(reason: str) -> None:
             state["journal_at_stop"].append(journal.kinds())
             stops.append(reason)
         guard = MemoryGuard(p.GuardSettings(**{**settings.__dict__, "mode": mode}), {"spark1": source},
                             EngineApi(rank0.url), journal.log,
-                            lambda: None if state["key"] is None else (state["key"], state["serving"]),
+                            guarded,
                             stop, poll_s=0.02, stopping=lambda: state["stopping"])
         made.append((guard, rank0))
         guard.start()
@@ -192,10 +219,10 @@ def test_a_runaway_is_aborted_on_rank_0_with_one_journal_event_carrying_the_numb
 def test_observe_mode_journals_what_it_would_do_and_sends_nothing(rig):
     guard, rank0, source, journal, stops, _ = rig(RUNAWAY, mode="observe")
     assert source.opened.wait(2)
-    source.push_ramp(700 * MB, 400 * MB, 1.2)
+    pushed = source.push_ramp(700 * MB, 400 * MB, 1.2)
     event = journal.wait_for("memory_abort_observed")
     assert "would be aborting request runaway" in event["MESSAGE"] and event["DSV41_GUARD_MODE"] == "observe"
-    time.sleep(0.2)
+    wait_all_handled(guard, pushed)
     assert rank0.aborts == [] and stops == []
 
 
@@ -212,9 +239,9 @@ def test_without_the_in_flight_route_it_aborts_all(rig):
 def test_memory_that_keeps_falling_ends_in_one_stop_request(rig):
     guard, rank0, source, journal, stops, state = rig(RUNAWAY)
     assert source.opened.wait(2)
-    source.push_ramp(700 * MB, 400 * MB, 2.0)   # the engine ignores the aborts
+    pushed = source.push_ramp(700 * MB, 400 * MB, 2.0)   # the engine ignores the aborts
     journal.wait_for("memory_stop")
-    time.sleep(0.1)
+    wait_all_handled(guard, pushed)
     assert [a["abort_all"] for a in rank0.aborts] == [False, True]
     assert len(stops) == 1 and "after abort_all" in stops[0]
     assert journal.kinds().count("memory_stop") == 1
@@ -227,12 +254,12 @@ def test_while_the_cluster_stops_a_growing_request_is_aborted_and_no_second_stop
     # goes on is not answered with another stop (it would be served after this one).
     guard, rank0, source, journal, stops, state = rig(RUNAWAY, stopping=True)
     assert source.opened.wait(2)
-    source.push_ramp(700 * MB, 400 * MB, 2.0)   # the engine ignores the aborts
+    pushed = source.push_ramp(700 * MB, 400 * MB, 2.0)   # the engine ignores the aborts
     event = journal.wait_for("memory_stop")
     assert event["DSV41_OUTCOME"] == "not carried out: the cluster is stopping already"
     assert [a["abort_all"] for a in rank0.aborts] == [False, True] and rank0.aborts[0]["rid"] == "runaway"
-    time.sleep(0.1)
-    assert stops == [] and guard.stats.failures == 0
+    wait_all_handled(guard, pushed)
+    assert stops == [] and guard.stats.failures == 0 and journal.kinds().count("memory_stop") == 1
 
 
 def test_a_failed_abort_is_journalled_as_failed(rig):
@@ -246,16 +273,13 @@ def test_a_failed_abort_is_journalled_as_failed(rig):
 
 def test_streams_run_only_while_serving_and_a_new_serving_period_starts_fresh(rig):
     guard, rank0, source, journal, stops, state = rig(RUNAWAY, serving_key=None)
-    time.sleep(0.2)
+    wait_until(lambda: state["asked"] >= 3, "three passes of the guard's phase check")
     assert source.streams == []
     state["key"] = 10.0
     assert source.opened.wait(2)
     first = source.streams[-1]
     state["key"] = None
-    deadline = time.monotonic() + 2
-    while not first.cancelled and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert first.cancelled
+    wait_until(lambda: first.cancelled, "the stream cancelled once no rank runs", 2)
     source.opened.clear()
     state["key"] = 20.0
     assert source.opened.wait(2) and len(source.streams) == 2
@@ -317,7 +341,7 @@ def test_an_abort_that_does_not_take_effect_is_journalled_once(rig):
     source.push_ramp(700 * MB, 400 * MB, 1.1)  # the engine ignores the abort; then no more samples
     event = journal.wait_for("memory_abort_unconfirmed", timeout=5)
     assert event["DSV41_VICTIM_RID"] == "job-1" and int(event["DSV41_UNCONFIRMED_AFTER_MS"]) >= 750
-    time.sleep(0.3)
+    wait_until(confirmations_ended, "the confirmation's reader ended")
     assert journal.kinds().count("memory_abort_unconfirmed") == 1
 
 
@@ -405,7 +429,11 @@ def test_a_request_that_arrives_and_cannot_fit_is_aborted_by_the_look_before_any
     guard, rank0, source, journal, stops, _ = rig([fits], settings=WITH_COST)
     assert source.opened.wait(2)
     source.streams[-1].q.put(pb.MemorySample(at_monotonic_s=0.0, available_bytes=400 * MB))
-    time.sleep(0.6)  # looks with a request that fits (33 MB of 250): nothing to do
+    wait_all_handled(guard, 1)
+    listed = []
+    rank0.on_inflight = lambda: listed.append(1)
+    # two whole looks with a request that fits (33 MB of 250): nothing to do
+    wait_until(lambda: len(listed) >= 3, "three in-flight reads after the sample")
     assert rank0.aborts == [] and "memory_abort" not in journal.kinds()
     rank0.inflight = [fits, {"rid": "huge", "prompt_tokens": 60_000, "prefilled_tokens": 0, "state": "waiting",
                              "age_s": 0.0}]  # 983 MB of KV on a node with 250 MB above the guard
