@@ -492,20 +492,29 @@ def long_decodes(s: Scenario) -> Scenario:
                                            for r in s.requests))
 
 
-def report(count: int, seed: int, out=print) -> dict:
+def with_replay(settings: p.GuardSettings, replay: bool) -> p.GuardSettings:
+    """The settings with the guard's projection replaying the allocator, or summing each request's
+    bytes (dsv41.cost.CostModel.replay)."""
+    return replace(settings, cost=replace(settings.cost, replay=replay))
+
+
+def report(count: int, seed: int, out=print, replay: bool = True) -> dict:
     """The scenario section of bench/memory_guard: the scenarios as generated, and again with
     every answer outlasting the others' peaks (which isolates what the guard cannot know: when
-    a client stops reading)."""
+    a client stops reading). `replay` False: the guard's cost model sums each request's bytes."""
+    plain, gate = with_replay(SETTINGS, replay), with_replay(GATED_SETTINGS, replay)
+    pool, pool_gate = with_replay(POOL_SETTINGS, replay), with_replay(POOL_GATED_SETTINGS, replay)
     rng = random.Random(seed)
     scenarios = [generate(rng, i) for i in range(count)]
-    as_generated = [judge(s, seed * 100_003 + s.index) for s in scenarios]
-    held = [judge(long_decodes(s), seed * 100_003 + s.index) for s in scenarios]
-    gated = [judge(s, seed * 100_003 + s.index, GATED) for s in scenarios]
-    gated_held = [judge(long_decodes(s), seed * 100_003 + s.index, GATED) for s in scenarios]
+    as_generated = [judge(s, seed * 100_003 + s.index, settings=plain) for s in scenarios]
+    held = [judge(long_decodes(s), seed * 100_003 + s.index, settings=plain) for s in scenarios]
+    gated = [judge(s, seed * 100_003 + s.index, GATED, settings=gate) for s in scenarios]
+    gated_held = [judge(long_decodes(s), seed * 100_003 + s.index, GATED, settings=gate) for s in scenarios]
     a, b, ga, gb = summary(as_generated), summary(held), summary(gated), summary(gated_held)
     g = SETTINGS.guard_bytes
     out(f"scenarios: {count} randomized workloads (seed {seed}), {a['requests']} requests, on the stand-in's engine "
         f"model (sim/engine.py + sim/allocator.py) on a simulated clock, with the real policy and cost model "
+        f"({'the allocator replayed' if replay else 'additive: each request charged its bytes'}) "
         f"(guard {g / MB:.0f} MB, lead {SETTINGS.lead_s:g} s, envelope {SETTINGS.envelope_s:g} s, "
         f"{SETTINGS.interval_ms} ms samples through the agent's send filter)")
     out(f"{'':58s}{'as generated':>14s}{'answers held':>14s}   with the admission gate (rank side):")
@@ -555,7 +564,7 @@ def report(count: int, seed: int, out=print) -> dict:
                 + ", ".join(f"{k} {n}" for k, n in sorted(bases.items()))
                 + (f"; the projected low keeping every request was {below[len(below) // 2]:.0f} MB below the "
                    f"guard (median; {below[0]:.0f} to {below[-1]:.0f} MB)" if below else ""))
-    cold = summary([judge(s, seed * 100_003 + s.index, cold_waiting_hits=True) for s in scenarios])
+    cold = summary([judge(s, seed * 100_003 + s.index, cold_waiting_hits=True, settings=plain) for s in scenarios])
     out(f"with a waiting prefix-cache hit listed as a cold prompt (SGLang's own listing under fcfs, without the "
         f"adapter's match), as generated: the oracle would have kept {cold['kept_by_oracle']}, the same-moment "
         f"oracle {cold['needless']} (against {a['kept_by_oracle']} and {a['needless']} above), below the guard in "
@@ -563,9 +572,9 @@ def report(count: int, seed: int, out=print) -> dict:
     pooled = {}
     for what, engine, settings in (
             ("the engine's KV in a pool as SGLang's, the guard's cost model charging it through the allocator",
-             POOLED, SETTINGS),
-            ("the engine's KV in a pool as SGLang's, the guard's cost model knowing the pool", POOLED, POOL_SETTINGS),
-            ("the same and the admission gate", POOLED_GATED, POOL_GATED_SETTINGS)):
+             POOLED, plain),
+            ("the engine's KV in a pool as SGLang's, the guard's cost model knowing the pool", POOLED, pool),
+            ("the same and the admission gate", POOLED_GATED, pool_gate)):
         pa, pb = (summary([judge(x, seed * 100_003 + x.index, engine, settings=settings) for x in s])
                   for s in (scenarios, [long_decodes(x) for x in scenarios]))
         pooled[what] = (pa, pb)
@@ -577,9 +586,8 @@ def report(count: int, seed: int, out=print) -> dict:
             f"{pa['ran_out_unguarded']} / {pb['ran_out_unguarded']}), lowest {pa['lowest_margin'] / MB:.0f} / "
             f"{pb['lowest_margin'] / MB:.0f} MB, abort_all {pa['abort_all']} / {pb['abort_all']}")
     sized = {}
-    sizes = [sized_pool(x, POOLED, POOL_SETTINGS)[0].max_total_tokens for x in scenarios]
-    for what, engine, settings in (("", POOLED, POOL_SETTINGS), (", with the admission gate", POOLED_GATED,
-                                                                   POOL_GATED_SETTINGS)):
+    sizes = [sized_pool(x, POOLED, pool)[0].max_total_tokens for x in scenarios]
+    for what, engine, settings in (("", POOLED, pool), (", with the admission gate", POOLED_GATED, pool_gate)):
         sa = summary([judge(x, seed * 100_003 + x.index, *sized_pool(x, engine, settings)[:1],
                             settings=sized_pool(x, engine, settings)[1]) for x in scenarios])
         sized[what or "alone"] = sa
@@ -589,8 +597,8 @@ def report(count: int, seed: int, out=print) -> dict:
             f"the same-moment oracle {sa['needless']}, below the guard in {sa['below_guard']} scenarios (nothing "
             f"acting: {sa['below_guard_unguarded']}, the node ran out in {sa['ran_out_unguarded']}), lowest "
             f"{sa['lowest_margin'] / MB:.0f} MB, abort_all {sa['abort_all']}")
-    wrong = wrong_model(scenarios, seed, out)
-    decision_cost(out)
+    wrong = wrong_model(scenarios, seed, out, plain)
+    decision_cost(out, model=plain.cost)
     return {"wrong_model": wrong, "as_generated": a, "held": b, "gated": ga, "gated_held": gb, "cold_waiting_hits": cold,
             "kv_pool": pooled, "kv_pool_sized": sized,
             "verdicts": as_generated, "held_verdicts": held, "gated_verdicts": gated}
@@ -599,15 +607,15 @@ def report(count: int, seed: int, out=print) -> dict:
 WRONG_FACTORS = (0.5, 0.25)
 
 
-def wrong_model(scenarios: list[Scenario], seed: int, out=print) -> dict:
+def wrong_model(scenarios: list[Scenario], seed: int, out=print, base: p.GuardSettings = SETTINGS) -> dict:
     """The same scenarios with the guard's cost model charging a fraction of what the engine takes
     (the engine unchanged): what the guard's distrust of the model (the trend, the broken hold, the
     urgency) keeps of the node when the model is wrong, as generated and with answers held."""
     figures = {}
     for factor in WRONG_FACTORS:
-        cost = replace(SETTINGS.cost, token_bytes=int(SETTINGS.cost.token_bytes * factor),
-                       transient_bytes=SETTINGS.cost.transient_bytes * factor)
-        settings = replace(SETTINGS, cost=cost)
+        cost = replace(base.cost, token_bytes=int(base.cost.token_bytes * factor),
+                       transient_bytes=base.cost.transient_bytes * factor)
+        settings = replace(base, cost=cost)
         for held in (False, True):
             runs = [simulate(long_decodes(s) if held else s, guarded=True, seed=seed * 100_003 + s.index,
                              settings=settings) for s in scenarios]
@@ -624,12 +632,11 @@ def wrong_model(scenarios: list[Scenario], seed: int, out=print) -> dict:
     return figures
 
 
-def decision_cost(out=print, repeats: int = 20) -> None:
+def decision_cost(out=print, repeats: int = 20, model: CostModel = SETTINGS.cost) -> None:
     """What one decision by the requests' cost (charge.choose: the allocator replayed once, then
     every set of victims projected) takes on this CPU, for queues of 2 to 10 long prompts, as a
     ratio to the path every sample takes (the trend's update and assessment), timed here too."""
     import time
-    model = SETTINGS.cost
     trend = p.Trend(SETTINGS)
     level, t = 900 * MB, 0.0
     started = time.perf_counter()

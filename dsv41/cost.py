@@ -35,6 +35,9 @@ class CostModel:
     # Its slots (MAX_TOTAL_TOKENS, --max-total-tokens; 0: no limit): a request not yet started
     # waits while its rest would not fit in the free ones (SGLang's PrefillAdder).
     kv_pool_tokens: int = 0
+    # The guard's projection (coordinator/guard): the listed requests' allocator replayed; False:
+    # each request charged its bytes, summed, to compare the two (bench/memory_guard --cost-model).
+    replay: bool = True
 
     @property
     def configured(self) -> bool:

@@ -16,6 +16,7 @@ from typing import Iterable, Protocol
 from dsv41.cost import CostModel
 from dsv41.inflight import InflightList, InflightRequest
 
+from .additive import AdditiveProjection
 from .kinds import Why
 from .projection import Projection
 
@@ -78,7 +79,8 @@ def projector(inflight: InflightList, level: int, model: CostModel, running_in_l
     """The guard's one seam to the byte-exact allocator replay (projection.py): every projected
     low, hold-back and account goes through here. The listed requests' allocator and KV pool are
     replayed from the listing (with the pool's high-water mark it gives), to project from."""
-    return Projection(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens)
+    kind = Projection if model.replay else AdditiveProjection  # or each request's bytes summed (additive.py)
+    return kind(level, inflight.requests, model, running_in_level, inflight.kv_high_water_tokens)
 
 
 def held_back(inflight: InflightList, level: int, model: CostModel, exclude: Iterable[str] = (),
