@@ -4,8 +4,9 @@ no allocator replayed (CostModel.replay False; bench/memory_guard --cost-model a
 The same questions projection.Projection answers, from the level and the listing alone: what the
 listed requests hold (`taken`), the lowest point if `kept` run to the end of their prefill and
 `aborted` end at the next step (`low`: the kept requests' KV still to come, less what the aborted
-ones and the KV pool's free slots leave to it, plus their indexer buffers: the largest of the
-hooked prompts', every unhooked prompt's), and the waiting requests the ranks hold back at the next
+ones and the KV pool's free slots leave to it and at most what a pool of kv_pool_tokens slots has
+left to grow, plus their indexer buffers: the largest of the hooked prompts', every unhooked
+prompt's), and the waiting requests the ranks hold back at the next
 step (`held_at_next_step`: the admission gate and the pool's slots, with no free blocks counted).
 Kept beside the replay to compare the two (bench/results/memory_guard_cost_models.txt).
 """
@@ -40,6 +41,9 @@ class AdditiveProjection:
         self.taken = held + kept_buffers + self._returned
         high = (kv_high_water_tokens or 0) * model.token_bytes if model.kv_pool else 0
         self._pool_free = max(0, high - held)  # slots ended requests left: they serve KV at no cost
+        # a pool of kv_pool_tokens slots grows no further than its size, however many requests wait
+        self._pool_growth = max(0, model.kv_pool_tokens * model.token_bytes - max(high, held)) \
+            if model.kv_pool and model.kv_pool_tokens > 0 else None
 
     def _listed(self, requests: Iterable[InflightRequest]) -> list[InflightRequest]:
         return [self._requests.get(r.rid, r) for r in requests]
@@ -51,7 +55,10 @@ class AdditiveProjection:
         buffers = [model.transient_peak(r) for r in kept]
         hooked = max((b for r, b in zip(kept, buffers) if model.hooked(r)), default=0)
         unhooked = sum(b for r, b in zip(kept, buffers) if not model.hooked(r))
-        return self.level + self._returned - max(0, kv - reusable) - hooked - unhooked
+        fresh = max(0, kv - reusable)
+        if self._pool_growth is not None:
+            fresh = min(fresh, self._pool_growth)
+        return self.level + self._returned - fresh - hooked - unhooked
 
     def held_at_next_step(self, kept: Iterable[InflightRequest], aborted: Iterable[InflightRequest]) -> set[str]:
         model, kept = self.model, self._listed(kept)

@@ -67,3 +67,13 @@ def test_the_gate_holds_a_waiting_request_that_would_leave_less_than_its_level()
     listing = InflightList((growing, waiting))
     assert charge.held_back(listing, 155 * MB, gated) == {"w"}
     assert charge.held_back(listing, 2_000 * MB, gated) == set()
+
+
+def test_a_pool_of_limited_slots_grows_no_further_than_its_size():
+    pooled = dataclasses.replace(MODEL, kv_pool=True, kv_pool_tokens=10_000)
+    waiting = [InflightRequest(f"w{i}", 8_000, 0, state=WAITING) for i in range(3)]
+    projection = AdditiveProjection(LEVEL, waiting, pooled)
+    unbounded = AdditiveProjection(LEVEL, waiting, dataclasses.replace(pooled, kv_pool_tokens=0))
+    buffers = sum(pooled.transient_peak(r) for r in waiting)
+    assert projection.low(waiting, []) == LEVEL - 10_000 * pooled.token_bytes - buffers
+    assert unbounded.low(waiting, []) == LEVEL - 3 * 8_000 * pooled.token_bytes - buffers
