@@ -57,7 +57,7 @@ def offer(running):
 
 busy, idle = offer(2), offer(0)
 if spec is not None:
-    from adapter.admission_gate import LONE_WAIT_S
+    from dsv41.admission import LONE_WAIT_S
 
     later = time.monotonic() + LONE_WAIT_S
     spec.state._clock = lambda: later  # the lone request's wait is over
