@@ -128,8 +128,9 @@ def _tls(s: settings_mod.AgentSettings, log: EventLog, config: str
 
 
 def _grpc_server(s: settings_mod.AgentSettings, events: EventHub, service: AgentService,
-                 creds: grpc.ServerCredentials | None, pins: PinFile | None) -> grpc.Server:
-    """The service on a socket only root can reach; the port is the relay's, which counts connections."""
+                 creds: grpc.ServerCredentials | None, pins: PinFile | None, upstream: str) -> grpc.Server:
+    """The service on `upstream`, a socket only root can reach; the port is the relay's, which counts
+    connections."""
     # TLS proves the caller holds a cluster certificate; only the coordinator's, and only the one
     # this node's bundle pins, may drive this node (a rotated-away certificate is refused).
     interceptors = [CallerCheck(s.coordinator_name, lambda method, why: events.warning(
@@ -139,10 +140,9 @@ def _grpc_server(s: settings_mod.AgentSettings, events: EventHub, service: Agent
                          options=server_options(s), interceptors=interceptors,
                          maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     agent_pb2_grpc.add_AgentServicer_to_server(service, server)
-    private = runtime_dir()
+    private = os.path.dirname(upstream)
     os.makedirs(private, mode=0o700, exist_ok=True)
     os.chmod(private, 0o700)
-    upstream = os.path.join(private, "agent.sock")
     try:
         os.unlink(upstream)
     except FileNotFoundError:
@@ -157,8 +157,7 @@ def _grpc_server(s: settings_mod.AgentSettings, events: EventHub, service: Agent
     return server
 
 
-def _relay(s: settings_mod.AgentSettings, events: EventHub) -> Relay:
-    upstream = os.path.join(runtime_dir(), "agent.sock")
+def _relay(s: settings_mod.AgentSettings, events: EventHub, upstream: str) -> Relay:
     relay = Relay(upstream, Limits(s.max_connections, s.max_connections_per_source),
                   refused=lambda peer, why: events.warning("connection_refused", why, source=peer.source_key))
     host, _, port = s.listen.rpartition(":")
@@ -216,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         creds, pins = _tls(s, log, args.config)
         service = AgentService(build_handlers(s, systemd, rank, sampler, watches.triggers, events, started))
-        server = _grpc_server(s, events, service, creds, pins)
-        relay = _relay(s, events)
+        upstream = os.path.join(runtime_dir(), "agent.sock")
+        server = _grpc_server(s, events, service, creds, pins, upstream)
+        relay = _relay(s, events, upstream)
     except _StartFailed as exc:
         log.error(exc.event, str(exc))
         return exc.code
