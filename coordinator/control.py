@@ -123,18 +123,37 @@ def bundle_sources(cfg: ClusterConfig, status: pb.ClusterStatus, incidents: list
     return Sources(status, incidents, launched, text, made_by)
 
 
+class Fixed:
+    """One configuration and runtime for the service's lifetime (tests, and tools that embed it)."""
+
+    def __init__(self, cfg: ClusterConfig, runtime: ClusterRuntime, api_key: str | None):
+        self.cfg, self.runtime, self.api_key = cfg, runtime, api_key
+
+    def on_incident(self, listener) -> None:
+        self.runtime.on_incident(listener)
+
+
 class ControlService(control_pb2_grpc.ControlServicer):
-    def __init__(self, cfg: ClusterConfig, runtime: ClusterRuntime, log: EventLog | None = None,
-                 max_streams: int = MAX_STREAMS, api_key: str | None = None):
-        self._cfg = cfg
-        self._runtime = runtime
+    """`live`: where the configuration and runtime of the moment are read (the daemon's
+    reconfig.Coordinator, whose config apply replaces them; Fixed otherwise)."""
+
+    def __init__(self, cfg: ClusterConfig, runtime: ClusterRuntime | None, log: EventLog | None = None,
+                 max_streams: int = MAX_STREAMS, api_key: str | None = None, live=None):
+        self._live = live if live is not None else Fixed(cfg, runtime, api_key)
         self._log = log or EventLog("dsv41-coordinator", {"DSV41_NODE": cfg.head.name})
-        self._api_key = api_key  # removed from every file of a bundle
         self._event_lock = threading.Lock()
         self._subscribers: list[queue.Queue] = []
         self._streams = threading.BoundedSemaphore(max_streams)
         self._max_streams = max_streams
-        runtime.on_incident(self._publish)
+        self._live.on_incident(self._publish)
+
+    @property
+    def _cfg(self) -> ClusterConfig:
+        return self._live.cfg
+
+    @property
+    def _runtime(self) -> ClusterRuntime:
+        return self._live.runtime
 
     def _authorize(self, context, method: str, action: bool = True) -> Caller:
         """The caller; an action (`action`) on the read-only socket is refused, and every action is
@@ -324,7 +343,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         snap = self._runtime.snapshot()
         sources = bundle_sources(self._cfg, self._status(), self._runtime.incidents(), dict(snap.fingerprints),
                                  f"the running dsv41-coordinator {VERSION}")
-        writer = BundleWriter(self._cfg, self._runtime.clients, [self._api_key] if self._api_key else [])
+        writer = BundleWriter(self._cfg, self._runtime.clients, [self._live.api_key] if self._live.api_key else [])
         # A bundle can hold tens of MiB of journals: spooled to the coordinator's private /tmp, not held in memory.
         with tempfile.TemporaryFile(prefix="dsv41-bundle.") as spool:
             notes = writer.write(spool, sources, request.journal_max_bytes)
@@ -341,6 +360,37 @@ class ControlService(control_pb2_grpc.ControlServicer):
                         + ("(unmount)" if request.unmount else ""))
         ok, message = self._runtime.unexport(bool(request.force), bool(request.unmount))
         return pb.ActionReply(ok=ok, message=message, status=self._status())
+
+
+    def Config(self, request, context):
+        action = pb.ConfigRequest.Action.Name(request.action)
+        if request.action == pb.ConfigRequest.DIFF:
+            caller = self._authorize(context, "Config(DIFF)", action=False)  # reads, but shows the file's values:
+            if caller.socket == "status":  # the control socket's group only, as the file itself is
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, "config diff shows cluster.env's values: it "
+                              f"needs the control socket (group {CONTROL_GROUP})")
+            outcome = self._live.diff() if hasattr(self._live, "diff") else None
+        else:
+            caller = self._authorize(context, f"Config({action})")
+            if not hasattr(self._live, "apply"):
+                outcome = None
+            elif request.action == pb.ConfigRequest.APPLY:
+                outcome = self._live.apply(caller.user)
+            else:
+                outcome = self._live.rollback(caller.user)
+        if outcome is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this coordinator cannot change its configuration")
+        return config_reply(outcome)
+
+
+def config_reply(outcome) -> pb.ConfigReply:
+    reply = pb.ConfigReply(ok=outcome.ok, message=outcome.message)
+    if outcome.diff is not None:
+        reply.restarts_ranks = outcome.diff.restarts_ranks
+        for c in outcome.diff.changes:
+            reply.changes.add(key=c.key, before=c.before or "", after=c.after or "", before_set=c.before is not None,
+                              after_set=c.after is not None, effect=str(c.effect))
+    return reply
 
 
 def _event(incident: Incident) -> apb.Event:
@@ -373,8 +423,8 @@ def server_options() -> list[tuple[str, int]]:
             ("grpc.max_concurrent_streams", 32)]
 
 
-def serve(cfg: ClusterConfig, runtime: ClusterRuntime, socket_path: str = CONTROL_SOCKET,
-          log: EventLog | None = None, api_key: str | None = None) -> ControlServer:
+def serve(cfg: ClusterConfig, runtime: ClusterRuntime | None, socket_path: str = CONTROL_SOCKET,
+          log: EventLog | None = None, api_key: str | None = None, live=None) -> ControlServer:
     """control.sock and status.sock beside it, through the relay; the gRPC server itself on a socket
     in a 0700 directory."""
     directory = os.path.dirname(socket_path) or "."
@@ -388,7 +438,8 @@ def serve(cfg: ClusterConfig, runtime: ClusterRuntime, socket_path: str = CONTRO
         pass
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="control"),
                          options=server_options(), maximum_concurrent_rpcs=MAX_WORKERS - 4)
-    control_pb2_grpc.add_ControlServicer_to_server(ControlService(cfg, runtime, log, api_key=api_key), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlService(cfg, runtime, log, api_key=api_key, live=live),
+                                                     server)
     server.add_insecure_port(f"unix:{private}")
     log = log or EventLog("dsv41-coordinator", {"DSV41_NODE": cfg.head.name})
     relay = Relay(private, Limits(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_USER),

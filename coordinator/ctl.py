@@ -7,6 +7,8 @@ import importlib
 import sys
 from typing import Sequence, TextIO
 
+from .sockets import CONTROL_SOCKET
+
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
 # The module that declares and runs each command (None: this one), in the order `dsv41ctl --help` lists
 # them. A command imports only its own module: start-up is most of `dsv41ctl status`'s latency, and
@@ -100,6 +102,20 @@ def _add_config_commands(sub) -> None:
     show.set_defaults(handler=_config_show)
     keys = cfg_sub.add_parser("keys", help="list every key cluster.env may hold")
     keys.set_defaults(handler=_config_keys)
+    for name, help_text in (
+            ("diff", "compare cluster.env with the configuration the coordinator runs: each changed key and "
+                     "whether applying it restarts the ranks"),
+            ("apply", "validate cluster.env and apply it without an outage (what `systemctl reload "
+                      "dsv41-coordinator` runs); an invalid file changes nothing"),
+            ("rollback", "bring back the configuration that ran before the current one")):
+        remote = cfg_sub.add_parser(name, help=help_text)
+        remote.add_argument("--socket", default=CONTROL_SOCKET, help="the coordinator's control socket")
+        remote.set_defaults(handler=_config_remote, config_action=name)
+
+
+def _config_remote(args, out: TextIO, err: TextIO) -> int:
+    from .ctl_cluster import config_call
+    return config_call(args, out, err)
 
 
 def _load(path: str, err: TextIO):

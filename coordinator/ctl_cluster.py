@@ -299,6 +299,16 @@ def _action(args, out: TextIO, err: TextIO) -> int:
 
 
 @control_command
+def config_call(args, out: TextIO, err: TextIO) -> int:
+    """dsv41ctl config diff|apply|rollback: 0 done (or nothing to do), 1 refused (the reason on stderr)."""
+    action = {"diff": pb.ConfigRequest.DIFF, "apply": pb.ConfigRequest.APPLY,
+              "rollback": pb.ConfigRequest.ROLLBACK}[args.config_action]
+    reply = _stub(args.socket).Config(pb.ConfigRequest(action=action), timeout=120)
+    print(reply.message, file=out if reply.ok else err)
+    return 0 if reply.ok else 1
+
+
+@control_command
 def _events(args, out: TextIO, err: TextIO) -> int:
     for event in _stub(args.socket, read_only=True).Events(pb.EventsRequest(follow=args.follow, last=args.last)):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at_unix_s))

@@ -55,6 +55,16 @@ WAIT_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """A configuration change the ranks restart for: until the group has served for `confirm_s`,
+    a failed bring-up or a rank exit brings the configuration before it back (`roll_back(why)`,
+    which must not block: the daemon rebuilds the coordinator around the previous one)."""
+    keys: tuple[str, ...]
+    confirm_s: float
+    roll_back: Callable[[str], None]
+
+
+@dataclass(frozen=True)
 class Trouble:
     """What ended a serving cluster, found by the supervisor, to recover from."""
     kind: IncidentKind  # RANK_EXIT, NODE_LOST, NODE_REBOOTED, RANK_HUNG
@@ -110,6 +120,8 @@ class ClusterRuntime:
         self._done = threading.Event()
         self._worker = threading.Thread(target=self._run, name="supervisor", daemon=True)
         self._autostart = True
+        self._restart_for: tuple[str, ...] = ()
+        self._rollout: Rollout | None = None
 
     # ------------------------------------------------------------------ public, thread-safe
 
@@ -133,8 +145,10 @@ class ClusterRuntime:
         """listener(incident) on the supervisor thread for every incident: it must not block."""
         self._incident_listeners.append(listener)
 
-    def run(self, autostart: bool = True) -> None:
-        """Starts the supervisor: re-adopt what runs, else bring the cluster up when asked to."""
+    def run(self, autostart: bool = True, restart_for: tuple[str, ...] = (), rollout: Rollout | None = None) -> None:
+        """Starts the supervisor: re-adopt what runs, else bring the cluster up when asked to.
+        `restart_for`: keys of a configuration change that needs the ranks restarted; the running
+        ones are stopped and the group brought up again under `rollout`, if given."""
         self._watching_since = self._monotonic()
         heartbeat_ms = max(100, int(self.cfg.number("NODE_LEASE_S") * 250))  # four heartbeats a lease
         for client in self.clients.values():
@@ -144,6 +158,7 @@ class ClusterRuntime:
                 lambda why, node=node: self._inbox.put(WatchLost(node, why)), self._stop_watchers,
                 heartbeat_ms=heartbeat_ms))
         self._autostart = autostart
+        self._restart_for, self._rollout = restart_for, rollout
         self._worker.start()
 
     def post(self, message: object) -> None:
@@ -283,6 +298,7 @@ class ClusterRuntime:
                     message = Wake()
             self._guarded("event", lambda: self._apply(message, react=True))
             self._guarded("liveness", lambda: self._check_liveness(react=True))
+            self._confirm_rollout()
 
     def _guarded(self, what: str, fn: Callable[[], None]) -> None:
         """Runs one activity; the loop serves a preempting request next, and survives anything else."""
@@ -309,6 +325,13 @@ class ClusterRuntime:
             self._bring_up_with_retries(reset_attempts=True)
 
     def _first_start(self) -> None:
+        if self._restart_for:
+            keys = ", ".join(self._restart_for)
+            self._log.event("config_restart", f"restarting the ranks for the configuration change of {keys}",
+                            "notice", keys=keys)
+            self._stop_ranks(f"configuration change: {keys}", final_phase=None, wait_memory=True)
+            self._bring_up_with_retries(reset_attempts=True)
+            return
         if self._adopt():
             return
         if self._autostart:
@@ -542,6 +565,9 @@ class ClusterRuntime:
                     waited = True
                     continue
                 self._set(phase=Phase.FAILED, detail=str(exc))
+                if self._rollout is not None:
+                    self._roll_back(f"the bring-up failed at {exc.step}: {exc.reason}", exc.node or "cluster")
+                    return
                 if not policy.retry_can_fix(step.retryable if step else False, exc.transient):
                     return  # a restart cannot fix configuration or a node that is not ready
                 cause = str(exc)
@@ -636,9 +662,31 @@ class ClusterRuntime:
         # A node lost or booted again is not the group failing by itself: the bring-up after it spends
         # no restart attempt (it waits for the node instead); a rank that crashed or hung does.
         external = cause.kind in (IncidentKind.NODE_LOST, IncidentKind.NODE_REBOOTED)
+        if self._rollout is not None:
+            self._roll_back(f"{text}, {self._clock() - self.snapshot().serving_since:.0f} s after serving",
+                            cause.node)
+            return
         self._log.info("recovering", f"bringing the cluster up again after: {text}"
                        + (" (no restart attempt spent)" if external else ""), cause=cause.kind, node_name=cause.node)
         self._bring_up_with_retries(first_cause=None if external else text)
+
+    def _roll_back(self, why: str, node: str) -> None:
+        rollout, self._rollout = self._rollout, None
+        keys = ", ".join(rollout.keys)
+        message = f"the configuration change of {keys} failed: {why}; bringing the configuration before it back"
+        self._incident(node, IncidentKind.ROLLED_BACK, message)
+        self._set(phase=Phase.FAILED, detail=message)
+        rollout.roll_back(why)
+
+    def _confirm_rollout(self) -> None:
+        """A change that has served for its confirmation time is kept: a later fault is recovered from."""
+        snap = self.snapshot()
+        if (self._rollout is not None and snap.phase == Phase.SERVING
+                and self._clock() - snap.serving_since >= self._rollout.confirm_s):
+            keys = ", ".join(self._rollout.keys)
+            self._log.info("config_confirmed", f"the configuration change of {keys} has served for "
+                           f"{self._rollout.confirm_s:g} s: kept", keys=keys)
+            self._rollout = None
 
     def _blame_exits(self) -> liveness.Cause:
         """Who caused the exits: wait for the others to follow (SETTLE_S), and for every node that

@@ -129,6 +129,9 @@ KEYS: tuple[Key, ...] = (
     _k("LAUNCH_TIMEOUT_S", v.integer(1, 3600), "120", "launch step deadline (every rank unit active)"),
     _k("HEALTH_TIMEOUT_S", v.integer(1, 7200), "1800", "rank 0 /health deadline (a boot takes 12-13 minutes)"),
     _k("SMOKE_TIMEOUT_S", v.integer(1, 3600), "300", "smoke step deadline"),
+    _k("ROLLOUT_CONFIRM_S", v.real(0, 86400), "300",
+       "after a configuration change restarts the ranks, a rank exit within this many seconds of serving "
+       "brings the configuration before it back (as a failed bring-up does); 0: only a failed bring-up does"),
     _k("RESTART_MAX_ATTEMPTS", v.integer(0, 100), "3", "restarts after a rank failure before giving up"),
     _k("RESTART_BACKOFF_S", v.real(0.0, 3600.0), "30", "delay before the first restart; doubles each attempt"),
     _k("MEMORY_RECOVERY_TIMEOUT_S", v.integer(1, 3600), "120",

@@ -52,6 +52,7 @@ class IncidentKind(enum.StrEnum):
     RANK_HUNG = "rank_hung"
     STOPPED = "stopped"  # an operator's or the guard's stop
     EXPORT_FORCED = "export_forced"  # `dsv41ctl share unexport --force`
+    ROLLED_BACK = "rolled_back"  # a configuration change failed to serve: the one before it runs again
     # a bring-up step that failed: "<step>_failed" (step_failed)
     PREFLIGHT_FAILED = "preflight_failed"
     SHARE_FAILED = "share_failed"

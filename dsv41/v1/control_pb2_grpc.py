@@ -65,6 +65,11 @@ class ControlStub(object):
                 request_serializer=dsv41_dot_v1_dot_control__pb2.BundleRequest.SerializeToString,
                 response_deserializer=dsv41_dot_v1_dot_control__pb2.BundleChunk.FromString,
                 )
+        self.Config = channel.unary_unary(
+                '/dsv41.v1.Control/Config',
+                request_serializer=dsv41_dot_v1_dot_control__pb2.ConfigRequest.SerializeToString,
+                response_deserializer=dsv41_dot_v1_dot_control__pb2.ConfigReply.FromString,
+                )
 
 
 class ControlServicer(object):
@@ -130,6 +135,12 @@ class ControlServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Config(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +193,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Bundle,
                     request_deserializer=dsv41_dot_v1_dot_control__pb2.BundleRequest.FromString,
                     response_serializer=dsv41_dot_v1_dot_control__pb2.BundleChunk.SerializeToString,
+            ),
+            'Config': grpc.unary_unary_rpc_method_handler(
+                    servicer.Config,
+                    request_deserializer=dsv41_dot_v1_dot_control__pb2.ConfigRequest.FromString,
+                    response_serializer=dsv41_dot_v1_dot_control__pb2.ConfigReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,5 +376,22 @@ class Control(object):
         return grpc.experimental.unary_stream(request, target, '/dsv41.v1.Control/Bundle',
             dsv41_dot_v1_dot_control__pb2.BundleRequest.SerializeToString,
             dsv41_dot_v1_dot_control__pb2.BundleChunk.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Config(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Control/Config',
+            dsv41_dot_v1_dot_control__pb2.ConfigRequest.SerializeToString,
+            dsv41_dot_v1_dot_control__pb2.ConfigReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

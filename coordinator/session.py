@@ -1,0 +1,146 @@
+"""What the coordinator runs from one configuration, and its replacement when the configuration changes.
+
+Everything built from cluster.env (the agents' clients, the supervisor, the memory guard, the serving
+probe, the metrics, the incident hook) belongs to a Session. Applying a new file builds a new Session
+and starts it the way a restarted coordinator starts: it re-adopts the ranks when their plans are
+unchanged, and restarts them once when they are not (under a Rollout that brings the configuration
+before it back if the group does not serve). The control socket and the daemon outlive sessions.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from dsv41.journal import EventLog
+
+from . import config as config_mod
+from . import configdiff, pki
+from .agents import AgentClient, Tls
+from .configstore import ConfigStore
+from .guard.runner import MemoryGuard
+from .hook import IncidentHook, file_problem
+from .probe import ServingProbe
+from .runtime import ClusterRuntime, Rollout
+from .state import Phase
+
+STOPPED_PHASES = (Phase.STOPPED, Phase.FAILED)
+
+
+def load_tls(cfg: config_mod.ClusterConfig) -> Tls | None:
+    if cfg.flag("INSECURE_NO_TLS"):
+        return None
+    pki_dir = cfg.text("PKI_DIR")
+    paths = [os.path.join(pki_dir, name) for name in ("ca.crt", "coordinator.crt", "coordinator.key")]
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(f"missing {', '.join(missing)}: run `dsv41ctl pki init` (or set INSECURE_NO_TLS=1 "
+                                "on an isolated test network)")
+    mode = os.stat(paths[2]).st_mode & 0o777
+    if mode & 0o077:
+        raise PermissionError(f"{paths[2]}: mode {mode:04o} lets group or other read the coordinator's key; "
+                              f"run `chmod 600 {paths[2]}`")
+    ca, cert, key = (open(p, "rb").read() for p in paths)
+    try:
+        pki.check_leaf(ca, cert, key, pki.COORDINATOR_NAME)
+    except (pki.PkiError, ValueError) as exc:
+        raise OSError(f"{pki_dir}: unusable coordinator certificate: {exc}") from None
+    return Tls(ca, cert, key)
+
+
+def make_clients(cfg: config_mod.ClusterConfig, tls: Tls | None) -> dict[str, AgentClient]:
+    return {n.name: AgentClient(n.name, f"{n.address}:{cfg.integer('AGENT_PORT')}", tls) for n in cfg.nodes}
+
+
+class Unusable(Exception):
+    """A configuration that is valid but cannot be run from here (its certificates, its API key file)."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    tls: Tls | None
+    api_key: str | None
+
+
+def credentials(cfg: config_mod.ClusterConfig) -> Credentials:
+    try:
+        tls = load_tls(cfg)
+    except OSError as exc:
+        raise Unusable(str(exc)) from None
+    api_key = None
+    if key_file := cfg.optional_text("API_KEY_FILE"):
+        try:
+            api_key = pki.read_api_key(key_file)
+        except pki.PkiError as exc:
+            raise Unusable(f"API_KEY_FILE: {exc}") from None
+    return Credentials(tls, api_key)
+
+
+class Session:
+    """The parts built from one configuration; started once, stopped once."""
+
+    def __init__(self, cfg: config_mod.ClusterConfig, text: str, creds: Credentials, log: EventLog,
+                 listeners: list[Callable], state_dir: str):
+        self.cfg, self.text, self.api_key = cfg, text, creds.api_key
+        self.runtime = ClusterRuntime(cfg, make_clients(cfg, creds.tls), log, api_key=creds.api_key,
+                                      state_dir=state_dir)
+        for listener in listeners:
+            self.runtime.on_incident(listener)
+        self.hook = None
+        if hook_file := cfg.optional_text("INCIDENT_HOOK"):
+            self.hook = IncidentHook(hook_file, cfg.number("INCIDENT_HOOK_TIMEOUT_S"), log).start()
+            self.runtime.on_incident(self.hook.offer)  # only queues: the hook runs in its own thread
+        self.guard = MemoryGuard.for_runtime(self.runtime, log, creds.api_key)
+        self.metrics = _start_metrics(cfg, self.runtime, log, self.guard, creds.tls)
+        self.probe: ServingProbe | None = None
+
+    def start(self, autostart: bool, restart_for: tuple[str, ...] = (), rollout: Rollout | None = None) -> None:
+        self.runtime.run(autostart=autostart, restart_for=restart_for, rollout=rollout)
+        self.probe = ServingProbe.for_runtime(self.runtime, self.api_key).start()
+        if self.guard is not None:
+            self.guard.start()
+
+    def stop(self, stop_cluster: bool) -> None:
+        if self.guard is not None:
+            self.guard.stop()  # first, so that it cannot act on a cluster going down
+        if self.probe is not None:
+            self.probe.stop()
+        self.runtime.shutdown(stop_cluster=stop_cluster)
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.hook is not None:
+            self.hook.stop()
+        for client in self.runtime.clients.values():
+            client.close()
+
+
+def _start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: EventLog, guard, tls: Tls | None):
+    """The metrics endpoint, or None (METRICS_LISTEN empty, or it cannot listen: the cluster is kept
+    serving without it, and a scrape target that is down is what Prometheus alerts on)."""
+    listen = cfg.optional_listen("METRICS_LISTEN")
+    if listen is None:
+        return None
+    from .metrics.exporter import Metrics  # prometheus_client only when metrics are on
+    clients = make_clients(cfg, tls)
+    try:
+        return Metrics(cfg, runtime, log, guard, clients=clients).start()
+    except OSError as exc:
+        for client in clients.values():
+            client.close()
+        log.error("metrics_failed", f"metrics: cannot listen on {listen}: {exc.strerror or exc}; "
+                  "serving without metrics", listen=str(listen))
+        return None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    message: str
+    diff: configdiff.ConfigDiff | None = None
+
+
+def parse_text(text: str, path: str) -> config_mod.ClusterConfig:
+    return config_mod.parse(text, path, os.environ, file_problem)
