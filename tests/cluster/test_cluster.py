@@ -513,3 +513,78 @@ def test_14_a_worker_cut_off_for_30_s_is_lost_then_serves_again_once_its_link_is
     finally:
         spark2.link(up=True)
     wait_serving(head, timeout=120, changed_from=before)
+
+
+def rank_environment(node) -> str:
+    return node.show("dsv41-rank.service", "Environment")["Environment"]
+
+
+def reload_coordinator(head):
+    return head.run(["systemctl", "reload", "dsv41-coordinator.service"], check=False, timeout=150)
+
+
+def test_19_config_apply_refuses_an_invalid_file_applies_a_guard_change_live_and_restarts_the_ranks_once(sparks):
+    head = head_of(sparks)
+    good = cluster_env(sparks, SIM_RANK_COMMAND=SIM, NODE_LEASE_S=str(LEASE_S), HANG_TIMEOUT_S=str(HANG_S))
+    head.write_file("/etc/dsv41/cluster.env", good, mode=0o640)
+    if status(head).get("phase") != "serving":
+        head.run(["systemctl", "restart", "dsv41-coordinator.service"], timeout=60)
+    wait_serving(head, timeout=120)
+    assert reload_coordinator(head).returncode == 0  # whatever ran before, this file runs now
+    pids = rank_pids(wait_serving(head, timeout=120))
+    # An invalid line: the reload fails, says where, and nothing changes.
+    bad = good + "TP_SIZE=3\n"
+    head.write_file("/etc/dsv41/cluster.env", bad, mode=0o640)
+    assert reload_coordinator(head).returncode != 0
+    refused = ctl(head, "config", "apply")
+    assert refused.returncode == 1
+    assert f"cluster.env:{len(bad.splitlines())}: TP_SIZE: defined twice" in refused.stderr, refused.stderr
+    time.sleep(1.0)
+    body = status(head)
+    assert body["phase"] == "serving" and rank_pids(body) == pids
+    # A guard threshold: applied live, every rank keeps its PID.
+    guard_change = good + "MEMORY_GUARD_GB=0.9\n"
+    head.write_file("/etc/dsv41/cluster.env", guard_change, mode=0o640)
+    diff = ctl(head, "config", "diff")
+    assert "MEMORY_GUARD_GB" in diff.stdout and "applies at once" in diff.stdout, diff.stdout
+    assert reload_coordinator(head).returncode == 0
+    body = wait_serving(head, timeout=30)
+    assert rank_pids(body) == pids
+    started = head.journal(unit="dsv41-coordinator.service", fields=None, matches=["DSV41_EVENT=memory_guard_started"])
+    assert started[-1]["DSV41_GUARD_BYTES"] == str(int(0.9e9)), started[-1]
+    for name, node in sparks.items():
+        assert unit_pid(node, "dsv41-rank.service") == pids[name]
+    # A rank-side change: one restart of the group, with the new environment.
+    restarts = len(coordinator_events_named(head, "config_restart"))
+    rank_change = guard_change + "DSV41_SIM_DECODE_TOKENS_PER_S=150\n"
+    head.write_file("/etc/dsv41/cluster.env", rank_change, mode=0o640)
+    assert "restarts the ranks" in ctl(head, "config", "diff").stdout
+    assert reload_coordinator(head).returncode == 0
+    new_pids = rank_pids(wait_serving(head, timeout=120))
+    assert all(new_pids[n] != pids[n] for n in pids)
+    assert len(coordinator_events_named(head, "config_restart")) == restarts + 1
+    assert "DSV41_SIM_DECODE_TOKENS_PER_S=150" in rank_environment(sparks["spark2"])
+
+
+def test_19a_a_rank_change_that_fails_at_start_is_rolled_back_to_the_previous_configuration(sparks):
+    head = head_of(sparks)
+    before = rank_pids(wait_serving(head, timeout=60))
+    good = head.run(["cat", "/etc/dsv41/cluster.env"]).stdout
+    seen = len(incidents(head, "rolled_back"))
+    head.write_file("/etc/dsv41/cluster.env", good + "DSV41_SIM_PREFILL_TOKENS_PER_S=fast\n", mode=0o640)
+    assert reload_coordinator(head).returncode == 0
+    rolled = new_incident(head, "rolled_back", seen, timeout=180)
+    assert "DSV41_SIM_PREFILL_TOKENS_PER_S" in rolled["MESSAGE"], rolled["MESSAGE"]
+    body = wait_for(lambda: (b := status(head)).get("phase") == "serving" and rank_pids(b) != before and b, 180,
+                    "not serving again with the configuration before the change")
+    assert "DSV41_SIM_PREFILL_TOKENS_PER_S" not in rank_environment(sparks["spark3"])
+    assert "DSV41_SIM_DECODE_TOKENS_PER_S=150" in rank_environment(sparks["spark3"])
+    # cluster.env still holds the change: diff says so, and a restarted coordinator keeps the old one.
+    assert "DSV41_SIM_PREFILL_TOKENS_PER_S" in ctl(head, "config", "diff").stdout
+    head.write_file("/etc/dsv41/cluster.env", good, mode=0o640)
+    assert ctl(head, "config", "apply").returncode == 0
+    assert rank_pids(status(head)) == rank_pids(body)
+
+
+def coordinator_events_named(head, event: str) -> list[dict]:
+    return head.journal(unit="dsv41-coordinator.service", fields=None, matches=[f"DSV41_EVENT={event}"])
