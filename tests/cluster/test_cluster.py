@@ -543,7 +543,7 @@ def test_19_config_apply_refuses_an_invalid_file_applies_a_guard_change_live_and
     body = status(head)
     assert body["phase"] == "serving" and rank_pids(body) == pids
     # A guard threshold: applied live, every rank keeps its PID.
-    guard_change = good + "MEMORY_GUARD_GB=0.9\n"
+    guard_change = good + "MEMORY_GUARD_GB=2\n"
     head.write_file("/etc/dsv41/cluster.env", guard_change, mode=0o640)
     diff = ctl(head, "config", "diff")
     assert "MEMORY_GUARD_GB" in diff.stdout and "applies at once" in diff.stdout, diff.stdout
@@ -551,7 +551,7 @@ def test_19_config_apply_refuses_an_invalid_file_applies_a_guard_change_live_and
     body = wait_serving(head, timeout=30)
     assert rank_pids(body) == pids
     started = head.journal(unit="dsv41-coordinator.service", fields=None, matches=["DSV41_EVENT=memory_guard_started"])
-    assert started[-1]["DSV41_GUARD_BYTES"] == str(int(0.9e9)), started[-1]
+    assert started[-1]["DSV41_GUARD_BYTES"] == str(int(2e9)), started[-1]
     for name, node in sparks.items():
         assert unit_pid(node, "dsv41-rank.service") == pids[name]
     # A rank-side change: one restart of the group, with the new environment.
