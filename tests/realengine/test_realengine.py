@@ -390,6 +390,79 @@ def test_6_a_powered_off_worker_is_lost_waited_for_and_serves_again_after_it_boo
     wait_serving(head, timeout=SERVE_S, changed_from=before)
 
 
+CONFIG = "/etc/dsv41/cluster.env"
+
+
+def reload_coordinator(head):
+    return head.run(["systemctl", "reload", "dsv41-coordinator.service"], check=False, timeout=150)
+
+
+def coordinator_events_named(head, event: str) -> list[dict]:
+    return head.journal(unit="dsv41-coordinator.service", fields=None, matches=[f"DSV41_EVENT={event}"])
+
+
+def rank_argv(node) -> str:
+    return " ".join(sglang_processes(node))
+
+
+def test_9_config_apply_on_real_ranks_refuses_an_invalid_line_applies_the_guard_live_and_restarts_for_a_flag(rehearsal):
+    head, client = head_of(rehearsal), Client(head_of(rehearsal))
+    pids = rank_pids(serving(head))
+    good = head.run(["cat", CONFIG]).stdout
+    bad = good + "TP_SIZE=3\n"
+    head.write_file(CONFIG, bad, mode=0o640)
+    assert reload_coordinator(head).returncode != 0
+    refused = ctl(head, "config", "apply")
+    assert refused.returncode == 1
+    assert f"cluster.env:{len(bad.splitlines())}: TP_SIZE: defined twice" in refused.stderr, refused.stderr
+    body = status(head)
+    assert body["phase"] == "serving" and rank_pids(body) == pids
+    # A guard threshold: live, the ranks untouched, and they answer.
+    guarded = good.replace("MEMORY_GUARD_GB=1\n", "MEMORY_GUARD_GB=1.2\n")
+    assert guarded != good
+    head.write_file(CONFIG, guarded, mode=0o640)
+    assert "MEMORY_GUARD_GB: '1' -> '1.2' (applies at once)" in ctl(head, "config", "diff").stdout
+    assert reload_coordinator(head).returncode == 0
+    assert rank_pids(wait_serving(head, timeout=30)) == pids
+    started = coordinator_events_named(head, "memory_guard_started")
+    assert started[-1]["DSV41_GUARD_BYTES"] == str(int(1.2e9))
+    assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+    # A rank flag: one restart of the group, which then runs with it.
+    restarts = len(coordinator_events_named(head, "config_restart"))
+    flagged = guarded.replace('"--watchdog-timeout 300"', '"--watchdog-timeout 301"')
+    assert flagged != guarded
+    head.write_file(CONFIG, flagged, mode=0o640)
+    assert "EXTRA_SGLANG_ARGS" in ctl(head, "config", "diff").stdout
+    assert reload_coordinator(head).returncode == 0
+    new = rank_pids(wait_serving(head, timeout=SERVE_S, changed_from=pids))
+    assert all(new[n] != pids[n] for n in pids), (pids, new)
+    assert len(coordinator_events_named(head, "config_restart")) == restarts + 1
+    assert "--watchdog-timeout 301" in rank_argv(rehearsal["spark2"])
+    assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+
+
+def test_9a_a_flag_that_stops_every_rank_at_start_is_rolled_back_and_the_old_flags_serve(rehearsal):
+    head, client = head_of(rehearsal), Client(head_of(rehearsal))
+    before = rank_pids(serving(head))
+    good = head.run(["cat", CONFIG]).stdout
+    assert '"--watchdog-timeout 301"' in good, "scenario 9 left its flag"
+    seen = len(incidents(head, "rolled_back"))
+    # SGLang's own argparse refuses the value (config check knows the flag, not its choices).
+    head.write_file(CONFIG, good.replace('"--watchdog-timeout 301"', '"--watchdog-timeout 301 --kv-cache-dtype dsv41"'),
+                    mode=0o640)
+    assert reload_coordinator(head).returncode == 0
+    rolled = new_incident(head, "rolled_back", seen, timeout=SERVE_S)
+    assert "EXTRA_SGLANG_ARGS" in rolled["MESSAGE"] and "failed" in rolled["MESSAGE"], rolled["MESSAGE"]
+    after = rank_pids(wait_serving(head, timeout=SERVE_S, changed_from=before))
+    argv = rank_argv(rehearsal["spark3"])
+    assert "--watchdog-timeout 301" in argv and "--kv-cache-dtype" not in argv, argv
+    assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+    assert "EXTRA_SGLANG_ARGS" in ctl(head, "config", "diff").stdout  # the file still holds the change
+    head.write_file(CONFIG, good, mode=0o640)
+    assert ctl(head, "config", "apply").returncode == 0
+    assert rank_pids(wait_serving(head, timeout=30)) == after
+
+
 def test_3_stop_with_a_request_in_flight_leaves_no_sglang_process(rehearsal):
     head = head_of(rehearsal)
     client = Client(head)
