@@ -28,6 +28,7 @@ from .hook import IncidentHook
 from .probe import ServingProbe
 from .runtime import ClusterRuntime
 from .state import Phase
+from .stopjob import StopDecision, SystemdJobQuery
 from .sockets import CONTROL_SOCKET
 
 DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
@@ -86,6 +87,20 @@ def start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: E
         return None
 
 
+def log_stopping(log: EventLog, notify: SdNotify, decision: StopDecision) -> None:
+    """The journal event and the STATUS= line for a SIGTERM, saying whether the ranks are stopped."""
+    fields = {"job_type": decision.job_type or "none", "ranks_kept": "no" if decision.stop_cluster else "yes"}
+    if decision.stop_cluster:
+        notify.status("stopping the cluster: rank 0 first, then the workers")
+        log.info("coordinator_stopping", f"stopping the cluster: {decision.reason}", **fields)
+    elif decision.certain:
+        notify.status("exiting; the ranks are left serving for the next coordinator")
+        log.info("coordinator_stopping", f"exiting, ranks left serving: {decision.reason}", **fields)
+    else:
+        notify.status("exiting; the ranks are left serving (SIGTERM without a stop job)")
+        log.warning("coordinator_stopping", f"exiting, ranks left serving: {decision.reason}", **fields)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv41-coordinator", description="dsv41 cluster coordinator")
     parser.add_argument("--config", default=DEFAULT_CONFIG)
@@ -141,18 +156,19 @@ def main(argv: list[str] | None = None) -> int:
             notify.status(line)
             last = line
     notify.stopping()
-    notify.status("stopping the cluster: rank 0 first, then the workers")
-    log.info("coordinator_stopping", "stopping the cluster")
+    decision = SystemdJobQuery().decision()  # systemctl stop, or the stop half of a restart?
+    log_stopping(log, notify, decision)
     if guard is not None:
         guard.stop()  # before the stop, so that it cannot act on a cluster going down
     probe.stop()
-    runtime.shutdown(stop_cluster=True)
+    runtime.shutdown(stop_cluster=decision.stop_cluster)
     server.stop(grace=1.0).wait(3.0)
     if metrics is not None:
         metrics.stop()
     if hook is not None:
         hook.stop()
-    log.info("coordinator_stopped", "cluster stopped; coordinator exiting")
+    log.info("coordinator_stopped", f"{'cluster stopped' if decision.stop_cluster else 'ranks left serving'}; "
+             "coordinator exiting", ranks_kept="no" if decision.stop_cluster else "yes")
     return 0
 
 
