@@ -1,9 +1,14 @@
 """dsv41-coordinator: brings the cluster up, keeps it serving, and brings it down on stop (Type=notify).
 
 READY=1 is sent when the coordinator is up (not when the 12-minute model load ends); STATUS=
-shows the phase. SIGTERM (systemctl stop) stops rank 0 first, then the workers, and confirms on
-every node that no rank is left. SIGKILL or a crash leaves the ranks serving; started again, the
-coordinator re-adopts ranks that run the current plans.
+shows the phase. On SIGTERM it asks systemd which job runs for its unit (coordinator/stopjob.py):
+in a stop job (`systemctl stop`, shutdown, package removal) it stops rank 0 first, then the
+workers, and confirms on every node that no rank is left; in a restart job (`systemctl restart`,
+a package upgrade) it exits leaving the ranks serving. A SIGTERM without a job (`kill`) or when
+systemd cannot be asked also leaves them serving, with a warning: an outage the operator did not
+ask for costs a 12-minute model load, while `systemctl stop` or `dsv41ctl stop` stop the cluster
+on request. SIGKILL or a crash leaves the ranks serving too; started again, the coordinator
+re-adopts ranks that run the current plans. Exit status is 0 either way (Restart=on-failure).
 """
 
 from __future__ import annotations
