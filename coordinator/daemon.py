@@ -9,6 +9,7 @@ systemd cannot be asked also leaves them serving, with a warning: an outage the 
 ask for costs a 12-minute model load, while `systemctl stop` or `dsv41ctl stop` stop the cluster
 on request. SIGKILL or a crash leaves the ranks serving too; started again, the coordinator
 re-adopts ranks that run the current plans. Exit status is 0 either way (Restart=on-failure).
+Run by hand, not as a systemd service, SIGTERM or Ctrl-C stops the cluster: nothing would restart it.
 """
 
 from __future__ import annotations

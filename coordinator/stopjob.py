@@ -7,6 +7,8 @@ unit's job, read when SIGTERM arrives, tells `systemctl stop`, system shutdown a
 removal (a "stop" job) from `systemctl restart`, `try-restart` and a package upgrade (a "restart"
 job). A SIGTERM that comes without a job (`kill`, `systemctl kill`) or a query that fails is not
 taken as a request for an outage: the ranks are left serving and the log says how to stop them.
+A coordinator that is not a systemd service (run by hand, or by a test harness) stops the cluster
+on SIGTERM or SIGINT as before: nothing would restart it to re-adopt the ranks.
 
 The systemd side is read with busctl (systemd's own tool, so present wherever systemd is) over the
 system bus: Manager.GetUnitByPID(our PID) -> the unit's Job property -> the job's JobType. The unit
@@ -20,7 +22,7 @@ import json
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 SYSTEMD = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/systemd1"
@@ -52,9 +54,13 @@ class StopDecision:
 HOW_TO_STOP = "`systemctl stop dsv41-coordinator` or `dsv41ctl stop` stops the cluster"
 
 
-def decide(job_type: str | None, query_error: str | None = None) -> StopDecision:
+def decide(job_type: str | None, query_error: str | None = None, service: bool = True) -> StopDecision:
     """The decision for a SIGTERM that came while systemd ran `job_type` for the coordinator's unit
-    (None: no job, or `query_error` says why it is not known)."""
+    (None: no job, or `query_error` says why it is not known). Not a systemd `service` (run from a
+    terminal or a test harness): nothing would restart it, so SIGTERM or Ctrl-C is the stop."""
+    if not service:
+        return StopDecision(StopAction.STOP_CLUSTER, None, "not running as a systemd service: a signal is "
+                            "the operator's stop", True)
     if job_type in STOP_JOBS:
         return StopDecision(StopAction.STOP_CLUSTER, job_type, "systemd is stopping the unit (systemctl stop, "
                             "system shutdown or package removal)", True)
@@ -99,8 +105,10 @@ class SystemdJobQuery:
     """Asks systemd, through busctl, which job it runs for the unit that holds `pid`."""
 
     def __init__(self, runner: Runner = run_command, pid: int | None = None, timeout_s: float = QUERY_TIMEOUT_S,
-                 busctl: str = "busctl"):
+                 busctl: str = "busctl", environ: Mapping[str, str] | None = None):
         self._runner = runner
+        # systemd gives every service it starts INVOCATION_ID; a coordinator run by hand has none.
+        self._service = "INVOCATION_ID" in (os.environ if environ is None else environ)
         self._pid = os.getpid() if pid is None else pid
         self._timeout_s = timeout_s
         self._busctl = busctl
@@ -140,5 +148,7 @@ class SystemdJobQuery:
             return JobAnswer(None, "busctl: unexpected reply shape")
 
     def decision(self) -> StopDecision:
+        if not self._service:
+            return decide(None, service=False)
         answer = self.job_type()
         return decide(answer.job_type, answer.error)

@@ -15,6 +15,7 @@ RECORDED_JOB = '{"type":"(uo)","data":[80,"/org/freedesktop/systemd1/job/80"]}\n
 RECORDED_NO_JOB = '{"type":"(uo)","data":[0,"/"]}\n'
 RECORDED_JOB_TYPE = '{"type":"s","data":"%s"}\n'
 RECORDED_NO_BUS = "Call failed: Transport endpoint is not connected\n"  # dbus already stopped
+SERVICE = {"INVOCATION_ID": "0123456789abcdef0123456789abcdef"}  # what systemd gives every service
 RECORDED_UNKNOWN_JOB = ("Failed to get property JobType on interface org.freedesktop.systemd1.Job: "
                         "Unknown object '/org/freedesktop/systemd1/job/80'.\n")
 
@@ -78,7 +79,14 @@ def test_the_query_follows_the_unit_of_our_pid_to_its_job_type():
 
 def test_a_stop_job_read_from_systemd_decides_a_stop():
     runner = Recorded(RECORDED_UNIT_BY_PID, RECORDED_JOB, RECORDED_JOB_TYPE % "stop")
-    assert SystemdJobQuery(runner, pid=1).decision().stop_cluster
+    assert SystemdJobQuery(runner, pid=1, environ=SERVICE).decision().stop_cluster
+
+
+def test_a_coordinator_that_is_not_a_systemd_service_stops_the_cluster_without_asking():
+    runner = Recorded()
+    decision = SystemdJobQuery(runner, pid=1, environ={"PATH": "/usr/bin"}).decision()
+    assert decision.stop_cluster and decision.certain and "not running as a systemd service" in decision.reason
+    assert runner.calls == []
 
 
 def test_no_job_is_none_without_an_error_and_asks_no_further():
@@ -100,7 +108,7 @@ def test_no_job_is_none_without_an_error_and_asks_no_further():
 def test_a_failed_query_is_unknown_with_its_reason_and_keeps_the_ranks(replies, says):
     answer = SystemdJobQuery(Recorded(*replies), pid=1).job_type()
     assert answer.job_type is None and says in answer.error
-    decision = SystemdJobQuery(Recorded(*replies), pid=1).decision()
+    decision = SystemdJobQuery(Recorded(*replies), pid=1, environ=SERVICE).decision()
     assert not decision.stop_cluster and not decision.certain and says in decision.reason
 
 
