@@ -1,9 +1,15 @@
 """dsv41-coordinator: brings the cluster up, keeps it serving, and brings it down on stop (Type=notify).
 
 READY=1 is sent when the coordinator is up (not when the 12-minute model load ends); STATUS=
-shows the phase. SIGTERM (systemctl stop) stops rank 0 first, then the workers, and confirms on
-every node that no rank is left. SIGKILL or a crash leaves the ranks serving; started again, the
-coordinator re-adopts ranks that run the current plans.
+shows the phase. On SIGTERM it asks systemd which job runs for its unit (coordinator/stopjob.py):
+in a stop job (`systemctl stop`, shutdown, package removal) it stops rank 0 first, then the
+workers, and confirms on every node that no rank is left; in a restart job (`systemctl restart`,
+a package upgrade) it exits leaving the ranks serving. A SIGTERM without a job (`kill`) or when
+systemd cannot be asked also leaves them serving, with a warning: an outage the operator did not
+ask for costs a 12-minute model load, while `systemctl stop` or `dsv41ctl stop` stop the cluster
+on request. SIGKILL or a crash leaves the ranks serving too; started again, the coordinator
+re-adopts ranks that run the current plans. Exit status is 0 either way (Restart=on-failure).
+Run by hand, not as a systemd service, SIGTERM or Ctrl-C stops the cluster: nothing would restart it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from .control import serve
 from .reconfig import Coordinator, first_config
 from .runtime import ClusterRuntime
 from .session import Unusable, credentials, load_tls, make_clients  # noqa: F401 - dsv41ctl's imports
+from .stopjob import StopDecision, SystemdJobQuery
 from .sockets import CONTROL_SOCKET
 from .state import Phase
 
@@ -40,6 +47,20 @@ def status_line(runtime: ClusterRuntime, clock=time.time) -> str:
         running = sum(1 for r in snap.ranks.values() if r.active_state == "active")
         return f"serving on :{runtime.cfg.integer('PORT')}, {running}/{total} ranks, up {up // 3600}h{up % 3600 // 60:02d}m"
     return f"{snap.phase}" + (f": {snap.detail}" if snap.detail else "")
+
+
+def log_stopping(log: EventLog, notify: SdNotify, decision: StopDecision) -> None:
+    """The journal event and the STATUS= line for a SIGTERM, saying whether the ranks are stopped."""
+    fields = {"job_type": decision.job_type or "none", "ranks_kept": "no" if decision.stop_cluster else "yes"}
+    if decision.stop_cluster:
+        notify.status("stopping the cluster: rank 0 first, then the workers")
+        log.info("coordinator_stopping", f"stopping the cluster: {decision.reason}", **fields)
+    elif decision.certain:
+        notify.status("exiting; the ranks are left serving for the next coordinator")
+        log.info("coordinator_stopping", f"exiting, ranks left serving: {decision.reason}", **fields)
+    else:
+        notify.status("exiting; the ranks are left serving (SIGTERM without a stop job)")
+        log.warning("coordinator_stopping", f"exiting, ranks left serving: {decision.reason}", **fields)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     notify.ready(status_line(coordinator.runtime))
     watch(stop, notify, coordinator)
     notify.stopping()
-    notify.status("stopping the cluster: rank 0 first, then the workers")
-    log.info("coordinator_stopping", "stopping the cluster")
-    coordinator.stop(stop_cluster=True)
+    decision = SystemdJobQuery().decision()  # systemctl stop, or the stop half of a restart?
+    log_stopping(log, notify, decision)
+    coordinator.stop(stop_cluster=decision.stop_cluster)  # the guard first: it cannot act on a cluster going down
     server.stop(grace=1.0).wait(3.0)
-    log.info("coordinator_stopped", "cluster stopped; coordinator exiting")
+    log.info("coordinator_stopped", f"{'cluster stopped' if decision.stop_cluster else 'ranks left serving'}; "
+             "coordinator exiting", ranks_kept="no" if decision.stop_cluster else "yes")
     return 0
 
 

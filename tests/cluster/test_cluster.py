@@ -515,6 +515,54 @@ def test_14_a_worker_cut_off_for_30_s_is_lost_then_serves_again_once_its_link_is
     wait_serving(head, timeout=120, changed_from=before)
 
 
+# Scenarios 15-15a: the coordinator's own restarts are no outage. They come after scenario 6's
+# `systemctl stop` (which must still stop every rank); with -k they may follow it directly, so
+# scenario 15 starts the coordinator when it is not running.
+def coordinator_stop_events(head) -> tuple[dict, dict]:
+    """The last coordinator_stopping and coordinator_stopped events in the head's journal."""
+    stopping, stopped = (head.journal(unit="dsv41-coordinator.service", fields=None, matches=[f"DSV41_EVENT={e}"])
+                         for e in ("coordinator_stopping", "coordinator_stopped"))
+    return stopping[-1], stopped[-1]
+
+
+def assert_restarted_keeping(sparks, head, coordinator: int, pids: dict, adopted_before: int) -> None:
+    assert unit_pid(head, "dsv41-coordinator.service") not in (0, coordinator), "a new coordinator runs"
+    body = wait_serving(head)
+    assert rank_pids(body) == pids
+    for name, node in sparks.items():
+        assert unit_pid(node, "dsv41-rank.service") == pids[name], name
+    stopping, stopped = coordinator_stop_events(head)
+    assert stopping["DSV41_JOB_TYPE"] == "restart" and stopping["DSV41_RANKS_KEPT"] == "yes", stopping
+    assert stopping["PRIORITY"] == "6" and "the stop half of a restart" in stopping["MESSAGE"]
+    assert stopped["MESSAGE"].startswith("ranks left serving"), stopped["MESSAGE"]
+    adopted = head.journal(unit="dsv41-coordinator.service", matches=["DSV41_EVENT=adopted"])
+    assert len(adopted) > adopted_before, "the new coordinator re-adopted the ranks"
+
+
+def test_15_systemctl_restart_of_the_coordinator_keeps_every_rank_serving(sparks):
+    head = head_of(sparks)
+    head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)  # already running: nothing
+    pids = rank_pids(wait_serving(head, timeout=120))
+    coordinator = unit_pid(head, "dsv41-coordinator.service")
+    adopted = len(head.journal(unit="dsv41-coordinator.service", matches=["DSV41_EVENT=adopted"]))
+    head.run(["systemctl", "restart", "dsv41-coordinator.service"], timeout=120)
+    assert head.show("dsv41-coordinator.service", "ExecMainStatus")["ExecMainStatus"] == "0"
+    assert_restarted_keeping(sparks, head, coordinator, pids, adopted)
+
+
+def test_15a_upgrading_the_coordinator_while_serving_restarts_it_and_keeps_every_rank(sparks, debs):
+    head = head_of(sparks)
+    pids = rank_pids(wait_serving(head))
+    coordinator = unit_pid(head, "dsv41-coordinator.service")
+    old = head.run(["dpkg-query", "-W", "-f", "${Version}", "dsv41-coordinator"]).stdout
+    assert not old.endswith("+1"), f"scenario 5 upgrades the agents only; the coordinator is at {old}"
+    adopted = len(head.journal(unit="dsv41-coordinator.service", matches=["DSV41_EVENT=adopted"]))
+    install(head, debs[1], ["dsv41-coordinator"], remote="/var/tmp/debs-v2-coordinator")
+    state = head.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "dsv41-coordinator"]).stdout
+    assert state == f"install ok installed {old}+1", state
+    assert_restarted_keeping(sparks, head, coordinator, pids, adopted)
+
+
 def rank_environment(node) -> str:
     return node.show("dsv41-rank.service", "Environment")["Environment"]
 

@@ -63,13 +63,19 @@ class Coordinator:
         log = open(self.log, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--config", str(self.config),
                                       "--control-socket", self.socket, *extra], cwd=REPO, stdout=log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+                                     stderr=subprocess.STDOUT, env=self._env())
         deadline = time.monotonic() + 20
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"coordinator did not start:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.05)
         return self
+
+    @staticmethod
+    def _env() -> dict[str, str]:
+        # Not a systemd service, also when the tests run in one: SIGTERM stops the cluster.
+        env = {k: v for k, v in os.environ.items() if k != "INVOCATION_ID"}
+        return {**env, "PYTHONPATH": str(REPO)}
 
     def stub(self) -> control_pb2_grpc.ControlStub:
         return control_pb2_grpc.ControlStub(grpc.insecure_channel(f"unix:{self.socket}"))

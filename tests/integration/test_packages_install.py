@@ -186,7 +186,12 @@ def test_install_configure_upgrade_purge(node, debs: dict[str, Path]) -> None:
     assert after_agent["ActiveState"] == "active" and after_agent["MainPID"] != agent_pid["MainPID"], \
         (agent_pid, after_agent)  # restarted
     after = {u: n.show(u, "ActiveState", "MainPID") for u in ("dsv41-coordinator", "dsv41-rank")}
-    assert after == before  # neither the coordinator nor the rank was touched
+    assert after["dsv41-rank"] == before["dsv41-rank"]  # the rank was not touched
+    # The running coordinator was restarted (a restart job: it left the rank alone) to run the new code.
+    assert after["dsv41-coordinator"]["ActiveState"] == "active", after
+    assert after["dsv41-coordinator"]["MainPID"] != before["dsv41-coordinator"]["MainPID"], (before, after)
+    kept = n.journal("dsv41-coordinator.service", fields=None, matches=["DSV41_EVENT=coordinator_stopping"])
+    assert kept and kept[-1]["DSV41_JOB_TYPE"] == "restart" and kept[-1]["DSV41_RANKS_KEPT"] == "yes", kept
     assert n.run(["systemctl", "is-enabled", "dsv41-coordinator"], check=False).stdout.strip() == "disabled"
     assert n.run(["cat", "/etc/dsv41/agent.env"]).stdout == AGENT_ENV.format(name=n.name)
     assert n.run(["ls", "/etc/dsv41"]).stdout.split() == ["agent.env", "cluster.env"]  # no .dpkg-* files
