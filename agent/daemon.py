@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from dsv41.adapterversion import InstalledAdapter
 from dsv41.journal import EventLog
 from dsv41.relay import Limits, Relay
 from dsv41.v1 import agent_pb2_grpc
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         systemd = Systemd()
         # Not the state directory: `python -m` would import from it, and PutFile writes there.
-        rank = RankManager(systemd, s.node, events, working_directory=s.rank_cache_dir)
+        rank = RankManager(systemd, s.node, events, working_directory=s.rank_cache_dir,
+                           installed_adapter=InstalledAdapter(s.adapter_dir).version)
         rank.adopt()
     except SystemdError as exc:
         log.error("agent_failed", f"cannot reach systemd over D-Bus: {exc}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from dsv41.adapterversion import adapter_stale, adapter_version_from_fields
 from dsv41.journal import EventLog
 
 from .rankspec import (NO_FLOOR, RANK_UNIT, FloorSpec, RankLaunch, fill_env, fingerprint_from_fields, floor_from_fields,
@@ -67,6 +68,7 @@ class RankStatus:
     stopping_detail: str = ""
     first_loss_at_unix_s: float = 0.0  # one of the run's SGLang processes ended (treewatch.py)
     first_loss_detail: str = ""
+    adapter_version: str = ""  # the adapter this run loaded at its start; "" when not recorded
 
     @property
     def running(self) -> bool:
@@ -88,7 +90,8 @@ def _status_from(props: dict, last_exit: ExitRecord | None) -> RankStatus:
         fingerprint=fingerprint_from_fields(props.get("LogExtraFields", [])),
         invocation_id=invocation, status_text=str(props.get("StatusText", "")),
         n_restarts=int(props.get("NRestarts", 0)), last_exit=last_exit,
-        control_group=str(props.get("ControlGroup", "")))
+        control_group=str(props.get("ControlGroup", "")),
+        adapter_version=adapter_version_from_fields(props.get("LogExtraFields", [])))
 
 
 def _exit_from(props: dict, clock: Callable[[], float]) -> ExitRecord:
@@ -102,8 +105,11 @@ def _exit_from(props: dict, clock: Callable[[], float]) -> ExitRecord:
 class RankManager:
     def __init__(self, systemd: Systemd, node: str, log: EventLog, working_directory: str,
                  cgroup_roots: tuple[str, ...] = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/systemd", "/sys/fs/cgroup"),
-                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
+                 installed_adapter: Callable[[], str] = str):
+        """installed_adapter: the version of the adapter installed now, which a start loads ("" unknown)."""
         self._systemd = systemd
+        self._installed_adapter = installed_adapter
         self._node = node
         self._log = log
         self._workdir = working_directory
@@ -227,8 +233,15 @@ class RankManager:
             self._record_exit_and_reset()
             state = self.status()
         if state.running:
+            installed = self._installed_adapter()
             self._log.info("rank_adopted", f"re-adopted running {RANK_UNIT} (pid {state.main_pid}, plan "
-                           f"{state.fingerprint})", unit=RANK_UNIT, pid=state.main_pid, fingerprint=state.fingerprint)
+                           f"{state.fingerprint}, adapter {state.adapter_version or 'unknown'})", unit=RANK_UNIT,
+                           pid=state.main_pid, fingerprint=state.fingerprint,
+                           adapter_version=state.adapter_version or None, adapter_installed=installed or None)
+            if adapter_stale(state.adapter_version, installed):
+                self._log.event("rank_adapter_stale", f"{RANK_UNIT} runs adapter {state.adapter_version}, "
+                                f"{installed} is installed: the next restart of the ranks loads it", "notice",
+                                unit=RANK_UNIT, adapter_version=state.adapter_version, adapter_installed=installed)
         return state
 
     def _on_properties(self, path: str, interface: str, changed: dict) -> None:
@@ -365,7 +378,8 @@ class RankManager:
             elif current.active_state == "deactivating":
                 self._stop_locked(launch.stop_timeout_s)
             env = fill_env(launch, facts)
-            props = unit_properties(launch, env, self._node, self._workdir)
+            adapter = self._installed_adapter()
+            props = unit_properties(launch, env, self._node, self._workdir, adapter)
             self._expected_stop = False
             exits_before = self._exits
             try:
@@ -382,8 +396,9 @@ class RankManager:
                 raise RankError(detail)
             state = self.refresh()
             self._log.info("rank_started", f"started {RANK_UNIT} rank {launch.rank} (pid {state.main_pid}, plan "
-                           f"{launch.fingerprint})", unit=RANK_UNIT, pid=state.main_pid,
-                           fingerprint=launch.fingerprint, rank=launch.rank)
+                           f"{launch.fingerprint}, adapter {adapter or 'unknown'})", unit=RANK_UNIT,
+                           pid=state.main_pid, fingerprint=launch.fingerprint, rank=launch.rank,
+                           adapter_version=adapter or None)
             return outcome, state
 
     def stop(self, deadline_s: float) -> tuple[str, ExitRecord | None, int]:

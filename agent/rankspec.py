@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from dsv41.adapterversion import adapter_version_field
+
 from .container import CIDFILE, CIDFILE_DIR
 from .pathtrust import PathUse
 from .settings import AgentSettings
@@ -542,14 +544,17 @@ SANDBOX: tuple[tuple[str, str, object], ...] = (
 )
 
 
-def unit_properties(launch: RankLaunch, env: Mapping[str, str], node: str,
-                    working_directory: str) -> list[tuple[str, str, object]]:
-    """(name, D-Bus signature, value) for StartTransientUnit; the systemd client wraps them in variants."""
+def unit_properties(launch: RankLaunch, env: Mapping[str, str], node: str, working_directory: str,
+                    adapter_version: str = "") -> list[tuple[str, str, object]]:
+    """(name, D-Bus signature, value) for StartTransientUnit; the systemd client wraps them in variants.
+    adapter_version: the installed adapter's, which this run loads (recorded with the unit, outside
+    the plan's fingerprint)."""
     def cmd(argv: Sequence[str], ignore_failure: bool) -> tuple[str, list[str], bool]:
         return (argv[0], list(argv), ignore_failure)
 
     extra = [f"DSV41_NODE={node}", f"DSV41_RANK={launch.rank}", f"DSV41_FINGERPRINT={launch.fingerprint}",
-             f"DSV41_GENERATION={launch.generation}", "DSV41_UNIT=dsv41-rank"]
+             f"DSV41_GENERATION={launch.generation}", "DSV41_UNIT=dsv41-rank",
+             *adapter_version_field(adapter_version)]
     env = dict(env)
     if launch.runtime == "host" and launch.cache_dir:
         # `python -m` puts the working directory first on sys.path; and whatever writes to ~ writes

@@ -51,7 +51,7 @@ def rank_pb(state: RankStatus) -> pb.RankState:
                         last_exit=exit_pb(state.last_exit), n_restarts=state.n_restarts,
                         stopping_cause=_CAUSES.get(state.stopping_cause, pb.ExitInfo.CAUSE_UNSPECIFIED),
                         stopping_detail=state.stopping_detail, first_loss_at_unix_s=state.first_loss_at_unix_s,
-                        first_loss_detail=state.first_loss_detail)
+                        first_loss_detail=state.first_loss_detail, adapter_version=state.adapter_version)
 
 
 class RankRpcs:

@@ -17,6 +17,7 @@ from typing import Callable
 
 import grpc
 
+from dsv41.adapterversion import InstalledAdapter
 from dsv41.v1 import agent_pb2 as pb
 from dsv41.v1 import agent_pb2_grpc
 from dsv41.version import VERSION
@@ -123,6 +124,7 @@ class StatusRpcs:
         self._monotonic = monotonic
         self._pressure = pressure or NodePressure()
         self._adapter_digest = AdapterDigest(settings.adapter_dir, monotonic)
+        self._adapter = InstalledAdapter(settings.adapter_dir)
         self._cert_expiry = CertExpiry(settings.tls_cert)
 
     def GetStatus(self, request, context):
@@ -132,6 +134,7 @@ class StatusRpcs:
             context.abort(grpc.StatusCode.INTERNAL, f"cannot read this node's memory: {exc}")
         return pb.NodeStatus(
             node=self._settings.node, agent_version=VERSION, adapter_digest=self._adapter_digest.get(),
+            adapter_version=self._adapter.version(),
             agent_up_s=self._monotonic() - self._started, rank=rank_pb(self._settled_rank()),
             memory=sample_pb(memory), allowed_runtimes=list(self._settings.allowed_runtimes),
             mount=self._mount(), export=self._export(), images=self._images.get(),

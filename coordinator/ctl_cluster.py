@@ -10,6 +10,7 @@ from typing import TextIO
 
 import grpc
 
+from dsv41.adapterversion import adapter_stale
 from dsv41.v1 import agent_pb2 as apb
 from dsv41.v1 import control_pb2 as pb
 from dsv41.v1 import control_pb2_grpc
@@ -197,6 +198,19 @@ def _width(out: TextIO) -> int:
         return WIDTH
 
 
+def stale_adapter_lines(nodes) -> list[str]:
+    """One line per node whose running rank loaded other adapter code than is installed now (an
+    upgrade re-adopts the ranks without restarting them); none where they match or either is unknown."""
+    lines = []
+    for view in nodes:
+        rank, installed = view.status.rank, view.status.adapter_version
+        running = rank.active_state in ("active", "activating", "reloading")
+        if view.agent_reachable and running and adapter_stale(rank.adapter_version, installed):
+            lines.append(f"{view.name}: rank runs adapter {rank.adapter_version}, {installed} is installed: "
+                         "the next restart of the ranks loads it")
+    return lines
+
+
 def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, width: int | None = None) -> None:
     paint = _colour(out)
     now = time.time() if now is None else now
@@ -254,6 +268,10 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, w
         failed = [c for c in view.fabric.checks if not c.ok]
         for check in failed[:3]:
             put(f"{'':<13}fabric: {check.name}: {check.detail}")
+    for line in stale_adapter_lines(st.nodes):
+        first, *rest = fold(line, width, 4, lead=2)
+        for part in ["  " + first, *rest]:
+            print(paint(part, "33"), file=out)
 
 
 def _status(args, out: TextIO, err: TextIO) -> int:

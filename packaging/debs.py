@@ -8,9 +8,9 @@
 build: copies the tree as committed in HEAD (default) or another git revision (`git archive`), or
 with --source worktree every file of the working tree that git does not ignore (tracked or not, as
 they are now), into a temporary directory, adds packaging/debian as debian/ with a changelog whose version comes from
-dsv41/version.py, runs `dpkg-buildpackage -A` in a fixed environment (system PATH, C.UTF-8, UTC,
-SOURCE_DATE_EPOCH of the commit, umask 022) and leaves the .deb, .buildinfo and .changes
-files in DIR (default packaging/out). The same files and commit give byte-identical .deb files.
+dsv41/version.py (the copy's VERSION is set to it, suffix included), runs `dpkg-buildpackage -A` in a
+fixed environment (system PATH, C.UTF-8, UTC, SOURCE_DATE_EPOCH of the commit, umask 022) and leaves
+the .deb, .buildinfo and .changes files in DIR (default packaging/out). The same files and commit give byte-identical .deb files.
 
 lintian: runs lintian on the .changes file in DIR; exits 1 when lintian reports an error.
 """
@@ -67,6 +67,17 @@ def read_version(version_py: str) -> str:
                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
             return node.value.value
     raise BuildError("dsv41/version.py: no VERSION = \"...\" assignment")
+
+
+def stamp_version(version_py: str, version: str) -> str:
+    """dsv41/version.py's text with VERSION set to the package's version (the suffix included), so
+    that every installed copy names the package it came from: the agent compares the adapter a rank
+    loaded with the one installed by reading it (dsv41/adapterversion.py)."""
+    stamped, count = re.subn(r'^VERSION = "[^"\n]*"$', f'VERSION = "{version}"', version_py, count=1,
+                             flags=re.MULTILINE)
+    if not count:
+        raise BuildError('dsv41/version.py: no line VERSION = "..." to set the package version on')
+    return stamped
 
 
 def debian_version(version: str, suffix: str = "") -> str:
@@ -188,7 +199,9 @@ def build(repo: Path, out: Path, suffix: str = "", source: str = "HEAD",
             export_worktree(repo, src)
         else:
             export_commit(repo, src, state.commit)
-        version = debian_version(read_version((src / "dsv41" / "version.py").read_text()), suffix)
+        version_py = src / "dsv41" / "version.py"
+        version = debian_version(read_version(version_py.read_text()), suffix)
+        version_py.write_text(stamp_version(version_py.read_text(), version))
         if (src / "debian").exists():
             raise BuildError("the tree has a top-level debian/ directory; the packaging lives in packaging/debian")
         shutil.copytree(src / "packaging" / "debian", src / "debian", symlinks=True)

@@ -8,6 +8,7 @@ from typing import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from dsv41.adapterversion import adapter_stale
 from dsv41.version import VERSION
 from dsv41.v1 import agent_pb2 as pb
 
@@ -111,6 +112,9 @@ class ClusterCollector:
                                  "complete", labels=["node", "layer"])
         rank_memory = GaugeMetricFamily("dsv41_rank_memory_bytes", "memory of the node's rank unit (cgroup)",
                                         labels=["node"])
+        stale = GaugeMetricFamily("dsv41_rank_adapter_stale", "1 when the node's running rank loaded another "
+                                  "adapter version than is installed now (the next restart loads it); absent "
+                                  "when either is unknown", labels=["node"])
         for node in self._nodes:
             view = views.get(node)
             up.add_metric([node], 1 if view is not None and view.up else 0)
@@ -120,6 +124,8 @@ class ClusterCollector:
             available.add_metric([node], status.memory.available_bytes)
             if status.rank.memory_current_bytes:
                 rank_memory.add_metric([node], status.rank.memory_current_bytes)
+            if status.rank.adapter_version and status.adapter_version:
+                stale.add_metric([node], 1 if adapter_stale(status.rank.adapter_version, status.adapter_version) else 0)
             for resource, (some, full) in pressures(status).items():
                 psi.add_metric([node, resource], some)
                 psi_full.add_metric([node, resource], full)
@@ -129,7 +135,7 @@ class ClusterCollector:
                 for layer in view.pack.layers:
                     complete = layer_state(layer) == pb.PackLayerState.COMPLETE
                     pack.add_metric([node, str(layer.layer)], 1 if complete else 0)
-        yield from (up, available, psi, psi_full, mount, pack, rank_memory)
+        yield from (up, available, psi, psi_full, mount, pack, rank_memory, stale)
 
     def _guard(self) -> Iterator:
         if self._guard_low is None:

@@ -15,6 +15,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsv41.version import VERSION
+
 from testbed.sparks import SIM, boot_sparks, build_debs, ctl, install, rank_pids, status, wait_serving
 from tests.cluster.sparks import (coordinator_events, incidents, install_nfs_client_standin, new_incident, unit_pid,
                                   wait_for)
@@ -183,6 +185,27 @@ def test_5_upgrading_the_agents_while_serving_keeps_every_rank(sparks, debs):
     time.sleep(1.0)
     body = wait_serving(head)
     assert rank_pids(body) == pids
+
+
+def test_5a_status_shows_ranks_running_the_adapter_older_than_installed(sparks):
+    head = head_of(sparks)
+    body = status(head)
+    pids = rank_pids(body)
+    new = f"{VERSION}+1"  # scenario 5's packages; every rank was started before them
+    for view in body["nodes"]:
+        assert (view["status"]["rank"]["adapter_version"], view["status"]["adapter_version"]) == (VERSION, new), view
+    text = ctl(head, "status").stdout
+    for name in sparks:
+        assert f"{name}: rank runs adapter {VERSION}, {new} is installed: the next restart" in text, text
+        assert unit_pid(sparks[name], "dsv41-rank.service") == pids[name]
+    stale = {name: (("node", name),) for name in sparks}
+    wait_for(lambda: all(metrics(head).get(("dsv41_rank_adapter_stale", key)) == 1 for key in stale.values()), 30,
+             "dsv41_rank_adapter_stale is not 1 for every node")
+    # The next planned restart loads the installed adapter, and status says nothing more about it.
+    assert ctl(head, "restart").returncode == 0
+    body = wait_serving(head, changed_from=pids)
+    assert all(view["status"]["rank"]["adapter_version"] == new for view in body["nodes"]), body["nodes"]
+    assert "rank runs adapter" not in ctl(head, "status").stdout
 
 
 def test_7_a_runaway_prompt_is_aborted_by_the_memory_guard(sparks):

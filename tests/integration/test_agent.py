@@ -10,7 +10,7 @@ import pytest
 
 from dsv41.v1 import agent_pb2 as pb
 from testbed.nspawn import Node
-from tests.integration.agentnode import channel, free_port, install_agent, spec, wait
+from tests.integration.agentnode import SRC, channel, free_port, install_agent, spec, wait
 from tests.integration.test_guard_memory import HeadMemory
 
 pytestmark = pytest.mark.integration
@@ -96,6 +96,33 @@ def test_agent_restart_keeps_the_rank_and_readopts_it(agent):
     assert int(unit_state(node)["MainPID"]) == pid
     node.run(["systemctl", "start", "dsv41-agent.service"], timeout=60)
     assert wait(lambda: _status_or_none(stub)).rank.main_pid == pid
+
+
+def test_the_unit_keeps_the_adapter_version_it_started_with_across_an_upgrade_and_agent_restart(agent):
+    """The version is recorded on the transient unit (LogExtraFields), so an agent restarted after
+    the adapter was replaced reads what the running rank loaded, and the installed one beside it."""
+    node, stub = agent
+    version_py = f"{SRC}/adapter/dsv41/version.py"
+    node.write_file(version_py, 'VERSION = "0.9.0"\n')
+    try:
+        started = stub.StartRank(pb.StartRankRequest(spec=spec(fingerprint="e1")), timeout=30)
+        assert started.rank.adapter_version == "0.9.0"
+        lines = wait(lambda: node.journal(matches=["DSV41_ADAPTER_VERSION=0.9.0", "SYSLOG_IDENTIFIER=dsv41-rank"]))
+        assert any("stand-in rank up" in e["MESSAGE"] for e in lines)  # the rank's own lines carry it
+        node.write_file(version_py, 'VERSION = "0.9.0+1"\n')  # the upgrade; then dpkg restarts the agent
+        node.run(["systemctl", "restart", "dsv41-agent.service"], timeout=60)
+        status = wait(lambda: _status_or_none(stub))
+        assert status.rank.main_pid == started.rank.main_pid and status.rank.fingerprint == "e1"
+        assert status.rank.adapter_version == "0.9.0" and status.adapter_version == "0.9.0+1"
+        stale = wait(lambda: node.journal(fields=("MESSAGE", "DSV41_ADAPTER_INSTALLED"),
+                                          matches=["DSV41_EVENT=rank_adapter_stale"]))
+        assert stale[-1]["DSV41_ADAPTER_INSTALLED"] == "0.9.0+1"
+        again = stub.StartRank(pb.StartRankRequest(spec=spec(fingerprint="e1")), timeout=30)
+        assert again.outcome == pb.StartRankResponse.ALREADY_RUNNING  # the version is not part of the plan
+        replaced = stub.StartRank(pb.StartRankRequest(spec=spec(fingerprint="e2"), replace=True), timeout=30)
+        assert replaced.rank.adapter_version == "0.9.0+1"  # the next start loads the installed one
+    finally:
+        node.run(["rm", "-rf", f"{SRC}/adapter/dsv41"])
 
 
 def _status_or_none(stub):

@@ -214,6 +214,17 @@ def test_version_comes_from_dsv41_version_py() -> None:
         debs.read_version("VERSION = 1\n")
 
 
+def test_the_packaged_version_py_names_the_package_version_suffix_included() -> None:
+    debs = debs_module()
+    text = (REPO / "dsv41" / "version.py").read_text()
+    stamped = debs.stamp_version(text, f"{VERSION}+1")
+    assert debs.read_version(stamped) == f"{VERSION}+1"
+    assert stamped.replace(f"{VERSION}+1", VERSION) == text  # nothing else changed
+    assert debs.stamp_version(text, VERSION) == text
+    with pytest.raises(debs.BuildError, match="VERSION"):
+        debs.stamp_version("VERSION = 1\n", "0.1.0")
+
+
 @pytest.mark.parametrize("suffix", ["1", "+1 ", "-1", "+1/2", "+ä"])
 def test_bad_version_suffixes_are_refused(suffix: str) -> None:
     debs = debs_module()
