@@ -26,7 +26,7 @@ from .control import serve
 from .guard.runner import MemoryGuard
 from .hook import IncidentHook
 from .probe import ServingProbe
-from .runtime import ClusterRuntime
+from .runtime import ClusterRuntime, boottime
 from .state import Phase
 from .sockets import CONTROL_SOCKET
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         except pki.PkiError as exc:
             log.error("coordinator_failed", f"API_KEY_FILE: {exc}")
             return 2
-    runtime = ClusterRuntime(cfg, make_clients(cfg, tls), log, api_key=api_key)
+    runtime = ClusterRuntime(cfg, make_clients(cfg, tls), log, api_key=api_key, boottime=boottime)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
