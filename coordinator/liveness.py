@@ -74,18 +74,28 @@ class AfterPause:
     """The nodes as heard since a pause ended."""
     answered: tuple[str, ...]  # heard from since, in the same boot: kept
     rebooted: tuple[str, ...]  # heard from since, in another boot (recorded as a reboot)
-    silent: tuple[str, ...]  # not heard from since
-    over: bool  # every node heard from, or a lease gone by since: the pause can be told
+    silent: tuple[str, ...]  # no answer since (nothing, or only what waited in its socket)
+    over: bool  # every node answered, or a lease gone by since: the pause can be told
 
 
-def after_pause(pause: Pause, heard: Mapping[str, Heard], nodes: Sequence[str], now: float,
-                lease_s: float) -> AfterPause:
-    """Only heartbeats that arrived after the pause count: a node answers within a lease of it, or
-    it is silent (and its lease, counted from the pause's end, lapses as any other)."""
-    since = [n for n in nodes if n in heard and heard[n].at > pause.resumed_at]
+def answer_spacing_s(lease_s: float) -> float:
+    """What the agents sent during the pause waits in the sockets and arrives in a burst (within
+    milliseconds) as the coordinator runs again; a live agent's next heartbeat comes a quarter
+    lease later. A node has answered once it was heard this long after its first arrival since."""
+    return lease_s / 8
+
+
+def after_pause(pause: Pause, heard: Mapping[str, Heard], first_after: Mapping[str, float], nodes: Sequence[str],
+                now: float, lease_s: float) -> AfterPause:
+    """Only heartbeats that arrived after the pause count (`first_after`: each node's first arrival
+    since), and not a burst of what waited in its socket alone: a node answers within a lease of
+    the pause, or it is silent (and its lease, counted from the pause's end, lapses as any other).
+    Any heartbeat since from another boot is a reboot."""
+    since = [n for n in nodes if n in first_after and n in heard]
     new_boot = tuple(n for n in since if rebooted(pause.boots.get(n, ""), heard[n].boot_id))
-    answered = tuple(n for n in since if n not in new_boot)
-    silent = tuple(n for n in nodes if n not in since)
+    answered = tuple(n for n in since if n not in new_boot
+                     and heard[n].at - first_after[n] >= answer_spacing_s(lease_s))
+    silent = tuple(n for n in nodes if n not in answered and n not in new_boot)
     return AfterPause(answered, new_boot, silent, not silent or now - pause.resumed_at > lease_s)
 
 

@@ -109,7 +109,9 @@ class ClusterRuntime:
         # The coordinator's own pauses: its last lease check, a pause not yet told, and when it last
         # ran again (leases and stalls are not counted across it).
         self._last_check: liveness.Tick | None = None
+        self._checked_boots: dict[str, str] = {}  # the nodes' boots at that check
         self._pause: liveness.Pause | None = None
+        self._first_after: dict[str, float] = {}  # node -> its first arrival since the pause not yet told
         self._resumed_at: float | None = None
         self._pending_since: float | None = None
         self._busy = False
@@ -385,6 +387,8 @@ class ClusterRuntime:
             any(p.process_stopped for p in message.progress))
         with self._lock:
             self._snapshot_heard = dict(self._heard)
+        if self._pause is not None and now > self._pause.resumed_at:
+            self._first_after.setdefault(node, now)
         if node in self._lost:
             gone_for = now - self._lost.pop(node)
             self._log.info("node_back", f"{node}: heard from again after {gone_for:.1f} s", node_name=node,
@@ -471,16 +475,18 @@ class ClusterRuntime:
         if length is not None and self._last_check is not None:
             if self._pause is not None:  # paused again before the last one was told
                 self._tell_pause(self._pause, now, lease)
-            self._pause = liveness.Pause(self._last_check.monotonic, now, length, dict(self._boots))
+            # the boots as before it: a heartbeat from a new boot may have been applied just before this check
+            self._pause = liveness.Pause(self._last_check.monotonic, now, length, self._checked_boots)
+            self._first_after = {}
             self._resumed_at = now
-        self._last_check = tick
-        if self._pause is not None and liveness.after_pause(self._pause, self._heard, list(self.clients), now,
-                                                            lease).over:
+        self._last_check, self._checked_boots = tick, dict(self._boots)
+        if self._pause is not None and liveness.after_pause(self._pause, self._heard, self._first_after,
+                                                            list(self.clients), now, lease).over:
             self._tell_pause(self._pause, now, lease)
 
     def _tell_pause(self, pause: liveness.Pause, now: float, lease: float) -> None:
         self._pause = None
-        after = liveness.after_pause(pause, self._heard, list(self.clients), now, lease)
+        after = liveness.after_pause(pause, self._heard, self._first_after, list(self.clients), now, lease)
         began = time.strftime("%H:%M:%S", time.localtime(self._clock() - (now - pause.resumed_at) - pause.length_s))
         message = (f"the coordinator did not run for {pause.length_s:.1f} s (from {began}: frozen, stopped, starved "
                    f"or suspended); leases were counted again from its end")
@@ -490,7 +496,7 @@ class ClusterRuntime:
         if after.rebooted:
             message += f"; {', '.join(after.rebooted)} booted again"
         if after.silent:
-            message += f"; {', '.join(after.silent)} not heard from since (NODE_LEASE_S={lease:g})"
+            message += f"; {', '.join(after.silent)} did not answer within NODE_LEASE_S={lease:g} s of it"
         self._log.warning("coordinator_paused", message, paused_s=round(pause.length_s, 3),
                           answered=",".join(after.answered), rebooted=",".join(after.rebooted),
                           silent=",".join(after.silent), answered_within_s=round(now - pause.resumed_at, 3))

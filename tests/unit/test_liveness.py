@@ -146,26 +146,40 @@ def pause(resumed_at=120.0, boots=None):
 
 
 def test_after_a_pause_only_heartbeats_that_arrived_after_it_count():
-    seen = {"spark1": heard(120.5, 5, 99.0), "spark2": heard(120.0, 5, 99.0), "spark3": heard(119.0, 5, 99.0)}
-    after = liveness.after_pause(pause(), seen, NODES, now=121.0, lease_s=6.0)
-    # spark2's arrived as the coordinator ran again (it may have waited in a socket all along)
+    # spark1 heard at 120.1 and again at 121.0; spark2 at 120.0, as the coordinator ran again (it
+    # may have waited in a socket all along); spark3 before the pause
+    seen = {"spark1": heard(121.0, 5, 99.0), "spark2": heard(120.0, 5, 99.0), "spark3": heard(99.5, 5, 99.0)}
+    after = liveness.after_pause(pause(), seen, {"spark1": 120.1}, NODES, now=121.0, lease_s=6.0)
     assert after.answered == ("spark1",) and after.silent == ("spark2", "spark3") and not after.over
 
 
+def test_a_burst_of_what_waited_in_the_socket_is_no_answer():
+    # a node that died during the pause: the heartbeats it sent before arrive within milliseconds
+    # as the coordinator runs again, and nothing after them
+    burst = {n: heard(120.004, 5, 99.0) for n in NODES}
+    firsts = {n: 120.001 for n in NODES}
+    assert liveness.after_pause(pause(), burst, firsts, NODES, now=121.0, lease_s=6.0).silent == tuple(NODES)
+    # a live agent's next heartbeat, a quarter lease later, is its answer
+    live = {**burst, "spark2": heard(121.5, 5, 99.0)}
+    after = liveness.after_pause(pause(), live, firsts, NODES, now=121.5, lease_s=6.0)
+    assert after.answered == ("spark2",) and after.silent == ("spark1", "spark3")
+
+
 def test_the_pause_is_over_when_every_node_answered_or_a_lease_went_by():
+    firsts = {n: 120.2 for n in NODES}
     every_node = {n: heard(121.0, 5, 99.0) for n in NODES}
-    after = liveness.after_pause(pause(), every_node, NODES, now=121.0, lease_s=6.0)
+    after = liveness.after_pause(pause(), every_node, firsts, NODES, now=121.0, lease_s=6.0)
     assert after.answered == tuple(NODES) and not after.silent and after.over
     two = {n: heard(121.0, 5, 99.0) for n in NODES[:2]}
-    assert not liveness.after_pause(pause(), two, NODES, now=126.0, lease_s=6.0).over
-    late = liveness.after_pause(pause(), two, NODES, now=126.1, lease_s=6.0)
+    assert not liveness.after_pause(pause(), two, firsts, NODES, now=126.0, lease_s=6.0).over
+    late = liveness.after_pause(pause(), two, firsts, NODES, now=126.1, lease_s=6.0)
     assert late.over and late.silent == ("spark3",)
 
 
 def test_a_node_heard_after_the_pause_in_another_boot_is_not_kept():
     seen = {n: Heard(121.0, "boot2" if n == "spark2" else "boot", 0, 5, 99.0, True) for n in NODES}
-    after = liveness.after_pause(pause(), seen, NODES, now=121.0, lease_s=6.0)
-    assert after.rebooted == ("spark2",) and after.answered == ("spark1", "spark3")
+    after = liveness.after_pause(pause(), seen, {n: 120.2 for n in NODES}, NODES, now=121.0, lease_s=6.0)
+    assert after.rebooted == ("spark2",) and after.answered == ("spark1", "spark3") and after.over
 
 
 def test_a_lease_is_counted_again_from_the_end_of_the_coordinators_pause():
