@@ -24,11 +24,88 @@ class Heard:
     process_stopped: bool = False  # a rank process of the node is stopped (SIGSTOP): it cannot step
 
 
-def lapsed(last_heard_at: float | None, now: float, lease_s: float, watching_since: float) -> bool:
+def lapsed(last_heard_at: float | None, now: float, lease_s: float, watching_since: float,
+           resumed_at: float | None = None) -> bool:
     """Whether a node's lease has lapsed: nothing heard for lease_s (counted from when the watch
-    began, for a node not heard from yet)."""
+    began, for a node not heard from yet; and from when the coordinator ran again after a pause,
+    for a node not heard from since: the pause is not the node's silence)."""
     since = watching_since if last_heard_at is None else last_heard_at
+    if resumed_at is not None:
+        since = max(since, resumed_at)
     return now - since > lease_s
+
+
+@dataclass(frozen=True)
+class Tick:
+    """When the supervisor checked leases: on the monotonic clock (leases are counted on it) and on
+    the boot-time clock, which also runs while the machine is suspended."""
+    monotonic: float
+    boottime: float
+
+
+def pause_threshold_s(lease_s: float) -> float:
+    """A gap between two checks longer than this is the coordinator's pause. Checks come every
+    TICK_S (0.25 s) when idle and after every message; a lease can lapse for want of a check once
+    the gap exceeds a lease less one heartbeat interval (a quarter lease): half a lease catches
+    every such gap with room for a late heartbeat, and is far above a tick."""
+    return lease_s / 2
+
+
+def paused_for(last: Tick | None, now: Tick, lease_s: float) -> float | None:
+    """The length of the coordinator's pause between two checks (the longer of the two clocks'
+    gaps: a suspend shows on the boot-time clock only), or None when the gap is a normal one."""
+    if last is None:
+        return None
+    gap = max(now.monotonic - last.monotonic, now.boottime - last.boottime)
+    return gap if gap > pause_threshold_s(lease_s) else None
+
+
+@dataclass(frozen=True)
+class Pause:
+    """The coordinator did not check leases from `began_at` until `resumed_at` (monotonic)."""
+    began_at: float
+    resumed_at: float
+    length_s: float
+    boots: Mapping[str, str]  # each node's boot ID as known when it ran again
+
+
+@dataclass(frozen=True)
+class AfterPause:
+    """The nodes as heard since a pause ended."""
+    answered: tuple[str, ...]  # heard from since, in the same boot: kept
+    rebooted: tuple[str, ...]  # heard from since, in another boot (recorded as a reboot)
+    silent: tuple[str, ...]  # no answer since (nothing, or only what waited in its socket)
+    over: bool  # every node answered, or a lease gone by since: the pause can be told
+
+
+def answer_spacing_s(lease_s: float) -> float:
+    """What the agents sent during the pause waits in the sockets and arrives in a burst (within
+    milliseconds) as the coordinator runs again; a live agent's next heartbeat comes a quarter
+    lease later. A node has answered once it was heard this long after its first arrival since."""
+    return lease_s / 8
+
+
+def after_pause(pause: Pause, heard: Mapping[str, Heard], first_after: Mapping[str, float], nodes: Sequence[str],
+                now: float, lease_s: float) -> AfterPause:
+    """Only heartbeats that arrived after the pause count (`first_after`: each node's first arrival
+    since), and not a burst of what waited in its socket alone: a node answers within a lease of
+    the pause, or it is silent (and its lease, counted from the pause's end, lapses as any other).
+    Any heartbeat since from another boot is a reboot."""
+    since = [n for n in nodes if n in first_after and n in heard]
+    new_boot = tuple(n for n in since if rebooted(pause.boots.get(n, ""), heard[n].boot_id))
+    answered = tuple(n for n in since if n not in new_boot
+                     and heard[n].at - first_after[n] >= answer_spacing_s(lease_s))
+    silent = tuple(n for n in nodes if n not in answered and n not in new_boot)
+    return AfterPause(answered, new_boot, silent, not silent or now - pause.resumed_at > lease_s)
+
+
+def stall_counted_from(pending_since: float | None, resumed_at: float | None) -> float | None:
+    """Since when a rank's missing steps count against it: from when work was pending, but never
+    across the coordinator's pause (a frozen head stops rank 0 and with it every collective; and
+    the heartbeats the coordinator reads just after a pause may predate it)."""
+    if pending_since is None or resumed_at is None:
+        return pending_since
+    return max(pending_since, resumed_at)
 
 
 def rebooted(known_boot_id: str, boot_id: str) -> bool:

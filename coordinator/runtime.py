@@ -54,6 +54,11 @@ TICK_S = 0.25  # how often leases and hangs are checked when nothing arrives
 WAIT_POLL_S = 1.0
 
 
+def boottime() -> float:
+    """CLOCK_BOOTTIME: the monotonic clock plus the time the machine spent suspended."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 @dataclass(frozen=True)
 class Rollout:
     """A configuration change the ranks restart for: until the group has served for `confirm_s`,
@@ -76,7 +81,7 @@ class ClusterRuntime:
     def __init__(self, cfg: ClusterConfig, clients: dict[str, AgentClient], log: EventLog,
                  table_source_dir: str = plan_mod.STATE_DIR, state_dir: str = "/var/lib/dsv41/coordinator",
                  api_key: str | None = None, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic):
+                 monotonic: Callable[[], float] = time.monotonic, boottime: Callable[[], float] | None = None):
         self.cfg = cfg
         self.clients = clients
         self._log = log
@@ -84,6 +89,7 @@ class ClusterRuntime:
         self._state_dir = state_dir
         self._api_key = api_key  # read from API_KEY_FILE by the daemon; reaches rank 0 as a 0600 file
         self._clock, self._monotonic = clock, monotonic
+        self._boottime = boottime or monotonic  # None: the monotonic clock given (a fake clock's pair)
         self.base_url = f"http://{cfg.text('HEAD_IP')}:{cfg.integer('PORT')}"
         # Published state: written by the supervisor only, read by anyone under the lock.
         self._lock = threading.Lock()
@@ -110,6 +116,13 @@ class ClusterRuntime:
         self._boots: dict[str, str] = {}
         self._lost: dict[str, float] = {}  # node -> when last heard
         self._watching_since = monotonic()
+        # The coordinator's own pauses: its last lease check, a pause not yet told, and when it last
+        # ran again (leases and stalls are not counted across it).
+        self._last_check: liveness.Tick | None = None
+        self._checked_boots: dict[str, str] = {}  # the nodes' boots at that check
+        self._pause: liveness.Pause | None = None
+        self._first_after: dict[str, float] = {}  # node -> its first arrival since the pause not yet told
+        self._resumed_at: float | None = None
         self._pending_since: float | None = None
         self._busy = False
         self._canary_out = False
@@ -397,6 +410,8 @@ class ClusterRuntime:
             any(p.process_stopped for p in message.progress))
         with self._lock:
             self._snapshot_heard = dict(self._heard)
+        if self._pause is not None and now > self._pause.resumed_at:
+            self._first_after.setdefault(node, now)
         if node in self._lost:
             gone_for = now - self._lost.pop(node)
             self._log.info("node_back", f"{node}: heard from again after {gone_for:.1f} s", node_name=node,
@@ -441,11 +456,12 @@ class ClusterRuntime:
         a rank that takes no step while work is pending is hung."""
         now = self._monotonic()
         lease = self.cfg.number("NODE_LEASE_S")
+        self._watch_own_pause(now, lease)
         newly = []
         for node in self.clients:
             last = self._heard.get(node)
             if node not in self._lost and liveness.lapsed(last.at if last else None, now, lease,
-                                                          self._watching_since):
+                                                          self._watching_since, self._resumed_at):
                 self._lost[node] = last.at if last else self._watching_since
                 newly.append(node)
                 self._log.warning("node_unheard", f"{node}: no heartbeat for {lease:g} s (NODE_LEASE_S)",
@@ -463,7 +479,8 @@ class ClusterRuntime:
             return
         if self._lost:
             return
-        found = liveness.hung(self._heard, list(self.clients), self._pending_since, now,
+        found = liveness.hung(self._heard, list(self.clients),
+                              liveness.stall_counted_from(self._pending_since, self._resumed_at), now,
                               self.cfg.number("HANG_TIMEOUT_S"), self.cfg.number("HANG_FIRST_STEP_TIMEOUT_S"),
                               fresh_s=lease / 2)
         if found is not None:
@@ -471,6 +488,41 @@ class ClusterRuntime:
                 f"rank on {found.node} hung: no forward step for {found.stalled_s:.1f} s while work was pending "
                 f"(at step {found.forward_count}; HANG_TIMEOUT_S={self.cfg.number('HANG_TIMEOUT_S'):g})"
                 + ("; its rank process is stopped (SIGSTOP?)" if self._heard[found.node].process_stopped else "")))
+
+    def _watch_own_pause(self, now: float, lease: float) -> None:
+        """A gap between two checks is the coordinator's own pause (frozen, stopped, starved,
+        suspended), not the nodes' silence: leases count again from its end, and it is told once,
+        when every node has answered since or a lease has gone by."""
+        tick = liveness.Tick(now, self._boottime())
+        length = liveness.paused_for(self._last_check, tick, lease)
+        if length is not None and self._last_check is not None:
+            if self._pause is not None:  # paused again before the last one was told
+                self._tell_pause(self._pause, now, lease)
+            # the boots as before it: a heartbeat from a new boot may have been applied just before this check
+            self._pause = liveness.Pause(self._last_check.monotonic, now, length, self._checked_boots)
+            self._first_after = {}
+            self._resumed_at = now
+        self._last_check, self._checked_boots = tick, dict(self._boots)
+        if self._pause is not None and liveness.after_pause(self._pause, self._heard, self._first_after,
+                                                            list(self.clients), now, lease).over:
+            self._tell_pause(self._pause, now, lease)
+
+    def _tell_pause(self, pause: liveness.Pause, now: float, lease: float) -> None:
+        self._pause = None
+        after = liveness.after_pause(pause, self._heard, self._first_after, list(self.clients), now, lease)
+        began = time.strftime("%H:%M:%S", time.localtime(self._clock() - (now - pause.resumed_at) - pause.length_s))
+        message = (f"the coordinator did not run for {pause.length_s:.1f} s (from {began}: frozen, stopped, starved "
+                   f"or suspended); leases were counted again from its end")
+        if after.answered:
+            message += (f"; {', '.join(after.answered)} answered within {now - pause.resumed_at:.1f} s "
+                        "in the same boot: kept")
+        if after.rebooted:
+            message += f"; {', '.join(after.rebooted)} booted again"
+        if after.silent:
+            message += f"; {', '.join(after.silent)} did not answer within NODE_LEASE_S={lease:g} s of it"
+        self._log.warning("coordinator_paused", message, paused_s=round(pause.length_s, 3),
+                          answered=",".join(after.answered), rebooted=",".join(after.rebooted),
+                          silent=",".join(after.silent), answered_within_s=round(now - pause.resumed_at, 3))
 
     def _pump(self, seconds: float, until: Future | None = None, react: bool = True) -> None:
         """Waits `seconds` (or until `until` is done) applying inbox messages; raises Preempted when

@@ -24,7 +24,7 @@ from .configstore import ConfigStore
 from .guard.runner import MemoryGuard
 from .hook import IncidentHook, file_problem
 from .probe import ServingProbe
-from .runtime import ClusterRuntime, Rollout
+from .runtime import ClusterRuntime, Rollout, boottime
 from .state import Phase
 
 STOPPED_PHASES = (Phase.STOPPED, Phase.FAILED)
@@ -86,7 +86,7 @@ class Session:
                  listeners: list[Callable], state_dir: str):
         self.cfg, self.text, self.api_key = cfg, text, creds.api_key
         self.runtime = ClusterRuntime(cfg, make_clients(cfg, creds.tls), log, api_key=creds.api_key,
-                                      state_dir=state_dir)
+                                      state_dir=state_dir, boottime=boottime)
         for listener in listeners:
             self.runtime.on_incident(listener)
         self.hook = None

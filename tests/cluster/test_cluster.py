@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import re
+import subprocess
 import tarfile
 import time
 import urllib.request
@@ -445,15 +446,18 @@ def test_10_systemctl_stop_during_a_long_model_load_returns_within_20_s_and_leav
 LEASE_S, HANG_S = 3.0, 5.0
 
 
+def lease_env(sparks) -> str:
+    """cluster.env of scenarios 11-16: short leases and hang allowance. A slow prefill (2000
+    tokens/s, 1 KiB a token) keeps scenario 12's long prompt in flight for ~20 s."""
+    return cluster_env(sparks, SIM_RANK_COMMAND=SIM, NODE_LEASE_S=str(LEASE_S), HANG_TIMEOUT_S=str(HANG_S),
+                       CANARY_INTERVAL_S="5", DSV41_SIM_PREFILL_TOKENS_PER_S="2000", DSV41_SIM_BYTES_PER_TOKEN="1024")
+
+
 def test_11_a_frozen_worker_is_lost_naming_it_and_the_cluster_serves_again_once_thawed(sparks):
     head, spark2 = head_of(sparks), sparks["spark2"]
-    # A slow prefill (2000 tokens/s, 1 KiB a token) keeps scenario 12's long prompt in flight for ~20 s.
-    head.write_file("/etc/dsv41/cluster.env", cluster_env(sparks, SIM_RANK_COMMAND=SIM, NODE_LEASE_S=str(LEASE_S),
-                                                          HANG_TIMEOUT_S=str(HANG_S), CANARY_INTERVAL_S="5",
-                                                          DSV41_SIM_PREFILL_TOKENS_PER_S="2000",
-                                                          DSV41_SIM_BYTES_PER_TOKEN="1024"),
-                    mode=0o640)
-    head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
+    head.write_file("/etc/dsv41/cluster.env", lease_env(sparks), mode=0o640)
+    # restart, not start: run after scenario 1 alone (-k), the coordinator runs with another file
+    head.run(["systemctl", "restart", "dsv41-coordinator.service"], timeout=60)
     before = rank_pids(wait_serving(head, timeout=120))
     seen = len(incidents(head, "node_lost"))
     frozen_at = time.monotonic()
@@ -584,6 +588,56 @@ def test_15a_upgrading_the_coordinator_while_serving_restarts_it_and_keeps_every
     state = head.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "dsv41-coordinator"]).stdout
     assert state == f"install ok installed {old}+1", state
     assert_restarted_keeping(sparks, head, coordinator, pids, adopted)
+
+
+def serving_with(head, env: str) -> dict:
+    """The cluster serving with this cluster.env: the coordinator restarted when the file changes,
+    started when an earlier scenario stopped it or the cluster (scenario 6)."""
+    if head.run(["cat", "/etc/dsv41/cluster.env"], check=False).stdout != env:
+        head.write_file("/etc/dsv41/cluster.env", env, mode=0o640)
+        head.run(["systemctl", "restart", "dsv41-coordinator.service"], timeout=60)
+    else:
+        head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
+
+    def phase():
+        try:
+            return status(head).get("phase")
+        except (ValueError, subprocess.SubprocessError):  # not answering yet
+            return None
+    if wait_for(phase, 60, "the coordinator does not answer dsv41ctl status") == "stopped":
+        assert ctl(head, "start").returncode == 0
+    return wait_serving(head, timeout=120)
+
+
+def pause_events(head) -> list[dict]:
+    return head.journal(unit="dsv41-coordinator.service", fields=None, matches=["DSV41_EVENT=coordinator_paused"])
+
+
+def test_16_the_head_frozen_20_s_keeps_every_rank_and_records_one_pause(sparks):
+    # The coordinator, the head's agent and rank 0 stop together; the workers' ranks wait in their
+    # collective as NCCL's would. A pause of the coordinator is no verdict on the nodes.
+    head = head_of(sparks)
+    before = rank_pids(serving_with(head, lease_env(sparks)))
+    units = {name: unit_pid(node, "dsv41-rank.service") for name, node in sparks.items()}
+    seen = {kind: len(incidents(head, kind)) for kind in ("node_lost", "rank_hung", "node_rebooted", "rank_exit")}
+    paused_seen = len(pause_events(head))
+    head.freeze()
+    try:
+        time.sleep(20.0)
+    finally:
+        head.thaw()
+    thawed_at = time.monotonic()
+    wait_for(lambda: pause_events(head)[paused_seen:], 4 * LEASE_S, "no coordinator_paused event")
+    time.sleep(max(0.0, thawed_at + 3 * LEASE_S + HANG_S - time.monotonic()))  # past leases and the hang allowance
+    body = status(head)
+    assert body["phase"] == "serving", body.get("phase_detail")
+    assert rank_pids(body) == before
+    assert {name: unit_pid(node, "dsv41-rank.service") for name, node in sparks.items()} == units
+    assert {kind: len(incidents(head, kind)) for kind in seen} == seen, ctl(head, "events").stdout
+    (event,) = pause_events(head)[paused_seen:]
+    assert 19.0 <= float(event["DSV41_PAUSED_S"]) <= 26.0, event["MESSAGE"]
+    assert event["DSV41_ANSWERED"] == "spark1,spark2,spark3" and not event.get("DSV41_SILENT"), event["MESSAGE"]
+    assert event["MESSAGE"].startswith("the coordinator did not run for "), event["MESSAGE"]
 
 
 def rank_environment(node) -> str:

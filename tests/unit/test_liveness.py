@@ -121,3 +121,86 @@ def test_with_several_lost_the_first_to_go_dark_is_named():
 def test_without_a_lost_node_blame_is_the_rank_exits_own():
     cause = liveness.blame([ex("spark1", 10.0), ex("spark3", 10.01, ExitResult.SIGNAL)], {}, now=0.0)
     assert (cause.node, cause.kind) == ("spark3", "rank_exit")
+
+
+# ----- the coordinator's own pause
+
+def tick(mono, boot=None):
+    return liveness.Tick(mono, mono if boot is None else boot)
+
+
+def test_a_gap_between_checks_longer_than_half_a_lease_is_the_coordinators_pause():
+    assert liveness.paused_for(None, tick(100.0), lease_s=6.0) is None  # the first check
+    assert liveness.paused_for(tick(100.0), tick(100.25), lease_s=6.0) is None  # a tick
+    assert liveness.paused_for(tick(100.0), tick(102.9), lease_s=6.0) is None  # under half a lease
+    assert liveness.paused_for(tick(100.0), tick(120.2), lease_s=6.0) == pytest.approx(20.2)
+
+
+def test_a_suspend_shows_on_the_boot_time_clock_only_and_counts_as_a_pause():
+    # CLOCK_MONOTONIC stands still while the machine sleeps; CLOCK_BOOTTIME runs on
+    assert liveness.paused_for(tick(100.0, 500.0), tick(100.25, 530.25), lease_s=6.0) == pytest.approx(30.25)
+
+
+def pause(resumed_at=120.0, boots=None):
+    return liveness.Pause(100.0, resumed_at, 20.0, boots or {n: "boot" for n in NODES})
+
+
+def test_after_a_pause_only_heartbeats_that_arrived_after_it_count():
+    # spark1 heard at 120.1 and again at 121.0; spark2 at 120.0, as the coordinator ran again (it
+    # may have waited in a socket all along); spark3 before the pause
+    seen = {"spark1": heard(121.0, 5, 99.0), "spark2": heard(120.0, 5, 99.0), "spark3": heard(99.5, 5, 99.0)}
+    after = liveness.after_pause(pause(), seen, {"spark1": 120.1}, NODES, now=121.0, lease_s=6.0)
+    assert after.answered == ("spark1",) and after.silent == ("spark2", "spark3") and not after.over
+
+
+def test_a_burst_of_what_waited_in_the_socket_is_no_answer():
+    # a node that died during the pause: the heartbeats it sent before arrive within milliseconds
+    # as the coordinator runs again, and nothing after them
+    burst = {n: heard(120.004, 5, 99.0) for n in NODES}
+    firsts = {n: 120.001 for n in NODES}
+    assert liveness.after_pause(pause(), burst, firsts, NODES, now=121.0, lease_s=6.0).silent == tuple(NODES)
+    # a live agent's next heartbeat, a quarter lease later, is its answer
+    live = {**burst, "spark2": heard(121.5, 5, 99.0)}
+    after = liveness.after_pause(pause(), live, firsts, NODES, now=121.5, lease_s=6.0)
+    assert after.answered == ("spark2",) and after.silent == ("spark1", "spark3")
+
+
+def test_the_pause_is_over_when_every_node_answered_or_a_lease_went_by():
+    firsts = {n: 120.2 for n in NODES}
+    every_node = {n: heard(121.0, 5, 99.0) for n in NODES}
+    after = liveness.after_pause(pause(), every_node, firsts, NODES, now=121.0, lease_s=6.0)
+    assert after.answered == tuple(NODES) and not after.silent and after.over
+    two = {n: heard(121.0, 5, 99.0) for n in NODES[:2]}
+    assert not liveness.after_pause(pause(), two, firsts, NODES, now=126.0, lease_s=6.0).over
+    late = liveness.after_pause(pause(), two, firsts, NODES, now=126.1, lease_s=6.0)
+    assert late.over and late.silent == ("spark3",)
+
+
+def test_a_node_heard_after_the_pause_in_another_boot_is_not_kept():
+    seen = {n: Heard(121.0, "boot2" if n == "spark2" else "boot", 0, 5, 99.0, True) for n in NODES}
+    after = liveness.after_pause(pause(), seen, {n: 120.2 for n in NODES}, NODES, now=121.0, lease_s=6.0)
+    assert after.rebooted == ("spark2",) and after.answered == ("spark1", "spark3") and after.over
+
+
+def test_a_lease_is_counted_again_from_the_end_of_the_coordinators_pause():
+    # heard last at 99, the coordinator paused from 100 to 120: not lapsed until a lease after 120
+    assert not liveness.lapsed(99.0, now=125.9, lease_s=6.0, watching_since=0.0, resumed_at=120.0)
+    assert liveness.lapsed(99.0, now=126.1, lease_s=6.0, watching_since=0.0, resumed_at=120.0)
+    assert liveness.lapsed(None, now=126.1, lease_s=6.0, watching_since=0.0, resumed_at=120.0)
+    # heard after it: its own lease, as ever
+    assert liveness.lapsed(121.0, now=127.1, lease_s=6.0, watching_since=0.0, resumed_at=120.0)
+
+
+def test_a_stall_is_not_counted_across_the_coordinators_pause():
+    assert liveness.stall_counted_from(50.0, None) == 50.0
+    assert liveness.stall_counted_from(None, 120.0) is None  # no work pending: no stall at all
+    assert liveness.stall_counted_from(50.0, 120.0) == 120.0
+    assert liveness.stall_counted_from(125.0, 120.0) == 125.0
+    # every rank's last step predates the pause (the head was frozen with rank 0): 0.5 s after it,
+    # no rank has been quiet for the 10 s allowance, though 20.5 s passed since the last step
+    stalled = views([5, 5, 5], [99.0, 99.0, 99.0], at=120.4)
+    assert hang(stalled, pending_since=liveness.stall_counted_from(90.0, 120.0), now=120.5) is None
+    assert hang(stalled, pending_since=90.0, now=120.5) is not None  # measured across it, a hang
+    late = views([5, 5, 5], [99.0, 99.0, 99.0], at=130.4)
+    assert hang(late, pending_since=liveness.stall_counted_from(90.0, 120.0), now=130.5).stalled_s == \
+        pytest.approx(10.5)  # still not stepping 10 s after it: hung

@@ -695,6 +695,81 @@ def test_ranks_that_exit_around_a_node_that_went_dark_blame_the_node(cluster):
     wait_phase(drive, "serving", within=15)
 
 
+def pause_events(stream):
+    return [line for line in stream.getvalue().splitlines() if "DSV41_EVENT=coordinator_paused" in line]
+
+
+def serving_with_work(cluster):
+    """A serving cluster with requests in flight whose ranks step while `stepping` holds."""
+    rt, agents, rank0, journal, stream, drive = cluster(**LIVE)
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(drive, "serving")
+    stepping = [True]
+
+    def busy(now):
+        rt.post(WorkSeen(True, now))
+        if stepping[0]:
+            for agent in agents.values():
+                agent.step()
+    every(drive.clock, 0.1, busy)
+    drive.run_for(0.5)
+    return rt, agents, stream, drive, stepping
+
+
+def pause_the_coordinator(drive, seconds):
+    """The whole head frozen: the supervisor checks nothing while the clock moves `seconds` at
+    once; what the agents sent meanwhile reaches it as it runs again."""
+    drive.settle()
+    drive.clock.advance(seconds)
+    drive.settle()
+    return drive.clock.monotonic()
+
+
+def test_the_coordinator_paused_for_five_leases_keeps_every_node_that_answers_with_one_event(cluster):
+    rt, agents, stream, drive, stepping = serving_with_work(cluster)
+    stepping[0] = False  # rank 0 froze with the head: no rank steps
+    pause_the_coordinator(drive, 5.0)
+    drive.run_for(0.6)  # the ranks step again only after a while (under HANG_TIMEOUT_S, 1 s)
+    stepping[0] = True
+    drive.run_for(3.0)
+    assert not rt.incidents(), rt.incidents()
+    assert rt.snapshot().phase == "serving" and all(a.starts == 1 for a in agents.values())
+    (event,) = pause_events(stream)
+    assert "the coordinator did not run for 5.0 s" in event and "DSV41_PAUSED_S=5.0" in event
+    assert "DSV41_ANSWERED=spark1,spark2,spark3" in event and "DSV41_SILENT= " in event
+
+
+def test_a_node_silent_after_the_coordinators_pause_is_lost_a_lease_after_it(cluster):
+    rt, agents, stream, drive, stepping = serving_with_work(cluster)
+    agents["spark3"].frozen = True
+    resumed_at = pause_the_coordinator(drive, 5.0)
+    lost = wait_incident(drive, "node_lost", within=3.0)
+    assert 1.0 < drive.clock.monotonic() - resumed_at <= 1.0 + 2 * TICK_S  # a lease after the pause
+    assert lost.node == "spark3" and lost.message.startswith("spark3 lost: not heard from since ")
+    (event,) = pause_events(stream)
+    assert "DSV41_ANSWERED=spark1,spark2" in event and "DSV41_SILENT=spark3" in event
+    assert not [i for i in rt.incidents() if i.kind != "node_lost"]
+
+
+def test_a_node_that_booted_again_during_the_coordinators_pause_is_a_reboot_as_before(cluster):
+    rt, agents, stream, drive, stepping = serving_with_work(cluster)
+    agents["spark2"].boot, agents["spark2"].running = "spark2-boot2", ""
+    pause_the_coordinator(drive, 5.0)
+    rebooted = wait_incident(drive, "node_rebooted", within=3.0)
+    assert rebooted.node == "spark2"
+    wait_restarted(drive, agents)
+    (event,) = drive.until(lambda: pause_events(stream), 1.0, lambda: "no coordinator_paused event")
+    assert "DSV41_REBOOTED=spark2" in event and "DSV41_ANSWERED=spark1,spark3" in event
+
+
+def test_a_gap_under_half_a_lease_is_no_pause(cluster):
+    rt, agents, stream, drive, stepping = serving_with_work(cluster)
+    pause_the_coordinator(drive, 0.4)
+    drive.run_for(2.0)
+    assert not pause_events(stream) and not rt.incidents()
+
+
 def test_the_coordinator_says_starting_until_it_has_looked_for_ranks_to_adopt_not_stopped(cluster):
     # The control socket answers before the supervisor's first decision; "stopped" there was a lie
     # to a status read (and to a test waiting for a bring-up to end).
