@@ -463,6 +463,44 @@ def test_9a_a_flag_that_stops_every_rank_at_start_is_rolled_back_and_the_old_fla
     assert rank_pids(wait_serving(head, timeout=30)) == after
 
 
+def test_10_systemctl_restart_of_the_coordinator_keeps_every_real_rank_serving(rehearsal):
+    head, client = head_of(rehearsal), Client(head_of(rehearsal))
+    pids = rank_pids(serving(head))
+    coordinator = unit_pid(head, "dsv41-coordinator.service")
+    adopted = len(coordinator_events_named(head, "adopted"))
+    head.run(["systemctl", "restart", "dsv41-coordinator.service"], timeout=120)
+    assert unit_pid(head, "dsv41-coordinator.service") not in (0, coordinator)
+    assert rank_pids(wait_serving(head, timeout=60)) == pids
+    assert len(coordinator_events_named(head, "adopted")) == adopted + 1
+    stopping = coordinator_events_named(head, "coordinator_stopping")[-1]
+    assert stopping["DSV41_JOB_TYPE"] == "restart" and stopping["DSV41_RANKS_KEPT"] == "yes", stopping["MESSAGE"]
+    for name, node in rehearsal.items():
+        assert unit_pid(node, "dsv41-rank.service") == pids[name]
+    assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+
+
+def test_11_the_head_frozen_20_s_keeps_every_real_rank_with_one_pause_event(rehearsal):
+    head, client = head_of(rehearsal), Client(head_of(rehearsal))
+    pids = rank_pids(serving(head))
+    seen = {kind: len(incidents(head, kind)) for kind in ("node_lost", "rank_hung", "node_rebooted", "rank_exit")}
+    paused = len(coordinator_events_named(head, "coordinator_paused"))
+    head.freeze()  # the coordinator, the head's agent and rank 0 together
+    try:
+        time.sleep(20.0)
+    finally:
+        head.thaw()
+    thawed_at = time.monotonic()
+    wait_for(lambda: coordinator_events_named(head, "coordinator_paused")[paused:], 4 * LEASE_S,
+             "no coordinator_paused event")
+    time.sleep(max(0.0, thawed_at + 2 * LEASE_S - time.monotonic()))  # past the leases counted from the thaw
+    body = status(head)
+    assert body["phase"] == "serving" and rank_pids(body) == pids, body.get("phase_detail")
+    assert {kind: len(incidents(head, kind)) for kind in seen} == seen, ctl(head, "events").stdout
+    (event,) = coordinator_events_named(head, "coordinator_paused")[paused:]
+    assert 19.0 <= float(event["DSV41_PAUSED_S"]) <= 30.0, event["MESSAGE"]
+    assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+
+
 def test_3_stop_with_a_request_in_flight_leaves_no_sglang_process(rehearsal):
     head = head_of(rehearsal)
     client = Client(head)
