@@ -714,7 +714,7 @@ class ClusterRuntime:
         # A node lost or booted again is not the group failing by itself: the bring-up after it spends
         # no restart attempt (it waits for the node instead); a rank that crashed or hung does.
         external = cause.kind in (IncidentKind.NODE_LOST, IncidentKind.NODE_REBOOTED)
-        if self._rollout is not None:
+        if self._rollout is not None and not external:  # a node going dark is not the change's doing
             self._roll_back(f"{text}, {self._clock() - self.snapshot().serving_since:.0f} s after serving",
                             cause.node)
             return
