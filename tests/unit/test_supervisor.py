@@ -838,3 +838,63 @@ def test_a_stop_while_starting_stops_what_runs_and_starts_nothing(cluster):
     assert rt.snapshot().phase == "stopped"
     assert not any(a.running for a in agents.values()) and sum(a.starts for a in agents.values()) == 0
     assert sorted(calls(journal, "stop_rank")) == ["spark1", "spark2", "spark3"]
+
+
+# ---------------------------------------------------------------- a configuration change's restart
+
+
+def rollout_of(keys=("NCCL_DEBUG",), confirm_s=300.0):
+    from coordinator.runtime import Rollout
+    asked = []
+    return Rollout(keys, confirm_s, asked.append), asked
+
+
+def test_a_configuration_change_stops_the_running_ranks_head_first_and_brings_them_up_once(cluster):
+    rt, agents, rank0, journal, stream, drive = cluster()
+    for agent in agents.values():
+        agent.running = "old-run"
+    rank0.healthy.set()
+    rollout, asked = rollout_of()
+    rt.run(restart_for=("NCCL_DEBUG",), rollout=rollout)
+    wait_phase(drive, "serving", within=10)
+    assert calls(journal, "stop_rank")[0] == "spark1" and sorted(calls(journal, "stop_rank")) == ["spark1", "spark2",
+                                                                                                   "spark3"]
+    assert all(a.starts == 1 for a in agents.values()) and asked == []
+    assert "DSV41_EVENT=config_restart" in stream.getvalue() and "DSV41_KEYS=NCCL_DEBUG" in stream.getvalue()
+
+
+def test_a_failed_bring_up_under_a_rollout_is_rolled_back_at_once_without_a_retry(cluster):
+    rt, agents, rank0, journal, _, drive = cluster(RESTART_MAX_ATTEMPTS="5")
+    rollout, asked = rollout_of()
+    rt.run(restart_for=("NCCL_DEBUG",), rollout=rollout)
+    wait_phase(drive, "health")
+    agents["spark2"].exit_rank(result="exit-code", code="exited", status=2)
+    incident = wait_incident(drive, "rolled_back")
+    assert incident.message.startswith("the configuration change of NCCL_DEBUG failed: the bring-up failed at "
+                                       "health: "), incident.message
+    assert len(asked) == 1 and "health" in asked[0]
+    assert rt.snapshot().phase == "failed"
+    drive.run_for(2.0)  # no retry of the change: the coordinator brings the previous configuration back
+    assert all(a.starts == 1 for a in agents.values())
+
+
+def test_a_rank_exit_soon_after_serving_rolls_back_and_one_after_the_confirmation_is_recovered(cluster):
+    rt, agents, rank0, journal, stream, drive = cluster()
+    rank0.healthy.set()
+    rollout, asked = rollout_of(confirm_s=30.0)
+    rt.run(restart_for=("NCCL_DEBUG",), rollout=rollout)
+    wait_phase(drive, "serving")
+    drive.run_for(1.0)
+    agents["spark3"].exit_rank(result="exit-code", code="exited", status=1)
+    incident = wait_incident(drive, "rolled_back")
+    assert "rank on spark3 exited" in incident.message and len(asked) == 1
+    # A second run of the same: confirmed after 30 s of serving, a later exit is an ordinary recovery.
+    rt2, agents2, rank02, _, stream2, drive2 = cluster()
+    rank02.healthy.set()
+    rollout2, asked2 = rollout_of(confirm_s=30.0)
+    rt2.run(restart_for=("NCCL_DEBUG",), rollout=rollout2)
+    wait_phase(drive2, "serving")
+    drive2.until(lambda: "DSV41_EVENT=config_confirmed" in stream2.getvalue(), 40, lambda: "not confirmed")
+    agents2["spark3"].exit_rank(result="exit-code", code="exited", status=1)
+    wait_restarted(drive2, agents2, within=15)
+    assert asked2 == [] and not [i for i in rt2.incidents() if i.kind == "rolled_back"]
