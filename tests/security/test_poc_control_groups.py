@@ -60,7 +60,8 @@ def test_a_reader_reads_and_cannot_act(head):
     assert status.returncode == 1 and "STOPPED" in status.stdout.upper(), (status.stdout, status.stderr)
     events = ctl(head, "events", user="watcher")
     assert events.returncode == 0, events.stderr
-    for action in (("stop",), ("restart",), ("share", "unexport", "--force"), ("autotune", "reset")):
+    for action in (("stop",), ("restart",), ("share", "unexport", "--force"), ("autotune", "reset"),
+                   ("config", "apply"), ("config", "rollback"), ("config", "diff")):
         refused = ctl(head, *action, user="watcher")
         assert refused.returncode == 4, (action, refused.stdout, refused.stderr)
         assert "add yourself to the dsv41 group" in refused.stderr and "dsv41-read may only read" in refused.stderr
