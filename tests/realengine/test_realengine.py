@@ -409,58 +409,72 @@ def test_9_config_apply_on_real_ranks_refuses_an_invalid_line_applies_the_guard_
     head, client = head_of(rehearsal), Client(head_of(rehearsal))
     pids = rank_pids(serving(head))
     good = head.run(["cat", CONFIG]).stdout
-    bad = good + "TP_SIZE=3\n"
-    head.write_file(CONFIG, bad, mode=0o640)
-    assert reload_coordinator(head).returncode != 0
-    refused = ctl(head, "config", "apply")
-    assert refused.returncode == 1
-    assert f"cluster.env:{len(bad.splitlines())}: TP_SIZE: defined twice" in refused.stderr, refused.stderr
-    body = status(head)
-    assert body["phase"] == "serving" and rank_pids(body) == pids
-    # A guard threshold: live, the ranks untouched, and they answer.
-    guarded = good.replace("MEMORY_GUARD_GB=1\n", "MEMORY_GUARD_GB=1.2\n")
-    assert guarded != good
-    head.write_file(CONFIG, guarded, mode=0o640)
-    assert "MEMORY_GUARD_GB: '1' -> '1.2' (applies at once)" in ctl(head, "config", "diff").stdout
-    assert reload_coordinator(head).returncode == 0
-    assert rank_pids(wait_serving(head, timeout=30)) == pids
-    started = coordinator_events_named(head, "memory_guard_started")
-    assert started[-1]["DSV41_GUARD_BYTES"] == str(int(1.2e9))
-    assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
-    # A rank flag: one restart of the group, which then runs with it.
-    restarts = len(coordinator_events_named(head, "config_restart"))
-    flagged = guarded.replace('"--watchdog-timeout 300"', '"--watchdog-timeout 301"')
-    assert flagged != guarded
-    head.write_file(CONFIG, flagged, mode=0o640)
-    assert "EXTRA_SGLANG_ARGS" in ctl(head, "config", "diff").stdout
-    assert reload_coordinator(head).returncode == 0
-    new = rank_pids(wait_serving(head, timeout=SERVE_S, changed_from=pids))
-    assert all(new[n] != pids[n] for n in pids), (pids, new)
-    assert len(coordinator_events_named(head, "config_restart")) == restarts + 1
-    assert "--watchdog-timeout 301" in rank_argv(rehearsal["spark2"])
-    assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+    try:
+        bad = good + "TP_SIZE=3\n"
+        head.write_file(CONFIG, bad, mode=0o640)
+        assert reload_coordinator(head).returncode != 0
+        refused = ctl(head, "config", "apply")
+        assert refused.returncode == 1
+        assert f"cluster.env:{len(bad.splitlines())}: TP_SIZE: defined twice" in refused.stderr, refused.stderr
+        body = status(head)
+        assert body["phase"] == "serving" and rank_pids(body) == pids
+        # With the admission gate on, the guard's level is in the ranks' environment: it restarts them.
+        head.write_file(CONFIG, good.replace("MEMORY_GUARD_GB=1\n", "MEMORY_GUARD_GB=1.2\n"), mode=0o640)
+        assert "MEMORY_GUARD_GB: '1' -> '1.2' (restarts the ranks)" in ctl(head, "config", "diff").stdout
+        # The guard's lead time is the coordinator's alone: live, the ranks untouched, and they answer.
+        guarded = good + "MEMORY_GUARD_LEAD_S=2\n"
+        head.write_file(CONFIG, guarded, mode=0o640)
+        assert "MEMORY_GUARD_LEAD_S: '1' -> '2' (applies at once)" in ctl(head, "config", "diff").stdout
+        assert reload_coordinator(head).returncode == 0
+        assert rank_pids(wait_serving(head, timeout=30)) == pids
+        assert coordinator_events_named(head, "memory_guard_started")[-1]["DSV41_LEAD_S"] == "2.0"
+        assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+        # A rank flag: one restart of the group, which then runs with it.
+        restarts = len(coordinator_events_named(head, "config_restart"))
+        head.write_file(CONFIG, with_flags(guarded, "--watchdog-timeout 301"), mode=0o640)
+        assert "EXTRA_SGLANG_ARGS" in ctl(head, "config", "diff").stdout
+        assert reload_coordinator(head).returncode == 0
+        new = rank_pids(wait_serving(head, timeout=SERVE_S, changed_from=pids))
+        assert all(new[n] != pids[n] for n in pids), (pids, new)
+        assert len(coordinator_events_named(head, "config_restart")) == restarts + 1
+        assert "--watchdog-timeout 301" in rank_argv(rehearsal["spark2"])
+        assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+    finally:
+        restore(head, good)
+
+
+def with_flags(text: str, flags: str) -> str:
+    line = next(x for x in text.splitlines() if x.startswith("EXTRA_SGLANG_ARGS="))
+    return text.replace(line + "\n", f'EXTRA_SGLANG_ARGS="{flags}"\n')
+
+
+def restore(head, text: str) -> None:
+    """The profile as the scenario found it, applied (the next scenarios start from it)."""
+    head.write_file(CONFIG, text, mode=0o640)
+    ctl(head, "config", "apply")
 
 
 def test_9a_a_flag_that_stops_every_rank_at_start_is_rolled_back_and_the_old_flags_serve(rehearsal):
     head, client = head_of(rehearsal), Client(head_of(rehearsal))
     before = rank_pids(serving(head))
     good = head.run(["cat", CONFIG]).stdout
-    assert '"--watchdog-timeout 301"' in good, "scenario 9 left its flag"
     seen = len(incidents(head, "rolled_back"))
-    # SGLang's own argparse refuses the value (config check knows the flag, not its choices).
-    head.write_file(CONFIG, good.replace('"--watchdog-timeout 301"', '"--watchdog-timeout 301 --kv-cache-dtype dsv41"'),
-                    mode=0o640)
-    assert reload_coordinator(head).returncode == 0
-    rolled = new_incident(head, "rolled_back", seen, timeout=SERVE_S)
-    assert "EXTRA_SGLANG_ARGS" in rolled["MESSAGE"] and "failed" in rolled["MESSAGE"], rolled["MESSAGE"]
-    after = rank_pids(wait_serving(head, timeout=SERVE_S, changed_from=before))
-    argv = rank_argv(rehearsal["spark3"])
-    assert "--watchdog-timeout 301" in argv and "--kv-cache-dtype" not in argv, argv
-    assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
-    assert "EXTRA_SGLANG_ARGS" in ctl(head, "config", "diff").stdout  # the file still holds the change
-    head.write_file(CONFIG, good, mode=0o640)
-    assert ctl(head, "config", "apply").returncode == 0
-    assert rank_pids(wait_serving(head, timeout=30)) == after
+    try:
+        # SGLang's own argparse refuses the value (config check knows the flag, not its choices).
+        head.write_file(CONFIG, with_flags(good, "--watchdog-timeout 300 --kv-cache-dtype dsv41"), mode=0o640)
+        assert reload_coordinator(head).returncode == 0
+        rolled = new_incident(head, "rolled_back", seen, timeout=SERVE_S)
+        assert "EXTRA_SGLANG_ARGS" in rolled["MESSAGE"] and "failed" in rolled["MESSAGE"], rolled["MESSAGE"]
+        after = rank_pids(wait_serving(head, timeout=SERVE_S, changed_from=before))
+        argv = rank_argv(rehearsal["spark3"])
+        assert "--watchdog-timeout 300" in argv and "--kv-cache-dtype" not in argv, argv
+        assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+        assert "EXTRA_SGLANG_ARGS" in ctl(head, "config", "diff").stdout  # the file still holds the change
+        head.write_file(CONFIG, good, mode=0o640)
+        assert ctl(head, "config", "apply").returncode == 0
+        assert rank_pids(wait_serving(head, timeout=30)) == after
+    finally:
+        restore(head, good)
 
 
 def test_10_systemctl_restart_of_the_coordinator_keeps_every_real_rank_serving(rehearsal):
