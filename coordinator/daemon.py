@@ -25,6 +25,7 @@ from .agents import AgentClient, Tls
 from .control import serve
 from .guard.runner import MemoryGuard
 from .hook import IncidentHook
+from .incidentlog import HISTORY_PATH, IncidentHistory
 from .probe import ServingProbe
 from .runtime import ClusterRuntime
 from .state import Phase
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         except pki.PkiError as exc:
             log.error("coordinator_failed", f"API_KEY_FILE: {exc}")
             return 2
-    runtime = ClusterRuntime(cfg, make_clients(cfg, tls), log, api_key=api_key)
+    runtime = ClusterRuntime(cfg, make_clients(cfg, tls), log, api_key=api_key,
+                             history=IncidentHistory(HISTORY_PATH, log))  # incidents of earlier coordinators
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
