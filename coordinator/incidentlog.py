@@ -75,10 +75,13 @@ def incident_of(record: dict) -> Incident:
     at, node, kind, message = record["at_unix_s"], record["node"], record["kind"], record["message"]
     if not isinstance(at, (int, float)) or not all(isinstance(v, str) for v in (node, kind, message)):
         raise TypeError("at_unix_s must be a number; node, kind and message text")
-    # A kind this version does not know (written by a newer coordinator before a downgrade) is kept
-    # as its text: events and the counters show it as it was recorded.
-    known = kind in IncidentKind._value2member_map_
-    return Incident(float(at), node, IncidentKind(kind) if known else kind, message)
+    try:
+        known: IncidentKind | str = IncidentKind(kind)
+    except ValueError:
+        # Written by a newer coordinator before a downgrade: kept as its text, so that events and
+        # the counters show it as it was recorded.
+        known = kind
+    return Incident(float(at), node, known, message)
 
 
 def parse_lines(lines: list[bytes]) -> Parsed:

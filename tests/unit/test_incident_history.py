@@ -8,6 +8,7 @@ import io
 import json
 import socket
 import stat
+import urllib.request
 
 import pytest
 
@@ -221,9 +222,11 @@ def test_the_metrics_start_from_the_history(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = config.parse(edited(SEED_TEXT, METRICS_LISTEN=f"127.0.0.1:{port}"), "cluster.env", HOME)
-    metrics = Metrics(cfg, rt, journal()[0])
+    metrics = Metrics(cfg, rt, journal()[0]).start()
     try:
-        # 5 recorded, 2 kept: the counter still says 5
-        assert metrics.recorder.counters("dsv41_incidents") == {(("kind", "memory_floor"), ("node", "spark1")): 5}
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
     finally:
         metrics.stop()
+    # 5 recorded, 2 kept: the counter still says 5
+    assert 'dsv41_incidents_total{kind="memory_floor",node="spark1"} 5.0' in text.splitlines()
