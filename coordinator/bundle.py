@@ -25,7 +25,7 @@ from .agents import AgentUnavailable
 CONTENTS = """dsv41 diagnostics bundle, made {when} by {made_by}.
 
 cluster/status.json        dsv41ctl status --json
-cluster/events.txt, .json  the incidents the coordinator recorded (dsv41ctl events)
+cluster/events.txt, .json  the incidents the coordinator recorded, earlier coordinators' included (its history)
 cluster/plans/NODE.json    the plan rendered from cluster.env for each node (dsv41ctl config show)
 cluster/fingerprints.json  plan fingerprints: rendered, launched by the coordinator, running on each node
 cluster/cluster.env        the configuration file

@@ -110,6 +110,8 @@ def cluster_status(cfg: ClusterConfig, snap: Snapshot, views: list[pb.NodeView],
 
 
 BUNDLE_CHUNK = 1 << 20
+# Not an incident: the line `dsv41ctl events` shows between earlier coordinators' incidents and this one's.
+COORDINATOR_STARTED = "coordinator_started"
 
 
 def bundle_sources(cfg: ClusterConfig, status: pb.ClusterStatus, incidents: list, launched: dict,
@@ -224,8 +226,13 @@ class ControlService(control_pb2_grpc.ControlServicer):
             self._subscribers.append(q)
         try:
             history = self._runtime.incidents()
-            for incident in history[-(request.last or 50):]:
-                yield _event(incident)
+            shown = history[-(request.last or 50):]
+            # The first `earlier` came from the history on disk: a line marks where this coordinator began.
+            earlier = max(0, self._runtime.earlier_incidents() - (len(history) - len(shown)))
+            yield from (_event(incident) for incident in shown[:earlier])
+            if earlier:
+                yield self._started_event(earlier)
+            yield from (_event(incident) for incident in shown[earlier:])
             while request.follow and context.is_active():
                 try:
                     yield _event(q.get(timeout=1.0))
@@ -235,6 +242,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
             with self._event_lock:
                 self._subscribers.remove(q)
             release()
+
+    def _started_event(self, earlier: int) -> apb.Event:
+        return apb.Event(at_unix_s=self._runtime.started_unix_s, node=self._cfg.head.name, kind=COORDINATOR_STARTED,
+                         priority="info", message=f"dsv41-coordinator started; the {earlier} incident(s) above are "
+                         "from before it, kept in its incident history")
 
     def Logs(self, request, context):
         nodes = [n for n in self._cfg.nodes if not request.node or n.name == request.node]

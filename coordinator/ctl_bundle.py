@@ -141,6 +141,7 @@ def _from_agents(config: str, target: OutputFile, journal_bytes: int) -> list[st
     from .bundle import BundleWriter
     from .control import bundle_sources, cluster_status, node_views
     from .daemon import load_tls, make_clients
+    from .incidentlog import HISTORY_PATH, read_incidents
     from .runtime import Snapshot
     try:
         cfg = config_mod.load(config)
@@ -164,7 +165,8 @@ def _from_agents(config: str, target: OutputFile, journal_bytes: int) -> list[st
         views = node_views(cfg, clients, {}, {})
         not_running = Snapshot(phase=Phase.UNKNOWN, detail="the coordinator is not running")
         status = cluster_status(cfg, not_running, views, False)
-        sources = bundle_sources(cfg, status, [], {}, "dsv41ctl (the coordinator was not running)")
+        sources = bundle_sources(cfg, status, read_incidents(HISTORY_PATH), {},
+                                 "dsv41ctl (the coordinator was not running)")
         return BundleWriter(cfg, clients, secrets).write(target, sources, journal_bytes)
     finally:
         for client in clients.values():

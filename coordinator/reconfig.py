@@ -50,6 +50,7 @@ class Coordinator:
         self.path = path
         self._store, self._log, self._state_dir, self._clock = store, log, state_dir, clock
         self._new_session = session_factory
+        self._started_unix_s = clock()  # the sessions' incidents from before it are earlier coordinators'
         # A rollback runs beside the supervisor that asks for it (it replaces that supervisor).
         self._spawn = spawn or (lambda fn: threading.Thread(target=fn, name="rollback", daemon=True).start())
         self._lock = threading.RLock()
@@ -96,7 +97,8 @@ class Coordinator:
                         self._log_diff(change, "at start")
                 except config_mod.ConfigInvalid:
                     pass  # the stored one no longer parses (an upgrade's new rule): nothing to compare with
-            self._session = self._new_session(cfg, text, creds, self._log, self._listeners, self._state_dir)
+            self._session = self._new_session(cfg, text, creds, self._log, self._listeners, self._state_dir,
+                                             self._started_unix_s)
             self._session.start(autostart, restart_for if autostart else (), rollout if autostart else None)
             self._store.record_applied(text)
 
@@ -186,7 +188,8 @@ class Coordinator:
         restart_for = restart_for if (running and change.restarts_ranks) or force else ()
         plan = self._rollout(change, old.text, new, text) if rollout and restart_for else None
         old.stop(stop_cluster=False)
-        self._session = self._new_session(new, text, creds, self._log, self._listeners, self._state_dir)
+        self._session = self._new_session(new, text, creds, self._log, self._listeners, self._state_dir,
+                                         self._started_unix_s)
         self._session.start(running or force, restart_for, plan)
         self._store.record_applied(text)
         self._log_diff(change, f"applied by {by}")

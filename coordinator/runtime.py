@@ -31,6 +31,7 @@ from .bringup import BringUp, Preempted, StepContext, StepFailed
 from .bringup.health import RANK_UNIT
 from .packstate import incomplete
 from .config import ClusterConfig
+from .incidentlog import KEEP as INCIDENTS_KEPT, Counts, IncidentHistory, Loaded
 from .messages import (AutotuneResetJob, CanaryDone, CanarySent, PackStartJob, RankObserved, UnexportJob, Wake,
                        WatchLost, WorkSeen)
 from .parallel import on_each, spawn
@@ -81,7 +82,8 @@ class ClusterRuntime:
     def __init__(self, cfg: ClusterConfig, clients: dict[str, AgentClient], log: EventLog,
                  table_source_dir: str = plan_mod.STATE_DIR, state_dir: str = "/var/lib/dsv41/coordinator",
                  api_key: str | None = None, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic, boottime: Callable[[], float] | None = None):
+                 monotonic: Callable[[], float] = time.monotonic, boottime: Callable[[], float] | None = None,
+                 history: IncidentHistory | None = None, started_unix_s: float | None = None):
         self.cfg = cfg
         self.clients = clients
         self._log = log
@@ -93,12 +95,23 @@ class ClusterRuntime:
         self.base_url = f"http://{cfg.text('HEAD_IP')}:{cfg.integer('PORT')}"
         # Published state: written by the supervisor only, read by anyone under the lock.
         self._lock = threading.Lock()
+        # Incidents: those of earlier coordinators first, from the history on disk (never re-announced
+        # to the listeners: the hook ran for them then); the counts keep those its bound dropped.
+        self._history = history
+        loaded = history.load() if history is not None else Loaded()
+        self._incidents: list[Incident] = loaded.incidents[-INCIDENTS_KEPT:]
+        self._incident_counts: Counts = dict(loaded.counts)
+        # When this coordinator started (a configuration applied since builds a new runtime, not a new
+        # coordinator), and how many of the first incidents came before it.
+        self.started_unix_s = clock() if started_unix_s is None else started_unix_s
+        self._earlier_incidents = sum(1 for i in self._incidents if i.at_unix_s < self.started_unix_s)
+        self._incident_listeners: list[Callable[[Incident], None]] = []
         # Until the supervisor has looked for ranks to adopt, the cluster is neither stopped nor
         # serving, and the control socket already answers: status says "starting" there.
-        self._snapshot = Snapshot(phase=STARTING, detail="looking for running ranks to adopt", since=clock())
+        self._snapshot = Snapshot(phase=STARTING, detail="looking for running ranks to adopt",
+                                  since=self.started_unix_s,
+                                  last_incident=self._incidents[-1] if self._incidents else None)
         self._snapshot_heard: dict[str, liveness.Heard] = {}  # the heartbeats, as readers see them
-        self._incidents: list[Incident] = []
-        self._incident_listeners: list[Callable[[Incident], None]] = []
         # Hand-over from other threads.
         self._inbox: queue.Queue = queue.Queue()
         self._request_lock = threading.Lock()
@@ -151,12 +164,27 @@ class ClusterRuntime:
         return snap.ranks_since, bringup.GUARDED_PHASES[snap.phase]
 
     def incidents(self) -> list[Incident]:
+        """Oldest first, those recorded before this coordinator started included (the history)."""
         with self._lock:
             return list(self._incidents)
 
+    def earlier_incidents(self) -> int:
+        """How many of incidents(), the first ones, were recorded before this coordinator started."""
+        with self._lock:
+            return self._earlier_incidents
+
     def on_incident(self, listener: Callable[[Incident], None]) -> None:
         """listener(incident) on the supervisor thread for every incident: it must not block."""
-        self._incident_listeners.append(listener)
+        with self._lock:
+            self._incident_listeners.append(listener)
+
+    def follow_incidents(self, listener: Callable[[Incident], None]) -> Counts:
+        """on_incident(listener), returning the incidents counted so far by (kind, node), earlier
+        coordinators' included: at once, so that each incident is in the counts or given to the
+        listener, never both nor neither (the metrics' counters carry on from them)."""
+        with self._lock:
+            self._incident_listeners.append(listener)
+            return dict(self._incident_counts)
 
     def run(self, autostart: bool = True, restart_for: tuple[str, ...] = (), rollout: Rollout | None = None) -> None:
         """Starts the supervisor: re-adopt what runs, else bring the cluster up when asked to.
@@ -272,12 +300,19 @@ class ClusterRuntime:
 
     def _incident(self, node: str, kind: IncidentKind, message: str) -> Incident:
         incident = Incident(self._clock(), node, kind, message)
+        if self._history is not None:
+            self._history.append(incident)  # on disk before anyone is told; a failed write is only logged
         with self._lock:
             self._incidents.append(incident)
-            del self._incidents[:-200]
+            cut = max(0, len(self._incidents) - INCIDENTS_KEPT)
+            del self._incidents[:cut]
+            self._earlier_incidents = max(0, self._earlier_incidents - cut)
+            key = (str(kind), node)
+            self._incident_counts[key] = self._incident_counts.get(key, 0) + 1
             self._snapshot = replace(self._snapshot, last_incident=incident)
+            listeners = list(self._incident_listeners)  # with the count: see follow_incidents
         self._log.error("incident", f"{node}: {message}", node_name=node, incident=kind)
-        for listener in list(self._incident_listeners):
+        for listener in listeners:
             try:
                 listener(incident)
             except Exception as exc:  # a listener's bug must not stop the supervisor

@@ -23,6 +23,7 @@ from .agents import AgentClient, Tls
 from .configstore import ConfigStore
 from .guard.runner import MemoryGuard
 from .hook import IncidentHook, file_problem
+from .incidentlog import HISTORY_NAME, IncidentHistory
 from .probe import ServingProbe
 from .runtime import ClusterRuntime, Rollout, boottime
 from .state import Phase
@@ -83,10 +84,12 @@ class Session:
     """The parts built from one configuration; started once, stopped once."""
 
     def __init__(self, cfg: config_mod.ClusterConfig, text: str, creds: Credentials, log: EventLog,
-                 listeners: list[Callable], state_dir: str):
+                 listeners: list[Callable], state_dir: str, started_unix_s: float | None = None):
         self.cfg, self.text, self.api_key = cfg, text, creds.api_key
         self.runtime = ClusterRuntime(cfg, make_clients(cfg, creds.tls), log, api_key=creds.api_key,
-                                      state_dir=state_dir, boottime=boottime)
+                                      state_dir=state_dir, boottime=boottime,
+                                      history=IncidentHistory(os.path.join(state_dir, HISTORY_NAME), log),
+                                      started_unix_s=started_unix_s)
         for listener in listeners:
             self.runtime.on_incident(listener)
         self.hook = None

@@ -29,7 +29,8 @@ class Metrics:
         self.server = MetricsServer(listen.host, listen.port, self.registry)  # binds first: nothing to undo
         self.recorder = Recorder()
         self._unsubscribe = log.subscribe(self.recorder.on_event)
-        runtime.on_incident(self.recorder.on_incident)
+        # The incident counters carry on from the coordinator's history: earlier coordinators' too.
+        self.recorder.add_incidents(runtime.follow_incidents(self.recorder.on_incident))
         plans = plan_mod.render_cluster(cfg)
         self._own_clients = clients
         self.poller = NodePoller(clients or runtime.clients, {p.node: p for p in plans if p.pack.required},

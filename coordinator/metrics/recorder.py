@@ -1,5 +1,6 @@
 """Counters and histograms that events and incidents move (thread-safe, kept in memory: they
-start at zero with the coordinator, as Prometheus counters may)."""
+start at zero with the coordinator, as Prometheus counters may, except the incident counters, which
+carry on from the coordinator's incident history)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,11 @@ class Recorder:
     def on_incident(self, incident) -> None:
         """A ClusterRuntime.on_incident listener."""
         self.apply(Count("dsv41_incidents", (("kind", incident.kind), ("node", incident.node))))
+
+    def add_incidents(self, counts: dict[tuple[str, str], int]) -> None:
+        """Incidents counted before this recorder, by (kind, node): earlier coordinators' among them."""
+        for (kind, node), count in counts.items():
+            self.apply(Count("dsv41_incidents", (("kind", kind), ("node", node)), count))
 
     def apply(self, update: Count | Observe) -> None:
         with self._lock:

@@ -250,7 +250,7 @@ def test_7b_the_bundle_holds_every_node_and_no_secret(sparks):
     head.write_file("/etc/dsv41/cluster.env", text + "API_KEY_FILE=/etc/dsv41/api-key\n", mode=0o640)
     head.run(["systemctl", "restart", "dsv41-coordinator.service"], timeout=120)
     pids = rank_pids(wait_serving(head))
-    spark3 = sparks["spark3"]  # an incident for this coordinator's events (a restart starts them afresh)
+    spark3 = sparks["spark3"]  # an incident of this coordinator's own for the bundle's events
     spark3.run(["kill", "-9", str(unit_pid(spark3, "dsv41-rank.service"))])
     wait_serving(head, changed_from=pids)
     assert head.host_path("/var/lib/dsv41/state/sglang-api-key").read_text().strip() == API_KEY
@@ -313,6 +313,7 @@ def test_6a_the_bundle_is_made_from_the_agents_when_the_coordinator_is_not_runni
         content = {m.name.split("/", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
     assert all(f"nodes/{name}/journal/dsv41-agent.service.log" in content for name in sparks)
     assert json.loads(content["cluster/status.json"])["coordinator_running"] is False
+    assert "rank_exit" in {e["kind"] for e in json.loads(content["cluster/events.json"])}  # from its history
     assert API_KEY.encode() not in b"\n".join(content.values())
 
 
@@ -638,6 +639,49 @@ def test_16_the_head_frozen_20_s_keeps_every_rank_and_records_one_pause(sparks):
     assert 19.0 <= float(event["DSV41_PAUSED_S"]) <= 26.0, event["MESSAGE"]
     assert event["DSV41_ANSWERED"] == "spark1,spark2,spark3" and not event.get("DSV41_SILENT"), event["MESSAGE"]
     assert event["MESSAGE"].startswith("the coordinator did not run for "), event["MESSAGE"]
+
+
+def test_17_incidents_survive_a_coordinator_restart(sparks):
+    head = head_of(sparks)
+    if head.show("dsv41-coordinator.service", "ActiveState")["ActiveState"] != "active":
+        head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
+    wait_serving(head, timeout=120)
+
+    def shown_events() -> list[str]:
+        return ctl(head, "events", "--last", "1000", check=True).stdout.splitlines()
+
+    def incident_counters() -> dict:
+        return {labels: v for (name, labels), v in metrics(head).items() if name == "dsv41_incidents_total"}
+    # Incidents of the coordinators so far (scenario 2's rank exit at least); the line an earlier
+    # restart put between them is not an incident.
+    before = [line for line in shown_events() if " coordinator_started: " not in line]
+    assert any(" spark3 rank_exit: " in line for line in before), before
+    counted = incident_counters()
+    last = status(head)["last_incident"]
+    assert counted and last["kind"]
+    path = "/var/lib/dsv41/coordinator/incidents.jsonl"
+    assert head.run(["stat", "-c", "%a %U", path]).stdout.split() == ["600", "root"]
+    assert len(head.host_path(path).read_text().splitlines()) >= len(before)
+
+    coordinator = unit_pid(head, "dsv41-coordinator.service")
+    head.run(["kill", "-9", str(coordinator)])
+    wait_for(lambda: unit_pid(head, "dsv41-coordinator.service") not in (0, coordinator), 30,
+             "systemd did not restart the killed coordinator")
+    wait_serving(head, timeout=120)
+    after = shown_events()
+    started = [n for n, line in enumerate(after) if " coordinator_started: " in line]
+    assert len(started) == 1, after  # one line: where this coordinator began
+    assert after[:started[0]] == before
+    assert f"the {len(before)} incident(s) above are from before it" in after[started[0]]
+    assert status(head)["last_incident"] == last
+
+    def counters_back():
+        try:
+            return incident_counters()
+        except OSError:  # the new coordinator's metrics endpoint is not listening yet
+            return None
+    again = wait_for(counters_back, 30, "no metrics from the restarted coordinator")
+    assert all(again.get(labels, 0) >= value for labels, value in counted.items()), (counted, again)
 
 
 def rank_environment(node) -> str:

@@ -76,6 +76,9 @@ class Runtime:
     def incidents(self):
         return []
 
+    def earlier_incidents(self):
+        return 0
+
     def on_incident(self, listener):
         pass
 

@@ -135,7 +135,7 @@ class StandInSession:
     """What the Coordinator asks of a Session: start, stop, and the phase it runs in."""
     made: list["StandInSession"] = []
 
-    def __init__(self, cfg, text, creds, log, listeners, state_dir, phase=Phase.SERVING):
+    def __init__(self, cfg, text, creds, log, listeners, state_dir, started_unix_s=None, phase=Phase.SERVING):
         self.cfg, self.text, self.api_key = cfg, text, creds.api_key
         self.runtime = StandInRuntime(phase)
         self.started = None
