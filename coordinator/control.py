@@ -200,7 +200,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
         snap = self._runtime.snapshot()
         views = node_views(self._cfg, self._runtime.clients, snap.fingerprints, snap.fabric,
                            liveness=self._runtime.liveness_views())
-        return cluster_status(self._cfg, snap, views, True)
+        status = cluster_status(self._cfg, snap, views, True)
+        if hasattr(self._live, "note"):
+            status.config_note = self._live.note()
+        return status
 
     def GetStatus(self, request, context):
         return self._status()

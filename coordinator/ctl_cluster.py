@@ -229,6 +229,9 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, w
         put(f"  {st.phase_detail}", 4)
     if not st.coordinator_running:
         print(paint("  coordinator: not running (status read from the agents)", "33"), file=out)
+    if st.config_note:
+        for line in fold(f"  {st.config_note}", width, 4):
+            print(paint(line, "33"), file=out)
     if st.restart_attempt:
         print(f"  restart attempt {st.restart_attempt}", file=out)
     if st.last_incident.kind:

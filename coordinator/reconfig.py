@@ -16,7 +16,7 @@ from dsv41.journal import EventLog
 
 from . import config as config_mod
 from . import configdiff
-from .configstore import ConfigStore, Source, choose_at_start
+from .configstore import ConfigStore, Source, choose_at_start, digest
 from .runtime import Rollout
 from .session import STOPPED_PHASES, Credentials, Outcome, Session, Unusable, credentials, parse_text
 
@@ -106,6 +106,22 @@ class Coordinator:
         with self._lock:
             if self._session is not None:
                 self._session.stop(stop_cluster)
+
+    def note(self) -> str:
+        """What status says when cluster.env is not what runs; empty when it is."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                text = f.read(1 << 20)
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"{self.path}: cannot read ({exc}); the configuration applied before runs"
+        session = self._session
+        if session is None or text == session.text:
+            return ""
+        rejected = self._store.rejected()
+        if rejected is not None and rejected.sha256 == digest(text):
+            return (f"{self.path} holds a change that was rolled back ({rejected.why}); the configuration before "
+                    "it runs: fix the file, then `dsv41ctl config apply`")
+        return f"{self.path} differs from the running configuration: `dsv41ctl config diff`, then `dsv41ctl config apply`"
 
     # ------------------------------------------------------------------ changes
 

@@ -748,8 +748,9 @@ def test_19a_a_rank_change_that_fails_at_start_is_rolled_back_to_the_previous_co
                     "not serving again with the configuration before the change")
     assert "DSV41_SIM_PREFILL_TOKENS_PER_S" not in rank_environment(sparks["spark3"])
     assert "DSV41_SIM_DECODE_TOKENS_PER_S=150" in rank_environment(sparks["spark3"])
-    # cluster.env still holds the change: diff says so, and a restarted coordinator keeps the old one.
+    # cluster.env still holds the change: diff and status say so.
     assert "DSV41_SIM_PREFILL_TOKENS_PER_S" in ctl(head, "config", "diff").stdout
+    assert "holds a change that was rolled back" in status(head)["config_note"]
     head.write_file("/etc/dsv41/cluster.env", good, mode=0o640)
     assert ctl(head, "config", "apply").returncode == 0
     assert rank_pids(status(head)) == rank_pids(body)

@@ -470,6 +470,7 @@ def test_9a_a_flag_that_stops_every_rank_at_start_is_rolled_back_and_the_old_fla
         assert "--watchdog-timeout 300" in argv and "--kv-cache-dtype" not in argv, argv
         assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
         assert "EXTRA_SGLANG_ARGS" in ctl(head, "config", "diff").stdout  # the file still holds the change
+        assert "holds a change that was rolled back" in status(head)["config_note"]
         head.write_file(CONFIG, good, mode=0o640)
         assert ctl(head, "config", "apply").returncode == 0
         assert rank_pids(wait_serving(head, timeout=30)) == after

@@ -235,3 +235,30 @@ def test_rollback_on_request_and_refused_with_nothing_before(coordinator):
     assert c.session.started[1] == ("NCCL_DEBUG",) and c.session.started[2] is None
     assert c._store.rejected().sha256 == digest(new_text)  # a restart does not bring the change back
     assert first_config(str(path), c._store)[1] == BASE
+
+
+def test_status_notes_a_file_edited_but_not_applied_and_one_that_was_rolled_back(coordinator):
+    c, path, _, spawned = coordinator
+    assert c.note() == ""
+    new_text = edited(BASE, NCCL_DEBUG="INFO")
+    path.write_text(new_text)
+    assert "differs from the running configuration: `dsv41ctl config diff`" in c.note()
+    c.apply("root")
+    assert c.note() == ""
+    c.session.started[2].roll_back("the bring-up failed at launch: rank 0 exited")
+    spawned[0]()
+    note = c.note()
+    assert "holds a change that was rolled back (the bring-up failed at launch: rank 0 exited)" in note, note
+
+
+def test_dsv41ctl_status_shows_the_configuration_note():
+    from coordinator.ctl_cluster import render_status
+    from dsv41.v1 import control_pb2 as pb
+    out = io.StringIO()
+    render_status(pb.ClusterStatus(phase="serving", coordinator_running=True,
+                                   config_note="/etc/dsv41/cluster.env differs from the running configuration"),
+                  out, now=0.0, width=120)
+    assert "  /etc/dsv41/cluster.env differs from the running configuration" in out.getvalue()
+    quiet = io.StringIO()
+    render_status(pb.ClusterStatus(phase="serving", coordinator_running=True), quiet, now=0.0, width=120)
+    assert "differs" not in quiet.getvalue()
