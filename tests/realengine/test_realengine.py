@@ -487,6 +487,8 @@ def test_10_systemctl_restart_of_the_coordinator_keeps_every_real_rank_serving(r
     assert unit_pid(head, "dsv41-coordinator.service") not in (0, coordinator)
     assert rank_pids(wait_serving(head, timeout=60)) == pids
     assert len(coordinator_events_named(head, "adopted")) == adopted + 1
+    events = ctl(head, "events", "--last", "1000").stdout
+    assert "rank_exit" in events and "coordinator_started" in events, events  # scenario 4's, from before it
     stopping = coordinator_events_named(head, "coordinator_stopping")[-1]
     assert stopping["DSV41_JOB_TYPE"] == "restart" and stopping["DSV41_RANKS_KEPT"] == "yes", stopping["MESSAGE"]
     for name, node in rehearsal.items():
