@@ -25,8 +25,11 @@ ADAPTER = "/usr/share/dsv41/rank"
 
 
 def cluster_env(nodes: dict, port: int = 8888, **extra: str | None) -> str:
-    """cluster.env for nodes running the agent and the stand-in from this source tree."""
-    return sim_cluster_env(nodes, SIM, port, **extra)
+    """cluster.env for nodes running the agent and the stand-in from this source tree. The scenarios
+    kill ranks moments after restarting with a new file: ROLLOUT_CONFIRM_S=0 keeps such a fault from
+    rolling the file back (a rollout's bring-up failure still does; the rollback at a rank exit after
+    serving is pinned in tests/unit/test_supervisor.py)."""
+    return sim_cluster_env(nodes, SIM, port, **{"ROLLOUT_CONFIRM_S": "0", **extra})
 
 
 def boot(rootfs, names=("spark1", "spark2", "spark3"), **options) -> Cluster:
