@@ -44,8 +44,10 @@ MODEL_DIR, COMMON_MODEL, SHARDS = "/srv/dsv41-model", "/var/tmp/dsv41-model", 3
 @pytest.fixture(scope="module")
 def sparks(rootfs, debs, tmp_path_factory):
     model = model_dir(tmp_path_factory.mktemp("model"), shards=SHARDS)
+    # ROLLOUT_CONFIRM_S=0: see tests.integration.simcluster.cluster_env
     cluster = boot_sparks(rootfs, debs[0], node_options={"binds_ro": [f"{model}:{MODEL_DIR}"],
-                                                        "syscalls": ["open_by_handle_at"]}, **GUARD_ENV)
+                                                        "syscalls": ["open_by_handle_at"]},
+                          ROLLOUT_CONFIRM_S="0", **GUARD_ENV)
     try:
         yield cluster.nodes
     finally:
@@ -643,9 +645,9 @@ def test_16_the_head_frozen_20_s_keeps_every_rank_and_records_one_pause(sparks):
 
 def test_17_incidents_survive_a_coordinator_restart(sparks):
     head = head_of(sparks)
-    if head.show("dsv41-coordinator.service", "ActiveState")["ActiveState"] != "active":
-        head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
-    wait_serving(head, timeout=120)
+    # Metrics on (the packaged default, as in scenario 1's file): the counters are read across the restart.
+    serving_with(head, cluster_env(sparks, SIM_RANK_COMMAND=SIM, NODE_LEASE_S=str(LEASE_S),
+                                   HANG_TIMEOUT_S=str(HANG_S), METRICS_LISTEN=None))
 
     def shown_events() -> list[str]:
         return ctl(head, "events", "--last", "1000", check=True).stdout.splitlines()
