@@ -64,8 +64,10 @@ class Coordinator:
         if os.path.exists(self.socket):  # left by a killed coordinator
             os.unlink(self.socket)
         log = open(self.log, "ab")
+        # Its own state directory: the applied configuration and the incident history are this test's.
         self.proc = subprocess.Popen([sys.executable, "-m", "coordinator.daemon", "--config", str(self.config),
-                                      "--control-socket", self.socket, *extra], cwd=REPO, stdout=log,
+                                      "--control-socket", self.socket, "--state-dir", str(self.workdir / "state"),
+                                      *extra], cwd=REPO, stdout=log,
                                      stderr=subprocess.STDOUT, env=self._env())
         deadline = time.monotonic() + 20
         while not os.path.exists(self.socket):
