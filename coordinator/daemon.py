@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    server = serve(cfg, None, args.control_socket, log, api_key=creds.api_key, live=coordinator)
     notify = SdNotify.from_env()
     coordinator.start(cfg, text, creds, autostart=not args.no_autostart)
+    # After the first session exists: every call reads it (its status says "starting" while it looks for ranks).
+    server = serve(cfg, None, args.control_socket, log, api_key=creds.api_key, live=coordinator)
     log.info("coordinator_started", f"dsv41-coordinator {VERSION}: {len(cfg.nodes)} nodes, control socket "
              f"{args.control_socket}", version=VERSION)
     notify.ready(status_line(coordinator.runtime))
