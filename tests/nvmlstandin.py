@@ -18,7 +18,7 @@ H100 = {"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-11111111-2222-3333-4444-55
         "clock": {nvml.CLOCK_SM: 345, nvml.CLOCK_GRAPHICS: 345, nvml.CLOCK_MEM: 2619},
         "max_clock": {nvml.CLOCK_SM: 1980, nvml.CLOCK_GRAPHICS: 1980, nvml.CLOCK_MEM: 2619},
         "app_clock": {nvml.CLOCK_SM: 1980}, "power_mw": 71_234, "limit_mw": 700_000, "temperature": 31,
-        "utilization": (0, 0), "reasons": 0x1, "memory": (85_520_809_984, 553_648_128)}
+        "utilization": (0, 0), "reasons": 0x1, "memory": (85_520_809_984, 0), "reserved": 503_316_480}
 GB10 = {"name": "NVIDIA GB10", "uuid": "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee",
         "clock": {nvml.CLOCK_SM: 2418, nvml.CLOCK_GRAPHICS: 2418},
         "max_clock": {nvml.CLOCK_SM: 2418}, "power_mw": 38_200, "temperature": 71,
@@ -37,8 +37,9 @@ class StandInNvml:
         self.calls: list[str] = []
         self.shut = False
         self._arrived = threading.Condition()
-        if not old_driver:  # drivers from 535 on have the new name; the old one stays
+        if not old_driver:  # newer drivers have these names; the old ones stay
             self.nvmlDeviceGetCurrentClocksEventReasons = self._reasons
+            self.nvmlDeviceGetMemoryInfo_v2 = self._memory_v2
 
     # the library
     def nvmlInit_v2(self):
@@ -133,12 +134,26 @@ class StandInNvml:
         return code
 
     def nvmlDeviceGetMemoryInfo(self, handle, out):
+        """v1: `used` counts what the driver reserves."""
         gpu, code = self._gpu(handle, "nvmlDeviceGetMemoryInfo")
         if code == nvml.SUCCESS and "memory" not in gpu:
             code = nvml.ERROR_NOT_SUPPORTED
         if code == nvml.SUCCESS:
             total, used = gpu["memory"]
+            used += gpu.get("reserved", 0)
             out.contents.total, out.contents.used, out.contents.free = total, used, total - used
+        return code
+
+    def _memory_v2(self, handle, out):
+        gpu, code = self._gpu(handle, "nvmlDeviceGetMemoryInfo_v2")
+        if code == nvml.SUCCESS and out.contents.version != nvml.MEMORY_V2_VERSION:
+            code = nvml.ERROR_ARGUMENT_VERSION_MISMATCH
+        if code == nvml.SUCCESS and "memory" not in gpu:
+            code = nvml.ERROR_NOT_SUPPORTED
+        if code == nvml.SUCCESS:
+            (total, used), reserved = gpu["memory"], gpu.get("reserved", 0)
+            c = out.contents
+            c.total, c.used, c.reserved, c.free = total, used, reserved, total - used - reserved
         return code
 
     # Xid events

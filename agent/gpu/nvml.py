@@ -28,6 +28,7 @@ ERROR_TIMEOUT = 10
 ERROR_LIBRARY_NOT_FOUND = 12
 ERROR_FUNCTION_NOT_FOUND = 13
 ERROR_GPU_IS_LOST = 15
+ERROR_ARGUMENT_VERSION_MISMATCH = 25
 ERROR_UNKNOWN = 999
 
 # nvmlClockType_t
@@ -49,6 +50,14 @@ class Utilization(ctypes.Structure):
 
 class Memory(ctypes.Structure):
     _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+class MemoryV2(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint), ("total", ctypes.c_ulonglong), ("reserved", ctypes.c_ulonglong),
+                ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+MEMORY_V2_VERSION = ctypes.sizeof(MemoryV2) | (2 << 24)  # NVML_STRUCT_VERSION(Memory, 2)
 
 
 class EventData(ctypes.Structure):
@@ -192,7 +201,16 @@ class Nvml:
         return out.value
 
     def memory_bytes(self, handle) -> tuple[int, int]:
-        """(total, used) device memory; a unified-memory device (GB10) answers NOT_SUPPORTED."""
+        """(total, used) device memory; a unified-memory device (GB10) answers NOT_SUPPORTED. The v2
+        call, as nvidia-smi reads it: its `used` leaves out what the driver reserves, which the v1
+        call counts as used (480 MiB on an idle H100 with driver 580); v1 where the library lacks v2."""
+        v2 = MemoryV2(version=MEMORY_V2_VERSION)
+        try:
+            self._call("nvmlDeviceGetMemoryInfo_v2", handle, ctypes.pointer(v2))
+            return v2.total, v2.used
+        except NvmlError as exc:
+            if exc.code not in (ERROR_FUNCTION_NOT_FOUND, ERROR_ARGUMENT_VERSION_MISMATCH):
+                raise
         out = Memory()
         self._call("nvmlDeviceGetMemoryInfo", handle, ctypes.pointer(out))
         return out.total, out.used

@@ -227,13 +227,17 @@ class GpuTelemetry:
             return report
 
     def close(self) -> None:
+        """Stops the Xid watch and shuts NVML down; an NVML error here is of no use to anyone stopping."""
         with self._lock:
-            if self._xid is not None:
-                self._xid.stop()
-                self._xid = None
-            if self._nvml is not None:
-                self._nvml.close()
-                self._nvml = None
+            xid, nvml, self._xid, self._nvml = self._xid, self._nvml, None, None
+            for step in ((xid.stop if xid else None), (nvml.close if nvml else None)):
+                if step is None:
+                    continue
+                try:
+                    step()
+                except NvmlError as exc:
+                    if self._log is not None:
+                        self._log.info("gpu_telemetry_close_failed", f"GPU telemetry: closing NVML: {exc}")
 
     def _read(self, now: float) -> GpuReport:
         if self._nvml is None and not self._open(now):

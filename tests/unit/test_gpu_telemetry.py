@@ -43,7 +43,7 @@ def test_every_figure_of_an_idle_h100_in_the_units_it_is_reported_in():
     assert gpu.power_w == pytest.approx(71.234) and gpu.power_limit_w == 700.0  # NVML gives milliwatts
     assert (gpu.temperature_c, gpu.utilization_gpu_pct, gpu.utilization_memory_pct) == (31, 0, 0)
     assert gpu.throttle_mask == 1 and gpu.throttle_reasons == ("gpu_idle",)
-    assert (gpu.memory_total_bytes, gpu.memory_used_bytes) == (85_520_809_984, 553_648_128)
+    assert (gpu.memory_total_bytes, gpu.memory_used_bytes) == (85_520_809_984, 0)  # as nvidia-smi: reserved apart
     assert gpu.unsupported == () and gpu.errors == ()
 
 
@@ -69,7 +69,7 @@ FIGURES_BY_FUNCTION = {
     "nvmlDeviceGetTemperature": {"temperature_c": None},
     "nvmlDeviceGetUtilizationRates": {"utilization_gpu_pct": None, "utilization_memory_pct": None},
     "nvmlDeviceGetCurrentClocksEventReasons": {"throttle_mask": None, "throttle_reasons": ()},
-    "nvmlDeviceGetMemoryInfo": {"memory_total_bytes": None, "memory_used_bytes": None},
+    "nvmlDeviceGetMemoryInfo_v2": {"memory_total_bytes": None, "memory_used_bytes": None},
 }
 
 
@@ -98,11 +98,19 @@ def test_a_gpu_without_a_handle_reports_that_alone():
     assert gpu.index == 1 and gpu.name == "" and gpu.errors[0].startswith("handle: ")
 
 
-def test_a_driver_before_535_gives_the_reasons_under_their_old_name():
+def test_an_older_driver_gives_the_reasons_and_memory_through_the_old_calls():
     lib = StandInNvml([dict(H100, reasons=0x44)], old_driver=True)
     gpu = read_gpu(opened(lib), 0)
     assert gpu.throttle_reasons == ("sw_power_cap", "hw_thermal_slowdown")
     assert "nvmlDeviceGetCurrentClocksThrottleReasons" in lib.calls
+    assert gpu.memory_used_bytes == 480 << 20  # v1 counts the driver's reserved memory as used
+
+
+def test_memory_v2_answering_a_version_mismatch_falls_back_to_v1():
+    lib = StandInNvml([H100], errors={(0, "nvmlDeviceGetMemoryInfo_v2"): nvml.ERROR_ARGUMENT_VERSION_MISMATCH})
+    gpu = read_gpu(opened(lib), 0)
+    assert gpu.memory_used_bytes == 480 << 20 and gpu.errors == ()
+    assert nvml.MEMORY_V2_VERSION == 40 | (2 << 24)  # sizeof(nvmlMemory_v2_t) | 2 << 24, as nvml.h builds it
 
 
 @pytest.mark.parametrize("mask, names", [
