@@ -264,3 +264,38 @@ def test_the_gpu_families_are_empty_without_gpus():
     registry = collector(Snapshot(phase="serving", since=1.0, ranks={}), views=views)
     families = scrape(registry)
     assert "dsv41_gpu_sm_clock_mhz" in families and samples(families, "dsv41_gpu_sm_clock_mhz") == {}
+
+
+def test_each_poll_goes_to_the_gpu_watch_and_a_gpu_slow_too_long_is_journaled_once():
+    from types import SimpleNamespace
+
+    from coordinator.gpuslow import GpuSlowRules, GpuSlowWatch
+    from coordinator.metrics.exporter import Metrics
+    from coordinator.metrics.nodes import NodePoller
+    from tests.fakeclock import FakeClock
+
+    hot = status(90 * GB)
+    hot.gpus.add(index=0, uuid="GPU-a", name="NVIDIA GB10", sm_clock_mhz=1100, utilization_gpu_pct=99,
+                 temperature_c=97, throttle_reasons=["hw_slowdown", "hw_thermal_slowdown"])
+
+    class Client:
+        def status(self, timeout):
+            return hot
+    polls = []
+    poller = NodePoller({"spark1": Client()}, {}, 5.0, on_poll=polls.append)
+    poller.poll_once()
+    poller.start().stop()  # (stop shuts its pool down)
+    assert polls[0]["spark1"].status is hot
+
+    clock, stream = FakeClock(), io.StringIO()
+    log = EventLog("test", {}, stream=stream, use_journal=False)
+    holder = SimpleNamespace(gpu_slow=GpuSlowWatch(GpuSlowRules(slow_s=10.0), clock.monotonic), _log=log)
+    views = {"spark1": NodeView("spark1", True, hot), "spark2": NodeView("spark2", False)}
+    for step in (0, 11, 5):
+        clock.advance(step)
+        Metrics._watch_gpus(holder, views)
+    lines = [line for line in stream.getvalue().splitlines() if "DSV41_EVENT=gpu_slow" in line]
+    assert len(lines) == 1, stream.getvalue()
+    assert "spark1 GPU0 NVIDIA GB10: slow for 11 s (throttle reasons hw_slowdown, hw_thermal_slowdown" in lines[0]
+    assert "Known remedy" in lines[0] and "DSV41_NODE=spark1" in lines[0] and "DSV41_SLOW_S=11" in lines[0]
+    assert [s.gpu.node for s in holder.gpu_slow.slow()] == ["spark1"]
