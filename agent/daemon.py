@@ -28,6 +28,7 @@ from .auth import CallerCheck, CredentialFiles, PinFile
 from .container import ContainerProcesses, signal_rank
 from .events import EventHub
 from .floor import NodeFloor
+from .gpu.telemetry import GpuTelemetry
 from .memory import MemorySampler, PsiTrigger, RankMemoryReader, TriggerWatcher
 from .rank import RankManager
 from .rankspec import RANK_UNIT
@@ -214,9 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sampler = MemorySampler(rank_memory=RankMemoryReader(rank.control_group))
     watches = _start_watches(s, log, events, systemd, rank)
+    gpus = GpuTelemetry(log=log)
+    # NVML's first open can take a second without persistence mode: not in the first status call.
+    threading.Thread(target=gpus.read, name="gpu-open", daemon=True).start()
     try:
         creds, pins = _tls(s, log, args.config)
-        service = AgentService(build_handlers(s, systemd, rank, sampler, watches.triggers, events, started))
+        service = AgentService(build_handlers(s, systemd, rank, sampler, watches.triggers, events, started,
+                                              gpus=gpus))
         upstream = os.path.join(runtime_dir(), "agent.sock")
         server = _grpc_server(s, events, service, creds, pins, upstream)
         relay = _relay(s, events, upstream)
@@ -235,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     relay.stop()
     server.stop(grace=2.0).wait(5.0)
     watches.stop()
+    gpus.close()
     systemd.close()
     return 0
 

@@ -27,6 +27,7 @@ from dsv41 import progress as progress_files
 from .auth import cert_not_after
 from .bootid import boot_id
 from .events import EventHub
+from .gpu.telemetry import GpuReading, GpuReport, GpuTelemetry
 from .images import ImageIds
 from .memory import MeminfoInvalid, MemorySampler, TriggerWatcher
 from .rank import RankManager
@@ -103,15 +104,29 @@ def rank_progress(directory: str) -> list[pb.RankProgress]:
             for p in progress_files.read_all(directory)]
 
 
+def gpu_state_pb(reading: GpuReading) -> pb.GpuState:
+    """A GPU's figures; one the device did not give stays unset (HasField false), never 0."""
+    optional = ("sm_clock_mhz", "sm_clock_max_mhz", "sm_clock_applications_mhz", "graphics_clock_mhz",
+                "memory_clock_mhz", "memory_clock_max_mhz", "power_w", "power_limit_w", "temperature_c",
+                "utilization_gpu_pct", "utilization_memory_pct", "throttle_mask", "memory_total_bytes",
+                "memory_used_bytes")
+    figures = {name: getattr(reading, name) for name in optional if getattr(reading, name) is not None}
+    return pb.GpuState(index=reading.index, name=reading.name, uuid=reading.uuid, **figures,
+                       throttle_reasons=list(reading.throttle_reasons), xid_count=reading.xid_count,
+                       last_xid=reading.last_xid or 0, last_xid_unix_s=reading.last_xid_unix_s or 0.0,
+                       unsupported=list(reading.unsupported), errors=list(reading.errors))
+
+
 class StatusRpcs:
     """GetStatus: what this node is, runs and has, from what each component last knew."""
 
     def __init__(self, settings, sampler: MemorySampler, rank: RankManager, images: ImageIds,
                  mount: Callable[[], pb.MountState], export: Callable[[], pb.ExportState],
                  progress: Callable[[], list[pb.RankProgress]], boot_id: str, started_monotonic: float,
-                 monotonic: Callable[[], float] = time.monotonic, pressure: NodePressure | None = None):
+                 monotonic: Callable[[], float] = time.monotonic, pressure: NodePressure | None = None,
+                 gpus: Callable[[], GpuReport] | None = None):
         """mount, export: the last known mount and export (no I/O that could block); progress: the
-        ranks' forward-step counters."""
+        ranks' forward-step counters; gpus: the node's GPU report (NVML; none: no GPU figures)."""
         self._settings = settings
         self._sampler = sampler
         self._rank = rank
@@ -123,6 +138,7 @@ class StatusRpcs:
         self._started = started_monotonic
         self._monotonic = monotonic
         self._pressure = pressure or NodePressure()
+        self._gpus = gpus or (lambda: GpuReport(available=False))
         self._adapter_digest = AdapterDigest(settings.adapter_dir, monotonic)
         self._adapter = InstalledAdapter(settings.adapter_dir)
         self._cert_expiry = CertExpiry(settings.tls_cert)
@@ -132,6 +148,7 @@ class StatusRpcs:
             memory = self._sampler.sample()
         except MeminfoInvalid as exc:
             context.abort(grpc.StatusCode.INTERNAL, f"cannot read this node's memory: {exc}")
+        gpus = self._gpus()
         return pb.NodeStatus(
             node=self._settings.node, agent_version=VERSION, adapter_digest=self._adapter_digest.get(),
             adapter_version=self._adapter.version(),
@@ -141,7 +158,8 @@ class StatusRpcs:
             cert_not_after_unix_s=self._cert_expiry.get(), boot_id=self._boot_id, progress=self._progress(),
             pressure=[
                 pb.ResourcePressure(resource=resource, some=pressure_pb(some), full=pressure_pb(full))
-                for resource, (some, full) in self._pressure.read().items()])
+                for resource, (some, full) in self._pressure.read().items()],
+            gpus=[gpu_state_pb(g) for g in gpus.gpus], gpu_telemetry=gpus.detail)
 
     def _settled_rank(self):
         self._rank.refresh()
@@ -166,11 +184,11 @@ def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager,
                    triggers: TriggerWatcher, events: EventHub, started_monotonic: float,
                    monotonic: Callable[[], float] = time.monotonic, pressure: NodePressure | None = None,
                    host_root: str | None = None, progress_dir: str = progress_files.DIRECTORY,
-                   proc_root: str = "/proc") -> AgentHandlers:
+                   proc_root: str = "/proc", gpus: GpuTelemetry | None = None) -> AgentHandlers:
     """The handlers over the daemon's components. host_root: where paths the coordinator names
     (pack directories) are seen as PID 1 sees them (this unit's PrivateTmp= hides /tmp and /var/tmp,
     where the pack job, its own unit, writes); progress_dir: where the ranks publish their
-    forward-step counters."""
+    forward-step counters; gpus: the node's GPU telemetry (NVML)."""
     this_boot = boot_id(proc_root)
 
     def progress() -> list[pb.RankProgress]:
@@ -178,7 +196,8 @@ def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager,
     node_checks = NodeCheckRpcs(settings, events, rank, lambda: build_node_checks(settings, systemd, events))
     images = ImageIds(settings.allowed_images if "container" in settings.allowed_runtimes else ())
     status = StatusRpcs(settings, sampler, rank, images, node_checks.mount_snapshot_pb,
-                        node_checks.export_snapshot_pb, progress, this_boot, started_monotonic, monotonic, pressure)
+                        node_checks.export_snapshot_pb, progress, this_boot, started_monotonic, monotonic, pressure,
+                        None if gpus is None else gpus.read)
     return AgentHandlers(
         status=status,
         rank=RankRpcs(settings, rank, events, node_checks.path_trust, progress, this_boot, monotonic),

@@ -11,6 +11,7 @@ from typing import TextIO
 import grpc
 
 from dsv41.adapterversion import adapter_stale
+from dsv41.gpu import SLOWDOWN_REASONS
 from dsv41.v1 import agent_pb2 as apb
 from dsv41.v1 import control_pb2 as pb
 from dsv41.v1 import control_pb2_grpc
@@ -211,6 +212,29 @@ def stale_adapter_lines(nodes) -> list[str]:
     return lines
 
 
+def gpu_line(gpu: apb.GpuState) -> tuple[str, bool]:
+    """`GPU0 NVIDIA GB10: 2418/2418 MHz SM, 71 °C, 38.2 W, 97 % busy`, then its throttle reasons
+    other than idle, and its Xid errors; a figure the GPU does not give is left out. The flag: a
+    thermal or hardware slowdown or an Xid, worth a colour."""
+    parts = []
+    if gpu.HasField("sm_clock_mhz"):
+        top = f"/{gpu.sm_clock_max_mhz}" if gpu.HasField("sm_clock_max_mhz") else ""
+        parts.append(f"{gpu.sm_clock_mhz}{top} MHz SM")
+    if gpu.HasField("temperature_c"):
+        parts.append(f"{gpu.temperature_c} °C")
+    if gpu.HasField("power_w"):
+        parts.append(f"{gpu.power_w:.1f} W")
+    if gpu.HasField("utilization_gpu_pct"):
+        parts.append(f"{gpu.utilization_gpu_pct} % busy")
+    text = f"GPU{gpu.index} {gpu.name or '?'}: {', '.join(parts) or 'no figures'}"
+    reasons = [r for r in gpu.throttle_reasons if r != "gpu_idle"]
+    if reasons:
+        text += f"; clocks held by {', '.join(reasons)}"
+    if gpu.xid_count:
+        text += f"; {gpu.xid_count} Xid error(s), last Xid {gpu.last_xid}"
+    return text, bool(set(reasons) & SLOWDOWN_REASONS or gpu.xid_count)
+
+
 def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, width: int | None = None) -> None:
     paint = _colour(out)
     now = time.time() if now is None else now
@@ -268,6 +292,10 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, w
             # A floor stop is found here even when no coordinator ran to record it as an incident.
             why = ": its memory floor stopped it" if e.cause == apb.ExitInfo.MEMORY_FLOOR else ""
             put(f"{'':<13}last exit{why}: {e.result}, {e.code} {e.status}")
+        for gpu in s.gpus:
+            text, warn = gpu_line(gpu)
+            for line in fold(f"{'':<{INDENT}}{text}", width, INDENT + 2):
+                print(paint(line, "33") if warn else line, file=out)
         failed = [c for c in view.fabric.checks if not c.ok]
         for check in failed[:3]:
             put(f"{'':<13}fabric: {check.name}: {check.detail}")

@@ -239,6 +239,16 @@ KEYS: tuple[Key, ...] = (
        "0: off"),
     _k("MEMORY_FLOOR_KILL_AFTER_S", v.real(0.1, 60.0), "1",
        "after the floor's SIGTERM, SIGKILL once memory keeps falling, or at the latest after this long"),
+    # GPU slow state (decided from the agents' NVML figures at every METRICS_POLL_S; needs METRICS_LISTEN)
+    _k("GPU_SLOW_S", v.real(1.0, 86400.0), "120",
+       "a GPU slow this long without a break (thermal or hardware slowdown among its throttle reasons, or busy "
+       "below GPU_EXPECTED_SM_MHZ) is journaled as gpu_slow with its figures and the known remedy, and "
+       "dsv41_gpu_slow is 1 while it lasts"),
+    _k("GPU_BUSY_RATIO", v.real(0.0, 1.0, lo_open=True), "0.5",
+       "a GPU counts as busy for GPU_EXPECTED_SM_MHZ when its NVML utilisation is at least this (0..1)"),
+    _k("GPU_EXPECTED_SM_MHZ", v.optional(v.integer(1, 10000)), "",
+       "the SM clock a busy GPU runs at when well (a GB10 latched in its slow state runs lower until its AC power "
+       "is removed); empty: the clock is not checked, only the throttle reasons are"),
     # metrics and alerts
     _k("METRICS_LISTEN", v.optional(v.listen), "0.0.0.0:9441",
        "address the coordinator serves Prometheus metrics on (http://ADDRESS:PORT/metrics); empty: no metrics"),

@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from dsv41.adapterversion import adapter_stale
+from dsv41.gpu import REASON_NAMES
 from dsv41.version import VERSION
 from dsv41.v1 import agent_pb2 as pb
 
@@ -29,11 +30,14 @@ class ClusterCollector:
     def __init__(self, snapshot: Callable[[], object], nodes: list[str], recorder: Recorder,
                  views: Callable[[], dict[str, NodeView]], guard_low: Callable[[], float | None] | None,
                  guard_bytes: int, mounts: tuple[str, ...],
-                 liveness: Callable[[], dict[str, tuple[float, float, int]]] = dict):
+                 liveness: Callable[[], dict[str, tuple[float, float, int]]] = dict,
+                 gpu_slow: Callable[[], tuple] = tuple):
         """`mounts`: the workers that mount the head's export (empty with NFS_SHARE=0);
         `guard_low`: the lowest available memory the guard saw lately (None: no guard);
-        `liveness`: node -> (lease age, step age, forward steps), -1 where not known."""
+        `liveness`: node -> (lease age, step age, forward steps), -1 where not known;
+        `gpu_slow`: the GPUs slow now (coordinator.gpuslow.GpuSlow)."""
         self._liveness = liveness
+        self._gpu_slow = gpu_slow
         self._snapshot = snapshot
         self._nodes = nodes
         self._recorder = recorder
@@ -52,6 +56,7 @@ class ClusterCollector:
         yield from self._node_figures(self._views())
         yield from self._guard()
         yield from liveness_families(self._liveness())
+        yield from gpu_families(self._nodes, self._views(), self._gpu_slow())
 
     def _cluster(self, snap) -> Iterator:
         info = GaugeMetricFamily("dsv41_coordinator_info", "the coordinator's version", labels=["version"])
@@ -153,6 +158,48 @@ def pressures(status) -> dict[str, tuple[float, float]]:
     if not out:
         out["memory"] = (status.memory.some.avg10, status.memory.full.avg10)
     return out
+
+
+GPU_LABELS = ["node", "gpu", "uuid"]
+
+
+def gpu_families(nodes: list[str], views: dict[str, NodeView], slow: tuple = ()) -> list:
+    """Each GPU's figures from its node's last status (NodeStatus.gpus), labelled node, gpu (NVML
+    index) and uuid; a figure the GPU does not give (a GB10 has no memory clock) has no sample."""
+    figures = {  # family: (help, GpuState field, scale)
+        "dsv41_gpu_sm_clock_mhz": ("current SM clock (MHz)", "sm_clock_mhz", 1),
+        "dsv41_gpu_memory_clock_mhz": ("current memory clock (MHz)", "memory_clock_mhz", 1),
+        "dsv41_gpu_power_watts": ("power draw (W)", "power_w", 1),
+        "dsv41_gpu_temperature_celsius": ("GPU temperature (°C)", "temperature_c", 1),
+        "dsv41_gpu_utilization_ratio": ("part of the last sample period a kernel ran (0..1)",
+                                        "utilization_gpu_pct", 0.01),
+    }
+    families = {name: GaugeMetricFamily(name, doc, labels=GPU_LABELS) for name, (doc, _, _) in figures.items()}
+    throttle = GaugeMetricFamily("dsv41_gpu_throttle", "1 for each reason NVML gives for holding the GPU's clocks "
+                                 "down (gpu_idle, sw_power_cap, hw_slowdown, sw_thermal_slowdown, ...), 0 for the "
+                                 "others", labels=[*GPU_LABELS, "reason"])
+    xid = CounterMetricFamily("dsv41_gpu_xid_errors", "Xid critical errors the driver reported since the node's "
+                              "agent started", labels=GPU_LABELS)
+    slow_now = {(s.gpu.node, s.gpu.index) for s in slow}
+    slow_family = GaugeMetricFamily("dsv41_gpu_slow", "1 while the GPU has been slow (busy below "
+                                    "GPU_EXPECTED_SM_MHZ, or a thermal or hardware slowdown) for longer than "
+                                    "GPU_SLOW_S", labels=GPU_LABELS)
+    for node in nodes:
+        view = views.get(node)
+        if view is None or not view.up or view.status is None:
+            continue
+        for gpu in view.status.gpus:
+            labels = [node, str(gpu.index), gpu.uuid]
+            for name, (_, field, scale) in figures.items():
+                if gpu.HasField(field):
+                    families[name].add_metric(labels, getattr(gpu, field) * scale)
+            if gpu.HasField("throttle_mask"):
+                active = set(gpu.throttle_reasons)
+                for reason in dict.fromkeys((*REASON_NAMES, *gpu.throttle_reasons)):
+                    throttle.add_metric([*labels, reason], 1 if reason in active else 0)
+            xid.add_metric(labels, gpu.xid_count)
+            slow_family.add_metric(labels, 1 if (node, gpu.index) in slow_now else 0)
+    return [*families.values(), throttle, xid, slow_family]
 
 
 def liveness_families(views: dict[str, tuple[float, float, int]]) -> list:

@@ -8,6 +8,7 @@ from dsv41.journal import EventLog
 from prometheus_client import CollectorRegistry
 
 from .. import plan as plan_mod
+from ..gpuslow import GpuSlowWatch, rules_from_config
 from .collector import ClusterCollector
 from .low import WindowLow
 from .nodes import NodePoller
@@ -33,8 +34,10 @@ class Metrics:
         self.recorder.add_incidents(runtime.follow_incidents(self.recorder.on_incident))
         plans = plan_mod.render_cluster(cfg)
         self._own_clients = clients
+        self._log = log
+        self.gpu_slow = GpuSlowWatch(rules_from_config(cfg))
         self.poller = NodePoller(clients or runtime.clients, {p.node: p for p in plans if p.pack.required},
-                                 cfg.number("METRICS_POLL_S"), log)
+                                 cfg.number("METRICS_POLL_S"), log, on_poll=self._watch_gpus)
         low = None
         self.guard_window = None
         if guard is not None:
@@ -45,9 +48,15 @@ class Metrics:
         self.registry.register(ClusterCollector(runtime.snapshot, [n.name for n in cfg.nodes], self.recorder,
                                                 self.poller.views, low,
                                                 guard.settings.guard_bytes if guard is not None else 0, mounts,
-                                                runtime.liveness_views))
-        self._log = log
+                                                runtime.liveness_views, self.gpu_slow.slow))
         self._listen = listen
+
+    def _watch_gpus(self, views) -> None:
+        """Journals each GPU that has just become slow (once per episode; dsv41_gpu_slow shows it while it lasts)."""
+        statuses = {node: view.status for node, view in views.items() if view.up and view.status is not None}
+        for slow in self.gpu_slow.observe(statuses):
+            self._log.warning("gpu_slow", slow.message, node=slow.gpu.node, gpu=slow.gpu.index, uuid=slow.gpu.uuid,
+                              cause=slow.cause, slow_s=round(slow.for_s))
 
     def start(self) -> "Metrics":
         self.poller.start()

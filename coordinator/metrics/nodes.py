@@ -25,8 +25,11 @@ class NodeView:
 
 class NodePoller:
     def __init__(self, clients: dict, pack_plans: dict, interval_s: float, log=None,
-                 monotonic: Callable[[], float] = time.monotonic):
-        """pack_plans: node -> NodePlan for nodes whose plan needs packed shards (pack.required)."""
+                 monotonic: Callable[[], float] = time.monotonic,
+                 on_poll: Callable[[dict[str, NodeView]], None] | None = None):
+        """pack_plans: node -> NodePlan for nodes whose plan needs packed shards (pack.required);
+        on_poll: given every poll's views, in the poller's thread (the GPU slow-state watch)."""
+        self._on_poll = on_poll
         self._clients = clients
         self._pack_plans = pack_plans
         self._interval = interval_s
@@ -57,6 +60,8 @@ class NodePoller:
         views = {node: future.result() for node, future in futures.items()}
         with self._lock:
             self._views = views
+        if self._on_poll is not None:
+            self._on_poll(views)
 
     def _ask(self, node: str, client, timeout: float) -> NodeView:
         now = self._monotonic()

@@ -159,3 +159,51 @@ def test_the_terminal_width_is_asked_of_a_terminal_only(monkeypatch):
     monkeypatch.setattr(ctl_cluster.os, "get_terminal_size", lambda fd: ctl_cluster.os.terminal_size((132, 40)))
     assert ctl_cluster._width(Terminal()) == 132
     assert ctl_cluster._width(io.StringIO()) == 80
+
+
+def _gb10(**changes):
+    state = apb.GpuState(index=0, name="NVIDIA GB10", uuid="GPU-a", sm_clock_mhz=2418, sm_clock_max_mhz=2418,
+                         temperature_c=71, power_w=38.24, utilization_gpu_pct=97, throttle_mask=1,
+                         throttle_reasons=["gpu_idle"])
+    for key, value in changes.items():
+        if isinstance(value, list):
+            del getattr(state, key)[:]
+            getattr(state, key).extend(value)
+        else:
+            setattr(state, key, value)
+    return state
+
+
+def test_a_line_per_gpu_under_its_node():
+    st = status()
+    st.nodes[0].status.gpus.append(_gb10())
+    st.nodes[1].status.gpus.append(_gb10(sm_clock_mhz=1203, temperature_c=96, throttle_mask=0x68,
+                                         throttle_reasons=["hw_slowdown", "sw_thermal_slowdown",
+                                                           "hw_thermal_slowdown"], xid_count=2, last_xid=79))
+    out = io.StringIO()
+    ctl_cluster.render_status(st, out, now=NOW)
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines), out.getvalue()
+    first = lines.index(next(line for line in lines if line.startswith("spark1")))
+    assert "             GPU0 NVIDIA GB10: 2418/2418 MHz SM, 71 °C, 38.2 W, 97 % busy" in lines[first + 1:first + 3]
+    text = " ".join(line.strip() for line in lines)
+    assert ("GPU0 NVIDIA GB10: 1203/2418 MHz SM, 96 °C, 38.2 W, 97 % busy; clocks held by hw_slowdown, "
+            "sw_thermal_slowdown, hw_thermal_slowdown; 2 Xid error(s), last Xid 79") in text
+    assert "gpu_idle" not in text  # idle is no news
+
+
+def test_a_figure_the_gpu_does_not_give_is_left_out_and_a_slowdown_is_painted():
+    state = apb.GpuState(index=1, name="NVIDIA GB10", sm_clock_mhz=900, throttle_reasons=["hw_thermal_slowdown"])
+    assert ctl_cluster.gpu_line(state) == ("GPU1 NVIDIA GB10: 900 MHz SM; clocks held by hw_thermal_slowdown", True)
+    assert ctl_cluster.gpu_line(_gb10(throttle_reasons=["sw_power_cap"]))[1] is False
+    st = status()
+    st.nodes[0].status.gpus.append(state)
+    out = Tty()
+    ctl_cluster.render_status(st, out, now=NOW, width=100)
+    assert "\033[33m             GPU1 NVIDIA GB10: 900 MHz SM" in out.getvalue()
+
+
+def test_no_gpu_lines_without_gpus():
+    out = io.StringIO()
+    ctl_cluster.render_status(status(), out, now=NOW)
+    assert "GPU" not in out.getvalue()

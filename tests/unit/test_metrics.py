@@ -223,3 +223,79 @@ def test_the_dashboard_reads_only_families_the_coordinator_exposes():
             "dsv41_guard_lowest_margin_bytes", "dsv41_node_lease_age_seconds", "dsv41_rank_step_age_seconds"} <= used
     assert any("sglang:" in e for e in exprs)  # SGLang's own /metrics beside them
     assert dashboard["uid"] == "dsv41-cluster" and len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_the_gpu_families_carry_each_gpu_s_figures_labelled_by_node_index_and_uuid():
+    from coordinator.gpuslow import GpuFigures, GpuSlow
+    from dsv41.gpu import REASON_NAMES
+    busy = pb.GpuState(index=0, uuid="GPU-a", name="NVIDIA GB10", sm_clock_mhz=2418, temperature_c=71, power_w=38.2,
+                       utilization_gpu_pct=97, throttle_mask=0x60,
+                       throttle_reasons=["sw_thermal_slowdown", "hw_thermal_slowdown"], xid_count=2)
+    # An H100-like GPU that gives memory clocks, idle; a figure not given has no sample.
+    idle = pb.GpuState(index=1, uuid="GPU-b", sm_clock_mhz=345, memory_clock_mhz=2619, utilization_gpu_pct=0,
+                       throttle_mask=0x1, throttle_reasons=["gpu_idle"])
+    with_gpus = status(90 * GB)
+    with_gpus.gpus.extend([busy, idle])
+    views = {"spark1": NodeView("spark1", True, with_gpus), "spark2": NodeView("spark2", True, status(80 * GB)),
+             "spark3": NodeView("spark3", False)}
+    slow = (GpuSlow(GpuFigures("spark1", 0, "GPU-a"), "throttle reasons hw_thermal_slowdown", 130.0),)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClusterCollector(lambda: Snapshot(phase="serving", since=1.0, ranks={}), NODES, Recorder(),
+                                       lambda: views, None, 0, (), gpu_slow=lambda: slow))
+    families = scrape(registry)
+    a = (("gpu", "0"), ("node", "spark1"), ("uuid", "GPU-a"))
+    b = (("gpu", "1"), ("node", "spark1"), ("uuid", "GPU-b"))
+    assert samples(families, "dsv41_gpu_sm_clock_mhz") == {a: 2418, b: 345}
+    assert samples(families, "dsv41_gpu_memory_clock_mhz") == {b: 2619}  # the GB10 gives none
+    assert samples(families, "dsv41_gpu_power_watts") == {a: 38.2}
+    assert samples(families, "dsv41_gpu_temperature_celsius") == {a: 71}
+    assert samples(families, "dsv41_gpu_utilization_ratio") == {a: 0.97, b: 0.0}
+    throttle = samples(families, "dsv41_gpu_throttle")
+    assert len(throttle) == 2 * len(REASON_NAMES)
+    assert {dict(k)["reason"] for k, v in throttle.items() if v == 1 and dict(k)["gpu"] == "0"} == {
+        "sw_thermal_slowdown", "hw_thermal_slowdown"}
+    assert throttle[(*b[:2], ("reason", "gpu_idle"), b[2])] == 1
+    assert samples(families, "dsv41_gpu_xid_errors_total") == {a: 2, b: 0}
+    assert samples(families, "dsv41_gpu_slow") == {a: 1, b: 0}
+
+
+def test_the_gpu_families_are_empty_without_gpus():
+    views = {n: NodeView(n, True, status(90 * GB)) for n in NODES}
+    registry = collector(Snapshot(phase="serving", since=1.0, ranks={}), views=views)
+    families = scrape(registry)
+    assert "dsv41_gpu_sm_clock_mhz" in families and samples(families, "dsv41_gpu_sm_clock_mhz") == {}
+
+
+def test_each_poll_goes_to_the_gpu_watch_and_a_gpu_slow_too_long_is_journaled_once():
+    from types import SimpleNamespace
+
+    from coordinator.gpuslow import GpuSlowRules, GpuSlowWatch
+    from coordinator.metrics.exporter import Metrics
+    from coordinator.metrics.nodes import NodePoller
+    from tests.fakeclock import FakeClock
+
+    hot = status(90 * GB)
+    hot.gpus.add(index=0, uuid="GPU-a", name="NVIDIA GB10", sm_clock_mhz=1100, utilization_gpu_pct=99,
+                 temperature_c=97, throttle_reasons=["hw_slowdown", "hw_thermal_slowdown"])
+
+    class Client:
+        def status(self, timeout):
+            return hot
+    polls = []
+    poller = NodePoller({"spark1": Client()}, {}, 5.0, on_poll=polls.append)
+    poller.poll_once()
+    poller.start().stop()  # (stop shuts its pool down)
+    assert polls[0]["spark1"].status is hot
+
+    clock, stream = FakeClock(), io.StringIO()
+    log = EventLog("test", {}, stream=stream, use_journal=False)
+    holder = SimpleNamespace(gpu_slow=GpuSlowWatch(GpuSlowRules(slow_s=10.0), clock.monotonic), _log=log)
+    views = {"spark1": NodeView("spark1", True, hot), "spark2": NodeView("spark2", False)}
+    for step in (0, 11, 5):
+        clock.advance(step)
+        Metrics._watch_gpus(holder, views)
+    lines = [line for line in stream.getvalue().splitlines() if "DSV41_EVENT=gpu_slow" in line]
+    assert len(lines) == 1, stream.getvalue()
+    assert "spark1 GPU0 NVIDIA GB10: slow for 11 s (throttle reasons hw_slowdown, hw_thermal_slowdown" in lines[0]
+    assert "Known remedy" in lines[0] and "DSV41_NODE=spark1" in lines[0] and "DSV41_SLOW_S=11" in lines[0]
+    assert [s.gpu.node for s in holder.gpu_slow.slow()] == ["spark1"]
