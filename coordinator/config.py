@@ -149,6 +149,12 @@ def load(path: str | os.PathLike, environ: Mapping[str, str] | None = None,
          file_problem: Callable[[str], str | None] | None = None) -> ClusterConfig:
     """Reads and validates a file; raises ConfigInvalid listing every error. `file_problem(path)`
     says what is wrong with INCIDENT_HOOK's file (default: coordinator.hook.file_problem)."""
+    return read(path, environ, file_problem)[1]
+
+
+def read(path: str | os.PathLike, environ: Mapping[str, str] | None = None,
+         file_problem: Callable[[str], str | None] | None = None) -> tuple[str, ClusterConfig]:
+    """load()'s configuration with the text it was read from (what the coordinator keeps as applied)."""
     path = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -156,7 +162,7 @@ def load(path: str | os.PathLike, environ: Mapping[str, str] | None = None,
         raise ConfigInvalid([ConfigError(path, None, None, None, f"cannot read: {exc}")]) from None
     if file_problem is None:
         from .hook import file_problem
-    return parse(text, path, os.environ if environ is None else environ, file_problem)
+    return text, parse(text, path, os.environ if environ is None else environ, file_problem)
 
 
 def parse(text: str, path: str, environ: Mapping[str, str],

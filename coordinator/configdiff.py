@@ -42,6 +42,13 @@ class ConfigDiff:
     def rank_keys(self) -> tuple[str, ...]:
         return tuple(c.key for c in self.changes if c.effect is Effect.RANKS)
 
+    @property
+    def restart_keys(self) -> tuple[str, ...]:
+        """What a restart for this change is logged as: its rank-side keys (empty: it needs none)."""
+        if not self.restarts_ranks:
+            return ()
+        return self.rank_keys or ("configuration",)
+
     def describe(self) -> list[str]:
         return [f"{c.key}: {_shown(c.before)} -> {_shown(c.after)} ({c.effect})" for c in self.changes]
 

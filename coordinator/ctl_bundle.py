@@ -140,7 +140,7 @@ def _from_agents(config: str, target: OutputFile, journal_bytes: int) -> list[st
     from . import pki
     from .bundle import BundleWriter
     from .control import bundle_sources, cluster_status, node_views
-    from .daemon import load_tls, make_clients
+    from .session import load_tls, make_clients
     from .incidentlog import HISTORY_PATH, read_incidents
     from .runtime import Snapshot
     try:

@@ -140,7 +140,7 @@ def fetch_status(args) -> pb.ClusterStatus:
         pass
     from . import config as config_mod
     from .control import cluster_status, node_views
-    from .daemon import load_tls, make_clients
+    from .session import load_tls, make_clients
     from .runtime import Snapshot
     try:
         cfg = config_mod.load(args.config)

@@ -30,7 +30,7 @@ from .configstore import ConfigStore
 from .control import serve
 from .reconfig import Coordinator, first_config
 from .runtime import ClusterRuntime
-from .session import Unusable, credentials, load_tls, make_clients  # noqa: F401 - dsv41ctl's imports
+from .session import Unusable, credentials
 from .stopjob import StopDecision, SystemdJobQuery
 from .sockets import CONTROL_SOCKET
 from .state import Phase

@@ -26,14 +26,9 @@ def first_config(path: str, store: ConfigStore) -> tuple[config_mod.ClusterConfi
     is): the one applied before runs when the file is invalid or holds a change that was rolled
     back. config_mod.ConfigInvalid: neither is usable."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError):
-        text = None
-    try:
-        cfg, invalid = (parse_text(text, path) if text is not None else config_mod.load(path)), None
+        (text, cfg), invalid = config_mod.read(path), None
     except config_mod.ConfigInvalid as exc:
-        cfg, invalid = None, exc
+        text, cfg, invalid = None, None, exc
     applied = store.applied()
     choice = choose_at_start(invalid is None, text, applied, store.rejected(), str(invalid) if invalid else "")
     if choice is None:
@@ -93,7 +88,7 @@ class Coordinator:
                     before = parse_text(applied, self.path)
                     change = configdiff.diff(before, cfg)
                     if change.restarts_ranks:
-                        restart_for, rollout = change.rank_keys, self._rollout(change, applied, cfg, text)
+                        restart_for, rollout = change.restart_keys, self._rollout(change, applied, cfg, text)
                         self._log_diff(change, "at start")
                 except config_mod.ConfigInvalid:
                     pass  # the stored one no longer parses (an upgrade's new rule): nothing to compare with
@@ -138,12 +133,8 @@ class Coordinator:
     def apply(self, by: str) -> Outcome:
         """cluster.env, validated, compared and applied; an invalid or unusable file changes nothing."""
         try:
-            with open(self.path, encoding="utf-8") as f:
-                text = f.read()
-            new = parse_text(text, self.path)
-        except (OSError, UnicodeDecodeError) as exc:
-            return self._refused(f"{self.path}: cannot read: {exc}")
-        except config_mod.ConfigInvalid as exc:
+            text, new = config_mod.read(self.path)
+        except config_mod.ConfigInvalid as exc:  # unreadable, or invalid
             return self._refused(f"{self.path} is invalid; nothing was changed:\n{exc}")
         with self._lock:
             outcome = self._replace(new, text, by, rollout=True)
@@ -185,7 +176,7 @@ class Coordinator:
 
     def _rollout(self, change: configdiff.ConfigDiff, previous: str, new: config_mod.ClusterConfig,
                  text: str) -> Rollout:
-        return Rollout(change.rank_keys or ("configuration",), new.number("ROLLOUT_CONFIRM_S"),
+        return Rollout(change.restart_keys, new.number("ROLLOUT_CONFIRM_S"),
                        lambda why: self._rolled_back(text, previous, why))
 
     def _replace(self, new: config_mod.ClusterConfig, text: str, by: str, rollout: bool,
@@ -200,8 +191,7 @@ class Coordinator:
             return self._refused(f"{self.path} cannot be run; nothing was changed: {exc}")
         phase = old.runtime.snapshot().phase
         running = phase not in STOPPED_PHASES
-        restart_for = change.rank_keys or (("configuration",) if change.restarts_ranks else ())
-        restart_for = restart_for if (running and change.restarts_ranks) or force else ()
+        restart_for = change.restart_keys if (running and change.restarts_ranks) or force else ()
         plan = self._rollout(change, old.text, new, text) if rollout and restart_for else None
         old.stop(stop_cluster=False)
         self._session = self._new_session(new, text, creds, self._log, self._listeners, self._state_dir,

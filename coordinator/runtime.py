@@ -532,19 +532,20 @@ class ClusterRuntime:
         length = liveness.paused_for(self._last_check, tick, lease)
         if length is not None and self._last_check is not None:
             if self._pause is not None:  # paused again before the last one was told
-                self._tell_pause(self._pause, now, lease)
+                self._tell_pause(self._pause, self._after_pause(now, lease), now, lease)
             # the boots as before it: a heartbeat from a new boot may have been applied just before this check
             self._pause = liveness.Pause(self._last_check.monotonic, now, length, self._checked_boots)
             self._first_after = {}
             self._resumed_at = now
         self._last_check, self._checked_boots = tick, dict(self._boots)
-        if self._pause is not None and liveness.after_pause(self._pause, self._heard, self._first_after,
-                                                            list(self.clients), now, lease).over:
-            self._tell_pause(self._pause, now, lease)
+        if self._pause is not None and (after := self._after_pause(now, lease)).over:
+            self._tell_pause(self._pause, after, now, lease)
 
-    def _tell_pause(self, pause: liveness.Pause, now: float, lease: float) -> None:
+    def _after_pause(self, now: float, lease: float) -> liveness.AfterPause:
+        return liveness.after_pause(self._pause, self._heard, self._first_after, list(self.clients), now, lease)
+
+    def _tell_pause(self, pause: liveness.Pause, after: liveness.AfterPause, now: float, lease: float) -> None:
         self._pause = None
-        after = liveness.after_pause(pause, self._heard, self._first_after, list(self.clients), now, lease)
         began = time.strftime("%H:%M:%S", time.localtime(self._clock() - (now - pause.resumed_at) - pause.length_s))
         message = (f"the coordinator did not run for {pause.length_s:.1f} s (from {began}: frozen, stopped, starved "
                    f"or suspended); leases were counted again from its end")

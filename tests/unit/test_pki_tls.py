@@ -11,7 +11,7 @@ import pytest
 
 from coordinator import config, pki
 from coordinator.agents import AgentClient, AgentUnavailable, Tls
-from coordinator.daemon import load_tls
+from coordinator.session import load_tls
 from tests.configtext import HOME, SEED_TEXT, edited
 from tests.unit.test_auth import NODES, read, serve_agent
 
