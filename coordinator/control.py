@@ -106,7 +106,7 @@ def cluster_status(cfg: ClusterConfig, snap: Snapshot, views: list[pb.NodeView],
         ranks_running=ranks_running, ranks_total=len(cfg.nodes), serving_since_unix_s=snap.serving_since,
         last_incident=incident_pb(snap.last_incident), nodes=views, coordinator_version=VERSION,
         config_path=cfg.path, restart_attempt=snap.restart_attempt, coordinator_running=running,
-        generation=snap.generation)
+        generation=snap.generation, collective=snap.collective)
 
 
 BUNDLE_CHUNK = 1 << 20

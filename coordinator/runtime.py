@@ -639,6 +639,8 @@ class ClusterRuntime:
                 return
             except StepFailed as exc:
                 self._activity = Activity.IDLE
+                if self._bring.collective is not None:  # the gate's figures, the failing ones too
+                    self._set(collective=self._bring.collective)
                 if exc.incident is None and not exc.unreachable:
                     self._incident(exc.node or "cluster", step_failed(exc.step), exc.reason)
                 elif exc.incident:
@@ -700,6 +702,8 @@ class ClusterRuntime:
                 self._pending = None
         for step in bringup.STEPS:
             if step.skip(self.cfg):
+                if step.skip_warning[0]:
+                    self._log.warning(step.skip_warning[0], step.skip_warning[1], step=step.name)
                 continue
             self._activity = Activity.BRINGUP
             self._pump(0)  # a stop (or an exit) that came meanwhile is served before the step begins
@@ -718,6 +722,8 @@ class ClusterRuntime:
             if self._bring.generation:
                 self._set(generation=self._bring.generation, fabric=dict(self._bring.fabric),
                           fingerprints={p.node: p.fingerprint for p in self._bring.plans})
+            if self._bring.collective is not None:
+                self._set(collective=self._bring.collective)
         self._pump(0)  # an exit or a stop that came with the last answer
         self._activity = Activity.IDLE
         ranks = len(self._bring.plans)
