@@ -345,6 +345,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
         except RuntimeError as exc:  # the supervisor was busy and did not get to it
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
+    def FabricTest(self, request, context):
+        self._authorize(context, "FabricTest")
+        ok, message = self._runtime.fabric_test()
+        report = self._runtime.snapshot().collective
+        return pb.FabricTestReply(ok=ok, message=message, report=report)
+
     def AutotuneReset(self, request, context):
         self._authorize(context, "AutotuneReset")
         ok, message = self._runtime.autotune_reset()

@@ -16,7 +16,7 @@ from ..agents import rank_spec_pb
 from ..config import ClusterConfig
 from ..plan import NodePlan
 from ..state import Phase, Ranks
-from .step import Step, StepContext
+from .step import Step, StepContext, StepFailed
 
 
 def backend(cfg: ClusterConfig) -> str:
@@ -91,6 +91,17 @@ def run(ctx: StepContext, deadline: float) -> None:
                                              default=0.0), 3))
     if not verdict.ok:
         raise ctx.fail(None, verdict.reason)
+
+
+def on_demand(ctx: StepContext, deadline: float) -> tuple[bool, str]:
+    """`dsv41ctl fabric test`: the step's measurement and decision, whatever COLLECTIVE_GATE says;
+    (passed, the figures or the failure)."""
+    try:
+        run(ctx, deadline)
+    except StepFailed as exc:
+        return False, str(exc)
+    report = ctx.bring.collective
+    return True, "passed: " + ", ".join(f"{f.group} {f.busbw_gbps:.2f} GB/s" for f in report.figures)
 
 
 def skip(cfg: ClusterConfig) -> bool:

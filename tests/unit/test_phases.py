@@ -52,7 +52,7 @@ def test_the_guard_watches_every_step_after_launch_and_the_supervisors_phases_wi
     assert bringup.GUARDED_PHASES == {"launch": False, "health": False, "smoke": False, "serving": True,
                                       "stopping": True}
     unwatched = set(Phase) - set(bringup.GUARDED_PHASES)
-    assert unwatched == {Phase.STARTING, Phase.STOPPED, Phase.PREFLIGHT, Phase.SHARE, Phase.FABRIC, Phase.PACK,
+    assert unwatched == {Phase.STARTING, Phase.STOPPED, Phase.PREFLIGHT, Phase.SHARE, Phase.FABRIC, Phase.COLLECTIVE, Phase.PACK,
                          Phase.RESTARTING, Phase.WAITING, Phase.FAILED, Phase.UNKNOWN}
 
 
