@@ -534,6 +534,8 @@ def test_13_a_slowed_link_fails_the_collective_gate_naming_the_pair(rehearsal):
     gone the cluster serves again."""
     head, slow = head_of(rehearsal), rehearsal["spark3"]
     serving(head)
+    refused = ctl(head, "fabric", "test")  # the ranks hold the rendezvous port
+    assert refused.returncode == 1 and "refused in phase serving" in refused.stderr, refused.stdout + refused.stderr
     stopped = ctl(head, "stop", "--wait", "180")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     failed_before = len(incidents(head, "collective_failed"))
@@ -541,6 +543,10 @@ def test_13_a_slowed_link_fails_the_collective_gate_naming_the_pair(rehearsal):
     subprocess.run(["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", "100mbit", "burst", "64kb",
                     "latency", "50ms"], check=True)
     try:
+        tested = ctl(head, "fabric", "test")  # on demand, with the ranks stopped
+        assert tested.returncode == 1, tested.stdout + tested.stderr
+        assert re.search(r"spark[12]–spark3: [0-9.]+ GB/s, floor 0.1 GB/s", tested.stderr), tested.stderr
+        assert "collective gate (gloo): spark1–spark2" in tested.stdout, tested.stdout
         assert ctl(head, "start").returncode == 0
         wait_for(lambda: status(head).get("phase") == "failed", 240, "the bring-up did not fail at the gate")
         body = status(head)
