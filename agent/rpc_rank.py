@@ -77,8 +77,9 @@ class RankRpcs:
         problems += [p for p in (trust.shadow_problem(t) for t in launch.targets) if p]
         return problems
 
-    def StartRank(self, request, context):
-        spec = request.spec
+    def checked_launch(self, spec: pb.RankSpec, context) -> RankLaunch:
+        """The RankSpec validated and its paths trusted; aborts the RPC with the reason otherwise
+        (StartRank's, and the collective test's, which runs in the rank's runtime)."""
         try:
             launch = check_launch(
                 runtime=spec.runtime, argv=list(spec.argv), env=dict(spec.env), fills=dict(spec.agent_fills),
@@ -99,9 +100,10 @@ class RankRpcs:
         if problems:
             self._events.warning("rank_request_denied", f"refused a rank request: {'; '.join(problems)}")
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "; ".join(problems))
-        timeout = request.start_timeout_s or 60
-        if timeout > 600:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start_timeout_s: must be at most 600")
+        return launch
+
+    def node_facts(self, launch: RankLaunch, context) -> dict[str, str]:
+        """What the agent fills in (agent_fills): the RoCE v2 GID index of the fabric address."""
         facts = {}
         if "roce_gid_index" in launch.fills.values():
             match = find_roce_v2_gid(self._settings.sysfs_root, launch.hcas, launch.fabric_address)
@@ -109,6 +111,14 @@ class RankRpcs:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"no RoCE v2 GID for {launch.fabric_address} on {', '.join(launch.hcas) or 'any HCA'}")
             facts["roce_gid_index"] = str(match.index)
+        return facts
+
+    def StartRank(self, request, context):
+        launch = self.checked_launch(request.spec, context)
+        timeout = request.start_timeout_s or 60
+        if timeout > 600:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start_timeout_s: must be at most 600")
+        facts = self.node_facts(launch, context)
         try:
             outcome, state = self._rank.start(launch, facts, request.replace, timeout)
         except RankError as exc:

@@ -39,6 +39,7 @@ from .rpc_journal import JournalRpcs
 from .rpc_memory import MemoryRpcs, pressure_pb, sample_pb
 from .rpc_nodechecks import NodeCheckRpcs, build_node_checks, host_view
 from .rpc_pack import PackRpcs
+from .collective import CollectiveTestRpcs
 from .rpc_rank import RankRpcs, rank_pb
 from .settings import AgentSettings
 from .systemd import Systemd
@@ -178,6 +179,7 @@ class AgentHandlers:
     journal: JournalRpcs
     events: EventRpcs
     diagnostics: DiagnosticsRpcs
+    collective: CollectiveTestRpcs
 
 
 def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager, sampler: MemorySampler,
@@ -198,9 +200,10 @@ def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager,
     status = StatusRpcs(settings, sampler, rank, images, node_checks.mount_snapshot_pb,
                         node_checks.export_snapshot_pb, progress, this_boot, started_monotonic, monotonic, pressure,
                         None if gpus is None else gpus.read)
+    rank_rpcs = RankRpcs(settings, rank, events, node_checks.path_trust, progress, this_boot, monotonic)
     return AgentHandlers(
         status=status,
-        rank=RankRpcs(settings, rank, events, node_checks.path_trust, progress, this_boot, monotonic),
+        rank=rank_rpcs,
         memory=MemoryRpcs(sampler, triggers, monotonic),
         node_checks=node_checks,
         pack=PackRpcs(settings, systemd, events, rank, node_checks.path_trust,
@@ -209,7 +212,8 @@ def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager,
         journal=JournalRpcs(settings, rank, events),
         events=EventRpcs(settings.node, events),
         diagnostics=DiagnosticsRpcs(settings, events, status.GetStatus,
-                                    lambda: node_checks.mount_snapshot_pb().unit))
+                                    lambda: node_checks.mount_snapshot_pb().unit),
+        collective=CollectiveTestRpcs(settings, systemd, events, rank, rank_rpcs, monotonic=monotonic))
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
@@ -281,6 +285,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     def CollectDiagnostics(self, request, context):
         return self._handlers.diagnostics.CollectDiagnostics(request, context)
+
+    def RunCollectiveTest(self, request, context):
+        return self._handlers.collective.RunCollectiveTest(request, context)
 
 
 def ensure_dirs(settings: AgentSettings) -> None:

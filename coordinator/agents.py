@@ -146,6 +146,9 @@ class AgentClient:
         return self._call("StopRank", self._stub.StopRank, pb.StopRankRequest(deadline_s=deadline_s),
                           deadline_s + 45)
 
+    def run_collective_test(self, spec: pb.CollectiveTestSpec, timeout: float) -> pb.CollectiveTestResult:
+        return self._call("RunCollectiveTest", self._stub.RunCollectiveTest, spec, timeout)
+
     def check_fabric(self, plan: NodePlan, timeout: float) -> pb.FabricReport:
         return self._call("CheckFabric", self._stub.CheckFabric, fabric_spec_pb(plan), timeout)
 

@@ -24,7 +24,7 @@ from .agents import AgentUnavailable
 
 CONTENTS = """dsv41 diagnostics bundle, made {when} by {made_by}.
 
-cluster/status.json        dsv41ctl status --json
+cluster/status.json        dsv41ctl status --json (the collective gate's last figures under "collective")
 cluster/events.txt, .json  the incidents the coordinator recorded, earlier coordinators' included (its history)
 cluster/plans/NODE.json    the plan rendered from cluster.env for each node (dsv41ctl config show)
 cluster/fingerprints.json  plan fingerprints: rendered, launched by the coordinator, running on each node

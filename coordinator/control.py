@@ -106,7 +106,7 @@ def cluster_status(cfg: ClusterConfig, snap: Snapshot, views: list[pb.NodeView],
         ranks_running=ranks_running, ranks_total=len(cfg.nodes), serving_since_unix_s=snap.serving_since,
         last_incident=incident_pb(snap.last_incident), nodes=views, coordinator_version=VERSION,
         config_path=cfg.path, restart_attempt=snap.restart_attempt, coordinator_running=running,
-        generation=snap.generation)
+        generation=snap.generation, collective=snap.collective)
 
 
 BUNDLE_CHUNK = 1 << 20
@@ -344,6 +344,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RuntimeError as exc:  # the supervisor was busy and did not get to it
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    def FabricTest(self, request, context):
+        self._authorize(context, "FabricTest")
+        ok, message = self._runtime.fabric_test()
+        report = self._runtime.snapshot().collective
+        return pb.FabricTestReply(ok=ok, message=message, report=report)
 
     def AutotuneReset(self, request, context):
         self._authorize(context, "AutotuneReset")

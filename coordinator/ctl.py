@@ -16,7 +16,7 @@ DEFAULT_CONFIG = "/etc/dsv41/cluster.env"
 COMMAND_MODULES = {
     "config": None, "status": "ctl_cluster", "start": "ctl_cluster", "stop": "ctl_cluster",
     "restart": "ctl_cluster", "events": "ctl_cluster", "pack": "ctl_cluster", "autotune": "ctl_cluster",
-    "share": "ctl_cluster", "logs": "ctl_cluster", "pki": "ctl_pki", "bundle": "ctl_bundle",
+    "fabric": "ctl_cluster", "share": "ctl_cluster", "logs": "ctl_cluster", "pki": "ctl_pki", "bundle": "ctl_bundle",
 }
 
 

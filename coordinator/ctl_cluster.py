@@ -105,6 +105,12 @@ def add_commands(sub, default_config: str) -> None:
     reset = autotune_sub.add_parser("reset", help="clear the caches on every node (the ranks must be stopped)")
     common(reset)
     reset.set_defaults(handler=_autotune_reset)
+    fabric = sub.add_parser("fabric", help="the nodes' fabric")
+    fabric_sub = fabric.add_subparsers(dest="fabric_command")
+    test = fabric_sub.add_parser("test", help="run the collective bandwidth gate's all-reduce on every node now "
+                                 "(the ranks must be stopped) and print each pair's and the group's figures")
+    common(test)
+    test.set_defaults(handler=_fabric_test)
     share = sub.add_parser("share", help="the head's NFS export of the weights")
     share.set_defaults(handler=_share_usage, share_parser=share)
     share_sub = share.add_subparsers(dest="share_command", metavar="ACTION")
@@ -303,6 +309,20 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, w
         first, *rest = fold(line, width, 4, lead=2)
         for part in ["  " + first, *rest]:
             print(paint(part, "33"), file=out)
+    if st.HasField("collective"):
+        text, ok = collective_line(st.collective)
+        for part in fold(text, width, 4):
+            print(part if ok else paint(part, "31"), file=out)
+
+
+def collective_line(report) -> tuple[str, bool]:
+    """The collective gate's last run, one line: its figures, the transport and the floors."""
+    transports = ",".join(sorted(set(report.transports.values()) - {""}))
+    via = f" via {transports}" if transports else ""
+    figures = ", ".join(f"{f.group} {f.busbw_gbps:.2f} GB/s" for f in report.figures)
+    verdict = "passed" if report.ok else f"FAILED: {report.reason}"
+    return (f"collective gate ({report.backend}{via}): {figures} (floors {report.pair_floor_gbps:g} per pair, "
+            f"{report.group_floor_gbps:g} GB/s the group); {verdict}"), report.ok
 
 
 def _status(args, out: TextIO, err: TextIO) -> int:
@@ -411,6 +431,15 @@ def _pack(args, out: TextIO, err: TextIO) -> int:
 @control_command
 def _autotune_reset(args, out: TextIO, err: TextIO) -> int:
     reply = _stub(args.socket).AutotuneReset(pb.AutotuneResetRequest(), timeout=120)
+    print(reply.message, file=out if reply.ok else err)
+    return 0 if reply.ok else 1
+
+
+@control_command
+def _fabric_test(args, out: TextIO, err: TextIO) -> int:
+    reply = _stub(args.socket).FabricTest(pb.FabricTestRequest(), timeout=700)
+    if reply.HasField("report") and reply.report.figures:
+        print(collective_line(reply.report)[0], file=out)
     print(reply.message, file=out if reply.ok else err)
     return 0 if reply.ok else 1
 

@@ -62,7 +62,13 @@ class AutotuneResetJob:
     reply: Future = field(default_factory=Future, compare=False)
 
 
-Job = UnexportJob | PackStartJob | AutotuneResetJob
+@dataclass(frozen=True)
+class FabricTestJob:
+    """`dsv41ctl fabric test`: the collective gate's job on every node now; reply gets (passed, message)."""
+    reply: Future = field(default_factory=Future, compare=False)
+
+
+Job = UnexportJob | PackStartJob | AutotuneResetJob | FabricTestJob
 
 
 @dataclass(frozen=True)

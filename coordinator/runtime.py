@@ -32,8 +32,8 @@ from .bringup.health import RANK_UNIT
 from .packstate import incomplete
 from .config import ClusterConfig
 from .incidentlog import KEEP as INCIDENTS_KEPT, Counts, IncidentHistory, Loaded
-from .messages import (AutotuneResetJob, CanaryDone, CanarySent, PackStartJob, RankObserved, UnexportJob, Wake,
-                       WatchLost, WorkSeen)
+from .messages import (AutotuneResetJob, CanaryDone, CanarySent, FabricTestJob, PackStartJob, RankObserved,
+                       UnexportJob, Wake, WatchLost, WorkSeen)
 from .parallel import on_each, spawn
 from .peerfailure import peer_failure
 from .policy import Action, Activity, RankExit, Request
@@ -254,6 +254,10 @@ class ClusterRuntime:
     def autotune_reset(self, wait_s: float = JOB_WAIT_S) -> tuple[bool, str]:
         return self._submit(AutotuneResetJob(), wait_s)
 
+    def fabric_test(self) -> tuple[bool, str]:
+        """`dsv41ctl fabric test`: the collective gate's job now; its figures go to the snapshot."""
+        return self._submit(FabricTestJob(), self.cfg.integer("COLLECTIVE_TIMEOUT_S") + 60.0)
+
     # ------------------------------------------------------------------ hand-over
 
     def _offer(self, new: Request) -> None:
@@ -400,7 +404,7 @@ class ClusterRuntime:
                                   "re-subscribing", node_name=message.node)
         elif isinstance(message, (WorkSeen, CanarySent, CanaryDone)):
             self._note_work(message)
-        elif isinstance(message, (UnexportJob, PackStartJob, AutotuneResetJob)):
+        elif isinstance(message, (UnexportJob, PackStartJob, AutotuneResetJob, FabricTestJob)):
             if self._activity is Activity.IDLE and react:
                 self._run_job(message)
             else:
@@ -639,6 +643,8 @@ class ClusterRuntime:
                 return
             except StepFailed as exc:
                 self._activity = Activity.IDLE
+                if self._bring.collective is not None:  # the gate's figures, the failing ones too
+                    self._set(collective=self._bring.collective)
                 if exc.incident is None and not exc.unreachable:
                     self._incident(exc.node or "cluster", step_failed(exc.step), exc.reason)
                 elif exc.incident:
@@ -700,6 +706,8 @@ class ClusterRuntime:
                 self._pending = None
         for step in bringup.STEPS:
             if step.skip(self.cfg):
+                if step.skip_warning[0]:
+                    self._log.warning(step.skip_warning[0], step.skip_warning[1], step=step.name)
                 continue
             self._activity = Activity.BRINGUP
             self._pump(0)  # a stop (or an exit) that came meanwhile is served before the step begins
@@ -718,6 +726,8 @@ class ClusterRuntime:
             if self._bring.generation:
                 self._set(generation=self._bring.generation, fabric=dict(self._bring.fabric),
                           fingerprints={p.node: p.fingerprint for p in self._bring.plans})
+            if self._bring.collective is not None:
+                self._set(collective=self._bring.collective)
         self._pump(0)  # an exit or a stop that came with the last answer
         self._activity = Activity.IDLE
         ranks = len(self._bring.plans)
@@ -888,6 +898,8 @@ class ClusterRuntime:
                                                self._incident, job.force, job.unmount)
             elif isinstance(job, PackStartJob):
                 result = self._start_packs()
+            elif isinstance(job, FabricTestJob):
+                result = self._fabric_test()
             else:
                 result = self._reset_autotune()
         except Exception as exc:  # the operator gets the error; the cluster's phase is untouched
@@ -896,6 +908,20 @@ class ClusterRuntime:
             job.reply.set_exception(exc)
             return
         job.reply.set_result(result)
+
+    def _fabric_test(self) -> tuple[bool, str]:
+        phase = self.snapshot().phase
+        if phase not in (Phase.STOPPED, Phase.FAILED):
+            return False, (f"refused in phase {phase}: the test needs the ranks' rendezvous port and GPUs; run it "
+                           "with the cluster stopped (dsv41ctl stop)")
+        plans = plan_mod.render_cluster(self.cfg)
+        ctx = StepContext("collective", self.cfg, self.clients, self._log,
+                          BringUp(plans=plans, generation=generation_of(plans)), wait=lambda seconds: None,
+                          call=lambda fn, to_end=False: fn(), monotonic=self._monotonic, set_detail=lambda d: None)
+        passed, message = bringup.collective.on_demand(ctx, self.cfg.integer("COLLECTIVE_TIMEOUT_S"))
+        if ctx.bring.collective is not None:
+            self._set(collective=ctx.bring.collective)
+        return passed, message
 
     def _start_packs(self) -> list[str]:
         started = []

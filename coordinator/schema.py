@@ -125,6 +125,24 @@ KEYS: tuple[Key, ...] = (
     _k("PREFLIGHT_TIMEOUT_S", v.integer(1, 3600), "30", "preflight step deadline"),
     _k("SHARE_TIMEOUT_S", v.integer(1, 3600), "180", "share step deadline (export, mounts healthy)"),
     _k("FABRIC_TIMEOUT_S", v.integer(1, 3600), "60", "fabric step deadline"),
+    # the collective bandwidth gate (coordinator/bringup/collective.py)
+    _k("COLLECTIVE_GATE", v.flag, "1",
+       "1: before launch every node runs a short all-reduce in the rank's runtime and the bring-up fails on a "
+       "pair or group below its floor (a link can be up with no errors and run at a fraction of its speed); "
+       "0: skipped, with a warning at each bring-up"),
+    _k("COLLECTIVE_PAIR_MIN_GBPS", v.real(0.0, 10000.0), "3.5",
+       "floor of each pair of nodes' all-reduce bus bandwidth, GB/s (the recipe's fabric gate: a healthy "
+       "Spark pair measures about 4.6)"),
+    _k("COLLECTIVE_GROUP_MIN_GBPS", v.real(0.0, 10000.0), "2.5",
+       "floor of the whole group's all-reduce bus bandwidth, GB/s (the recipe's fabric gate)"),
+    _k("COLLECTIVE_BYTES", v.integer(4, 1 << 32), "67108864",
+       "message size of each all-reduce, bytes: large enough that bandwidth, not latency, decides the time"),
+    _k("COLLECTIVE_ITERATIONS", v.integer(1, 1000), "10", "timed all-reduces per figure (3 warm-ups before)"),
+    _k("COLLECTIVE_BACKEND", v.choice("auto", "nccl", "gloo"), "auto",
+       "the job's torch.distributed backend; auto: gloo for CPU ranks (RANK_DEVICE=cpu), NCCL otherwise, as "
+       "the rank itself"),
+    _k("COLLECTIVE_TIMEOUT_S", v.integer(10, 600), "120",
+       "collective step deadline (every node's job, its rendezvous included)"),
     _k("PACK_TIMEOUT_S", v.integer(1, 86400), "14400", "pack step deadline (packing ~68 GiB per node)"),
     _k("LAUNCH_TIMEOUT_S", v.integer(1, 3600), "120", "launch step deadline (every rank unit active)"),
     _k("HEALTH_TIMEOUT_S", v.integer(1, 7200), "1800", "rank 0 /health deadline (a boot takes 12-13 minutes)"),

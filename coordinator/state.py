@@ -19,6 +19,7 @@ class Phase(enum.StrEnum):
     PREFLIGHT = "preflight"
     SHARE = "share"
     FABRIC = "fabric"
+    COLLECTIVE = "collective"
     PACK = "pack"
     LAUNCH = "launch"
     HEALTH = "health"
@@ -57,6 +58,7 @@ class IncidentKind(enum.StrEnum):
     PREFLIGHT_FAILED = "preflight_failed"
     SHARE_FAILED = "share_failed"
     FABRIC_FAILED = "fabric_failed"
+    COLLECTIVE_FAILED = "collective_failed"
     PACK_FAILED = "pack_failed"
     LAUNCH_FAILED = "launch_failed"
     HEALTH_FAILED = "health_failed"
@@ -87,6 +89,7 @@ class Snapshot:
     generation: str = ""
     last_incident: Incident | None = None
     fabric: dict = field(default_factory=dict)  # node -> FabricReport
+    collective: object = None  # the collective gate's last CollectiveTestReport (bring-up or `fabric test`)
     fingerprints: dict = field(default_factory=dict)  # node -> plan fingerprint
     ranks: dict = field(default_factory=dict)  # node -> last RankState seen
 

@@ -68,6 +68,9 @@ def sim_cluster_env(nodes: dict, sim_rank_command: str, port: int = 8888, **extr
         "RANK_RUNTIME": "host", "RANK_ENGINE": "sim", "SIM_RANK_COMMAND": sim_rank_command, "RANK_MEMORY_GIB": "0.05",
         "INSECURE_NO_TLS": "1", "RESTART_BACKOFF_S": "0.2", "RANK_STOP_TIMEOUT_S": "10",
         "HEALTH_TIMEOUT_S": "60", "MEMORY_RECOVERY_TIMEOUT_S": "10",
+        # The stand-in engine's runtime (the host's Python) has no torch: the collective gate cannot
+        # run there, so it is off, and every bring-up warns of it (collective_gate_off).
+        "COLLECTIVE_GATE": "0",
         # Off by default: these coordinators run on the test machine itself, where concurrent runs
         # would race for the one default port. A test that wants metrics names a port.
         "METRICS_LISTEN": "",

@@ -5,7 +5,7 @@ and one line below."""
 
 from __future__ import annotations
 
-from . import fabric, health, launch, pack, preflight, share, smoke
+from . import collective, fabric, health, launch, pack, preflight, share, smoke
 from ..state import Phase, Ranks
 from .step import BringUp, Preempted, Step, StepContext, StepFailed
 
@@ -13,6 +13,7 @@ STEPS: tuple[Step, ...] = (
     preflight.STEP,
     share.STEP,
     fabric.STEP,
+    collective.STEP,
     pack.STEP,
     launch.STEP,
     health.STEP,

@@ -51,6 +51,7 @@ class Step:
     ranks: Ranks  # whether ranks run during it: from the first that says so on, the memory guard watches
     run: Callable[["StepContext", float], None]
     skip: Callable[[ClusterConfig], bool] = lambda cfg: False
+    skip_warning: tuple[str, str] = ("", "")  # (event, message) logged at each bring-up that skips it
 
 
 @dataclass
@@ -60,6 +61,7 @@ class BringUp:
     generation: str = ""
     launched: dict[str, str] = field(default_factory=dict)  # node -> invocation ID of the rank this bring-up started
     fabric: dict = field(default_factory=dict)  # node -> FabricReport
+    collective: Any = None  # the collective gate's CollectiveTestReport, once it ran
 
     def plan(self, node: str) -> NodePlan:
         return next(p for p in self.plans if p.node == node)

@@ -26,6 +26,22 @@ PHASES = (Phase.STARTING, Phase.STOPPED, *STEP_PHASES, Phase.SERVING, Phase.STOP
 RESOURCES = ("cpu", "memory", "io")
 
 
+def collective_families(report) -> list[GaugeMetricFamily]:
+    """The collective gate's last figures (bring-up or `dsv41ctl fabric test`): none before it ran."""
+    if report is None:
+        return []
+    busbw = GaugeMetricFamily("dsv41_collective_busbw_gbps",
+                              "all-reduce bus bandwidth of a pair of nodes or of the whole group ('all'), GB/s, "
+                              "at the collective gate's last run", labels=["group"])
+    for figure in report.figures:
+        busbw.add_metric([figure.group], figure.busbw_gbps)
+    passed = GaugeMetricFamily("dsv41_collective_gate_ok", "1 when the collective gate's last run passed")
+    passed.add_metric([], 1 if report.ok else 0)
+    at = GaugeMetricFamily("dsv41_collective_measured_seconds", "when the collective gate last ran (unix time)")
+    at.add_metric([], report.at_unix_s)
+    return [busbw, passed, at]
+
+
 class ClusterCollector:
     def __init__(self, snapshot: Callable[[], object], nodes: list[str], recorder: Recorder,
                  views: Callable[[], dict[str, NodeView]], guard_low: Callable[[], float | None] | None,
@@ -67,6 +83,7 @@ class ClusterCollector:
         for name in dict.fromkeys((*PHASES, snap.phase)):
             phase.add_metric([name], 1 if name == snap.phase else 0)
         yield phase
+        yield from collective_families(getattr(snap, "collective", None))
         since = GaugeMetricFamily("dsv41_phase_since_seconds", "when the current phase began (unix time)")
         since.add_metric([], snap.since)
         yield since

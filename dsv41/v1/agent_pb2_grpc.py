@@ -119,6 +119,11 @@ class AgentStub(object):
                 request_serializer=dsv41_dot_v1_dot_agent__pb2.CollectDiagnosticsRequest.SerializeToString,
                 response_deserializer=dsv41_dot_v1_dot_agent__pb2.DiagnosticChunk.FromString,
                 )
+        self.RunCollectiveTest = channel.unary_unary(
+                '/dsv41.v1.Agent/RunCollectiveTest',
+                request_serializer=dsv41_dot_v1_dot_agent__pb2.CollectiveTestSpec.SerializeToString,
+                response_deserializer=dsv41_dot_v1_dot_agent__pb2.CollectiveTestResult.FromString,
+                )
 
 
 class AgentServicer(object):
@@ -250,6 +255,12 @@ class AgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunCollectiveTest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -357,6 +368,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.CollectDiagnostics,
                     request_deserializer=dsv41_dot_v1_dot_agent__pb2.CollectDiagnosticsRequest.FromString,
                     response_serializer=dsv41_dot_v1_dot_agent__pb2.DiagnosticChunk.SerializeToString,
+            ),
+            'RunCollectiveTest': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunCollectiveTest,
+                    request_deserializer=dsv41_dot_v1_dot_agent__pb2.CollectiveTestSpec.FromString,
+                    response_serializer=dsv41_dot_v1_dot_agent__pb2.CollectiveTestResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -722,5 +738,22 @@ class Agent(object):
         return grpc.experimental.unary_stream(request, target, '/dsv41.v1.Agent/CollectDiagnostics',
             dsv41_dot_v1_dot_agent__pb2.CollectDiagnosticsRequest.SerializeToString,
             dsv41_dot_v1_dot_agent__pb2.DiagnosticChunk.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RunCollectiveTest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Agent/RunCollectiveTest',
+            dsv41_dot_v1_dot_agent__pb2.CollectiveTestSpec.SerializeToString,
+            dsv41_dot_v1_dot_agent__pb2.CollectiveTestResult.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

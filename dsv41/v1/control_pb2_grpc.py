@@ -70,6 +70,11 @@ class ControlStub(object):
                 request_serializer=dsv41_dot_v1_dot_control__pb2.ConfigRequest.SerializeToString,
                 response_deserializer=dsv41_dot_v1_dot_control__pb2.ConfigReply.FromString,
                 )
+        self.FabricTest = channel.unary_unary(
+                '/dsv41.v1.Control/FabricTest',
+                request_serializer=dsv41_dot_v1_dot_control__pb2.FabricTestRequest.SerializeToString,
+                response_deserializer=dsv41_dot_v1_dot_control__pb2.FabricTestReply.FromString,
+                )
 
 
 class ControlServicer(object):
@@ -141,6 +146,12 @@ class ControlServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FabricTest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +209,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Config,
                     request_deserializer=dsv41_dot_v1_dot_control__pb2.ConfigRequest.FromString,
                     response_serializer=dsv41_dot_v1_dot_control__pb2.ConfigReply.SerializeToString,
+            ),
+            'FabricTest': grpc.unary_unary_rpc_method_handler(
+                    servicer.FabricTest,
+                    request_deserializer=dsv41_dot_v1_dot_control__pb2.FabricTestRequest.FromString,
+                    response_serializer=dsv41_dot_v1_dot_control__pb2.FabricTestReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,5 +409,22 @@ class Control(object):
         return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Control/Config',
             dsv41_dot_v1_dot_control__pb2.ConfigRequest.SerializeToString,
             dsv41_dot_v1_dot_control__pb2.ConfigReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def FabricTest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Control/FabricTest',
+            dsv41_dot_v1_dot_control__pb2.FabricTestRequest.SerializeToString,
+            dsv41_dot_v1_dot_control__pb2.FabricTestReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -82,6 +82,10 @@ def test_1_start_brings_the_cluster_to_serving(sparks):
     answer = json.loads(reply.stdout)
     assert "42" in answer["choices"][0]["message"]["content"]
     assert answer["choices"][0]["finish_reason"] == "stop"
+    # The stand-in's runtime has no torch: the collective gate is off, and the bring-up says so.
+    off = head.journal(unit="dsv41-coordinator.service", fields=None, matches=["DSV41_EVENT=collective_gate_off"])
+    assert off and "COLLECTIVE_GATE=0" in off[-1]["MESSAGE"], off
+    assert "collective" not in body
 
 
 def test_2_a_killed_rank_is_detected_and_the_cluster_restarted(sparks):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import threading
 import time
 import urllib.error
@@ -153,6 +154,15 @@ def test_1_the_coordinator_brings_real_ranks_to_serving_with_every_adapter_insta
         assert {"tp3_pad", "loop_abort", "forward_progress"} <= installed, (name, lines)
         if node is head:
             assert {"inflight", "max_new_tokens", "api_key", "prefill_empty_cache"} <= installed, lines
+    # The collective gate ran over gloo on the bridge before launch: a figure for every pair and the group.
+    gate = body["collective"]
+    assert gate["ok"] and gate["backend"] == "gloo", gate
+    groups = {f["group"]: f["busbw_gbps"] for f in gate["figures"]}
+    assert set(groups) == {"spark1–spark2", "spark1–spark3", "spark2–spark3", "all"}, groups
+    assert min(groups.values()) >= gate["pair_floor_gbps"] > 0, groups
+    print(f"collective gate figures on the veth bridge (gloo): {groups}")
+    measured = coordinator_events_named(head, "collective_measured")
+    assert measured and "spark1–spark3" in measured[-1]["MESSAGE"], measured
 
 
 def test_2_a_chat_completion_and_the_forward_step_counters_moving(rehearsal):
@@ -516,6 +526,43 @@ def test_11_the_head_frozen_20_s_keeps_every_real_rank_with_one_pause_event(rehe
     (event,) = coordinator_events_named(head, "coordinator_paused")[paused:]
     assert 19.0 <= float(event["DSV41_PAUSED_S"]) <= 30.0, event["MESSAGE"]
     assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+
+
+def test_13_a_slowed_link_fails_the_collective_gate_naming_the_pair(rehearsal):
+    """spark3's link rate-limited on its host-side veth: the next bring-up's gate measures the
+    pairs with spark3 below the floor and fails before launch, naming the slowest; with the limit
+    gone the cluster serves again."""
+    head, slow = head_of(rehearsal), rehearsal["spark3"]
+    serving(head)
+    refused = ctl(head, "fabric", "test")  # the ranks hold the rendezvous port
+    assert refused.returncode == 1 and "refused in phase serving" in refused.stderr, refused.stdout + refused.stderr
+    stopped = ctl(head, "stop", "--wait", "180")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    failed_before = len(incidents(head, "collective_failed"))
+    veth = slow.host_veth
+    subprocess.run(["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", "100mbit", "burst", "64kb",
+                    "latency", "50ms"], check=True)
+    try:
+        tested = ctl(head, "fabric", "test")  # on demand, with the ranks stopped
+        assert tested.returncode == 1, tested.stdout + tested.stderr
+        assert re.search(r"spark[12]–spark3: [0-9.]+ GB/s, floor 0.1 GB/s", tested.stderr), tested.stderr
+        assert "collective gate (gloo): spark1–spark2" in tested.stdout, tested.stdout
+        assert ctl(head, "start").returncode == 0
+        wait_for(lambda: status(head).get("phase") == "failed", 240, "the bring-up did not fail at the gate")
+        body = status(head)
+        detail = body["phase_detail"]
+        assert "collective" in detail and "COLLECTIVE_PAIR_MIN_GBPS" in detail, detail
+        assert re.search(r"spark[12]–spark3: [0-9.]+ GB/s, floor 0.1 GB/s", detail), detail
+        assert len(incidents(head, "collective_failed")) == failed_before + 1
+        slowest = {f["group"]: f["busbw_gbps"] for f in body["collective"]["figures"]}
+        print(f"collective gate figures with spark3 at 100 Mbit/s: {slowest}")
+        assert slowest["spark1–spark2"] >= 0.1 > max(slowest["spark1–spark3"], slowest["spark2–spark3"]), slowest
+        assert all(sglang_processes(node) == [] for node in rehearsal.values())  # it failed before launch
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], check=False)
+    assert ctl(head, "start").returncode == 0
+    body = wait_serving(head, timeout=SERVE_S)
+    assert body["collective"]["ok"], body["collective"]
 
 
 def test_3_stop_with_a_request_in_flight_leaves_no_sglang_process(rehearsal):

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 def test_phase_and_incident_values_are_what_status_metrics_and_hooks_have_always_shown():
     assert [str(p) for p in Phase] == [
-        "starting", "stopped", "preflight", "share", "fabric", "pack", "launch", "health", "smoke", "serving",
+        "starting", "stopped", "preflight", "share", "fabric", "collective", "pack", "launch", "health", "smoke", "serving",
         "stopping", "restarting", "waiting", "failed", "unknown"]
     assert {str(k) for k in IncidentKind} == {
         "rank_exit", "memory_floor", "node_lost", "node_rebooted", "rank_hung", "stopped", "export_forced",
@@ -28,7 +28,7 @@ def test_the_metrics_list_every_phase_the_coordinator_reports_in_the_order_dashb
 
 
 def test_every_bring_up_step_is_a_phase_with_its_own_failure_incident():
-    assert bringup.PHASES == (Phase.PREFLIGHT, Phase.SHARE, Phase.FABRIC, Phase.PACK, Phase.LAUNCH, Phase.HEALTH,
+    assert bringup.PHASES == (Phase.PREFLIGHT, Phase.SHARE, Phase.FABRIC, Phase.COLLECTIVE, Phase.PACK, Phase.LAUNCH, Phase.HEALTH,
                               Phase.SMOKE)
     for step in bringup.STEPS:
         assert isinstance(step.name, Phase)
@@ -52,7 +52,7 @@ def test_the_guard_watches_every_step_after_launch_and_the_supervisors_phases_wi
     assert bringup.GUARDED_PHASES == {"launch": False, "health": False, "smoke": False, "serving": True,
                                       "stopping": True}
     unwatched = set(Phase) - set(bringup.GUARDED_PHASES)
-    assert unwatched == {Phase.STARTING, Phase.STOPPED, Phase.PREFLIGHT, Phase.SHARE, Phase.FABRIC, Phase.PACK,
+    assert unwatched == {Phase.STARTING, Phase.STOPPED, Phase.PREFLIGHT, Phase.SHARE, Phase.FABRIC, Phase.COLLECTIVE, Phase.PACK,
                          Phase.RESTARTING, Phase.WAITING, Phase.FAILED, Phase.UNKNOWN}
 
 

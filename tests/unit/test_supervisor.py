@@ -136,6 +136,14 @@ class FakeAgent:
         self._call("check_fabric")
         return pb.FabricReport(ok=True)
 
+    def run_collective_test(self, spec, timeout):
+        self._call("run_collective_test")
+        slow = getattr(self, "slow_groups", {})  # group -> GB/s, as a test slows links
+        figures = [pb.CollectiveTestFigure(group=group, busbw_gbps=slow.get(group, 4.6))
+                   for group in ("spark1–spark2", "spark1–spark3", "spark2–spark3", "all")]
+        return pb.CollectiveTestResult(node=self.node, ok=True, backend=spec.backend, transport="NET/IB",
+                                       figures=figures)
+
     def pack_state(self, plan, timeout=None):
         self._call("pack_state")
         rank = int(self.node[-1]) - 1  # spark1..3: ranks 0..2, each a third of a 9-row table
@@ -898,3 +906,41 @@ def test_a_rank_exit_soon_after_serving_rolls_back_and_one_after_the_confirmatio
     agents2["spark3"].exit_rank(result="exit-code", code="exited", status=1)
     wait_restarted(drive2, agents2, within=15)
     assert asked2 == [] and not [i for i in rt2.incidents() if i.kind == "rolled_back"]
+
+
+def test_a_slow_pair_fails_the_collective_gate_before_launch_naming_it_and_fabric_test_measures_again(cluster):
+    rt, agents, rank0, journal, stream, drive = cluster()
+    for agent in agents.values():
+        agent.slow_groups = {"spark1–spark3": 0.71, "spark2–spark3": 1.2, "all": 0.9}
+    rt.run()
+    snap = wait_phase(drive, "failed")
+    assert snap.detail == "collective: spark1–spark3: 0.71 GB/s, floor 3.5 GB/s (COLLECTIVE_PAIR_MIN_GBPS)"
+    assert sum(a.starts for a in agents.values()) == 0  # no rank was launched
+    assert rt.snapshot().last_incident.kind == "collective_failed"
+    assert not snap.collective.ok and snap.collective.figures[1].busbw_gbps == 0.71
+    for agent in agents.values():
+        agent.slow_groups = {}
+    answers = []
+    drive.in_thread(lambda: answers.append(rt.fabric_test()), 10, "the fabric test")
+    (passed, message), = answers
+    assert passed and message.startswith("passed: spark1–spark2 4.60 GB/s"), message
+    assert rt.snapshot().collective.ok and rt.snapshot().phase == "failed"  # a test starts nothing
+
+
+def test_the_fabric_test_is_refused_while_ranks_run(cluster):
+    rt, agents, rank0, journal, stream, drive = cluster()
+    rt.run()
+    rank0.healthy.set()
+    wait_phase(drive, "serving")
+    answers = []
+    drive.in_thread(lambda: answers.append(rt.fabric_test()), 10, "the fabric test")
+    (passed, message), = answers
+    assert not passed and message.startswith("refused in phase serving"), message
+
+
+def test_with_the_gate_off_every_bring_up_warns_and_runs_no_job(cluster):
+    rt, agents, rank0, journal, stream, drive = cluster(COLLECTIVE_GATE="0")
+    rt.run()
+    wait_phase(drive, "health")
+    assert calls(journal, "run_collective_test") == []
+    assert "collective_gate_off" in stream.getvalue()
