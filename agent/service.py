@@ -40,6 +40,7 @@ from .rpc_memory import MemoryRpcs, pressure_pb, sample_pb
 from .rpc_nodechecks import NodeCheckRpcs, build_node_checks, host_view
 from .rpc_pack import PackRpcs
 from .collective import CollectiveTestRpcs
+from .matmul import MatmulCheckRpcs
 from .rpc_rank import RankRpcs, rank_pb
 from .settings import AgentSettings
 from .systemd import Systemd
@@ -180,6 +181,7 @@ class AgentHandlers:
     events: EventRpcs
     diagnostics: DiagnosticsRpcs
     collective: CollectiveTestRpcs
+    matmul: MatmulCheckRpcs
 
 
 def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager, sampler: MemorySampler,
@@ -213,7 +215,8 @@ def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager,
         events=EventRpcs(settings.node, events),
         diagnostics=DiagnosticsRpcs(settings, events, status.GetStatus,
                                     lambda: node_checks.mount_snapshot_pb().unit),
-        collective=CollectiveTestRpcs(settings, systemd, events, rank, rank_rpcs, monotonic=monotonic))
+        collective=CollectiveTestRpcs(settings, systemd, events, rank, rank_rpcs, monotonic=monotonic),
+        matmul=MatmulCheckRpcs(settings, systemd, events, rank, rank_rpcs, monotonic=monotonic))
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
@@ -288,6 +291,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     def RunCollectiveTest(self, request, context):
         return self._handlers.collective.RunCollectiveTest(request, context)
+
+    def RunMatmulCheck(self, request, context):
+        return self._handlers.matmul.RunMatmulCheck(request, context)
 
 
 def ensure_dirs(settings: AgentSettings) -> None:

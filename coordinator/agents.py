@@ -149,6 +149,9 @@ class AgentClient:
     def run_collective_test(self, spec: pb.CollectiveTestSpec, timeout: float) -> pb.CollectiveTestResult:
         return self._call("RunCollectiveTest", self._stub.RunCollectiveTest, spec, timeout)
 
+    def run_matmul_check(self, spec: pb.MatmulCheckSpec, timeout: float) -> pb.MatmulCheckResult:
+        return self._call("RunMatmulCheck", self._stub.RunMatmulCheck, spec, timeout)
+
     def check_fabric(self, plan: NodePlan, timeout: float) -> pb.FabricReport:
         return self._call("CheckFabric", self._stub.CheckFabric, fabric_spec_pb(plan), timeout)
 

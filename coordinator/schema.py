@@ -123,6 +123,11 @@ KEYS: tuple[Key, ...] = (
     _k("RANK_MEMORY_GIB", v.real(0.0, 1024.0), "100",
        "memory a rank needs; preflight refuses to launch on a node with less available"),
     _k("PREFLIGHT_TIMEOUT_S", v.integer(1, 3600), "30", "preflight step deadline"),
+    _k("PREFLIGHT_TFLOPS_MIN", v.real(0.0, 100000.0), "0",
+       "floor of a short bf16 matrix product's TFLOPS on each node's GPU, run in the rank's runtime in preflight; "
+       "0: not run. The recipes use 60 on GB10: a GPU latched in its slow state falls below it"),
+    _k("PREFLIGHT_TFLOPS_TIMEOUT_S", v.integer(10, 600), "120",
+       "how long the matrix-product check may take on a node (the rank's runtime starting, CUDA's start, the products)"),
     _k("SHARE_TIMEOUT_S", v.integer(1, 3600), "180", "share step deadline (export, mounts healthy)"),
     _k("FABRIC_TIMEOUT_S", v.integer(1, 3600), "60", "fabric step deadline"),
     # the collective bandwidth gate (coordinator/bringup/collective.py)

@@ -1,7 +1,7 @@
 """preflight: every agent answers (waiting for one that cannot be reached yet), runs the same
 version and adapter files, the weights verify (SKIP_VERIFY=0), the plans render with the DSpark
 tables every node agrees on, leftover ranks of another plan are stopped, each node has the memory
-a rank needs and holds the same image."""
+a rank needs and holds the same image; with PREFLIGHT_TFLOPS_MIN, every GPU reaches its floor (matmul.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from .. import weights
 from ..agents import AgentUnavailable
 from ..parallel import on_each
 from ..state import generation_of
+from .matmul import check as check_tflops
 from .images import image_problems
 from ..state import Phase, Ranks
 from .step import Step, StepContext
@@ -93,6 +94,7 @@ def run(ctx: StepContext, deadline: float) -> None:
         node, reason = problems[0]
         raise ctx.fail(node, reason)
     ctx.bring.generation = generation_of(ctx.bring.plans)
+    check_tflops(ctx)
 
 
 STEP = Step(Phase.PREFLIGHT, "PREFLIGHT_TIMEOUT_S", retryable=False, ranks=Ranks.NONE, run=run)

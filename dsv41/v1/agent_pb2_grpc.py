@@ -124,6 +124,11 @@ class AgentStub(object):
                 request_serializer=dsv41_dot_v1_dot_agent__pb2.CollectiveTestSpec.SerializeToString,
                 response_deserializer=dsv41_dot_v1_dot_agent__pb2.CollectiveTestResult.FromString,
                 )
+        self.RunMatmulCheck = channel.unary_unary(
+                '/dsv41.v1.Agent/RunMatmulCheck',
+                request_serializer=dsv41_dot_v1_dot_agent__pb2.MatmulCheckSpec.SerializeToString,
+                response_deserializer=dsv41_dot_v1_dot_agent__pb2.MatmulCheckResult.FromString,
+                )
 
 
 class AgentServicer(object):
@@ -261,6 +266,12 @@ class AgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunMatmulCheck(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -373,6 +384,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.RunCollectiveTest,
                     request_deserializer=dsv41_dot_v1_dot_agent__pb2.CollectiveTestSpec.FromString,
                     response_serializer=dsv41_dot_v1_dot_agent__pb2.CollectiveTestResult.SerializeToString,
+            ),
+            'RunMatmulCheck': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunMatmulCheck,
+                    request_deserializer=dsv41_dot_v1_dot_agent__pb2.MatmulCheckSpec.FromString,
+                    response_serializer=dsv41_dot_v1_dot_agent__pb2.MatmulCheckResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -755,5 +771,22 @@ class Agent(object):
         return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Agent/RunCollectiveTest',
             dsv41_dot_v1_dot_agent__pb2.CollectiveTestSpec.SerializeToString,
             dsv41_dot_v1_dot_agent__pb2.CollectiveTestResult.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RunMatmulCheck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Agent/RunMatmulCheck',
+            dsv41_dot_v1_dot_agent__pb2.MatmulCheckSpec.SerializeToString,
+            dsv41_dot_v1_dot_agent__pb2.MatmulCheckResult.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -163,6 +163,10 @@ def test_1_the_coordinator_brings_real_ranks_to_serving_with_every_adapter_insta
     print(f"collective gate figures on the veth bridge (gloo): {groups}")
     measured = coordinator_events_named(head, "collective_measured")
     assert measured and "spark1–spark3" in measured[-1]["MESSAGE"], measured
+    # The matrix-product check ran in every node's engine environment in preflight, one figure a node.
+    checked = coordinator_events_named(head, "matmul_checked")
+    assert checked and all(f"{name} " in checked[-1]["MESSAGE"] for name in rehearsal), checked
+    print(checked[-1]["MESSAGE"])
 
 
 def test_2_a_chat_completion_and_the_forward_step_counters_moving(rehearsal):
