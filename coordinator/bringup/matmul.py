@@ -31,7 +31,7 @@ def check(ctx: StepContext) -> None:
         if not reply.ok:
             raise ctx.fail(node, f"matrix-product check: {reply.detail}")
     results = {node: result_of(reply) for node, reply in replies.items()}
-    figures = ", ".join(f"{node} {r.tflops:.1f}" for node, r in results.items())
+    figures = ", ".join(f"{node} {r.tflops:.3g}" for node, r in results.items())
     ctx.log.info("matmul_checked", f"matrix-product check: {figures} TFLOPS (floor {floor:g})", figures=figures,
                  floor_tflops=floor, slowest_tflops=round(min(r.tflops for r in results.values()), 3))
     slow = matmul.below_floor(results, floor)

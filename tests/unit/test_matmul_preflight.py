@@ -104,7 +104,7 @@ def test_every_node_is_asked_with_its_rank_spec_and_the_figures_are_logged():
                         PREFLIGHT_TFLOPS_MIN="60")
     spec = agents["spark3"].specs[0]
     assert spec.rank.rank == 2 and spec.iterations == 20 and spec.timeout_s == 120
-    assert "matrix-product check: spark1 95.0, spark2 94.0, spark3 93.0 TFLOPS (floor 60)" in out
+    assert "matrix-product check: spark1 95, spark2 94, spark3 93 TFLOPS (floor 60)" in out
 
 
 def test_the_slowest_node_below_the_floor_fails_preflight_naming_it():
