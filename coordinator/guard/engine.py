@@ -1,4 +1,5 @@
-"""Rank 0's HTTP API as the guard uses it: the in-flight list and /abort_request (stdlib only).
+"""Rank 0's HTTP API as the guard uses it: the in-flight list and /abort_request (stdlib only); and
+the drain before a planned restart (coordinator/drain.py).
 
 One persistent HTTP/1.1 connection, re-opened when it breaks: an abort is two round trips on an
 open socket, not two TCP handshakes.
@@ -11,6 +12,7 @@ import json
 import threading
 import urllib.parse
 
+from dsv41 import drain as drain_contract
 from dsv41 import inflight as contract
 from dsv41.inflight import InflightList
 
@@ -82,6 +84,20 @@ class EngineApi:
         status, text = self._request("POST", ABORT_PATH, body)
         if status != 200:
             raise EngineError(f"POST {ABORT_PATH} {body}: HTTP {status}: {text[:200].decode(errors='replace')}")
+
+    def drain(self, reason: str) -> None:
+        """Rank 0 refuses new requests from now on, naming `reason`; EngineError when it did not
+        take it (404: a rank without the adapter's drain route)."""
+        self._drain_call("POST", {"reason": reason})
+
+    def undrain(self) -> None:
+        """Rank 0 admits new requests again."""
+        self._drain_call("DELETE", None)
+
+    def _drain_call(self, method: str, body: dict | None) -> None:
+        status, text = self._request(method, drain_contract.PATH, body)
+        if status != 200:
+            raise EngineError(f"{method} {drain_contract.PATH}: HTTP {status}: {text[:200].decode(errors='replace')}")
 
 
 def parse_inflight(body: object) -> InflightList:
