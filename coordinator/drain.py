@@ -26,7 +26,7 @@ from dsv41.drain import client_rids
 from dsv41.inflight import InflightList
 from dsv41.journal import EventLog
 
-from .guard.engine import EngineError
+from .guard.engine import EngineError, EngineUnreachable
 
 OPERATOR_REASON = "dsv41ctl restart --drain"  # what new requests are told during an operator's drained restart
 POLL_S = 1.0  # how often the listing is read while draining
@@ -100,6 +100,10 @@ class Drainer:
             return Drained(Outcome.SKIPPED)
         try:
             self._call(lambda: self._engine.drain(reason))
+        except EngineUnreachable as exc:  # no HTTP server: nothing is served, so nothing to drain
+            self._log.info("drain_skipped", f"restarting without a drain ({reason}): rank 0 does not answer "
+                           f"({exc})", reason=reason)
+            return Drained(Outcome.SKIPPED)
         except EngineError as exc:
             self._log.warning("drain_unavailable", f"rank 0 did not take the drain ({exc}); restarting without "
                               "one: what is in flight is cut", reason=reason)

@@ -24,6 +24,10 @@ class EngineError(Exception):
     """Rank 0 did not take the request; the message says what happened."""
 
 
+class EngineUnreachable(EngineError):
+    """Rank 0's HTTP server did not answer at all (not running, refusing connections, timed out)."""
+
+
 class EngineApi:
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 1.0):
         url = urllib.parse.urlsplit(base_url)
@@ -58,7 +62,7 @@ class EngineApi:
                     self._conn.close()
                     self._conn = None
                     if attempt == 2 or isinstance(exc, TimeoutError):
-                        raise EngineError(f"{method} {self.base_url}{path}: {exc or type(exc).__name__}") from None
+                        raise EngineUnreachable(f"{method} {self.base_url}{path}: {exc or type(exc).__name__}") from None
         raise AssertionError("unreachable")
 
     def inflight(self) -> InflightList:

@@ -198,3 +198,15 @@ def test_verdict_order_broken_before_lost_before_done_before_timeout():
     assert verdict(listing(), 99, 10, broken=False) is Outcome.DONE
     assert verdict(listing("a"), 10, 10, broken=False) is Outcome.TIMEOUT
     assert verdict(listing("a"), 9.9, 10, broken=False) is None
+
+
+def test_a_rank_0_that_does_not_answer_at_all_has_nothing_to_drain():
+    class Down(Rank0):
+        def drain(self, reason):
+            from coordinator.guard.engine import EngineUnreachable
+            raise EngineUnreachable("POST http://10.0.0.1:8888/dsv41/drain: [Errno 111] Connection refused")
+    clock = FakeClock()
+    d, stream, _ = drainer(Down([listing("a")]), clock)
+    assert d.run("configuration change: NCCL_DEBUG", 600).outcome is Outcome.SKIPPED
+    assert "DSV41_EVENT=drain_skipped" in stream.getvalue() and "Connection refused" in stream.getvalue()
+    assert "<6>" in stream.getvalue()  # information, not a warning
