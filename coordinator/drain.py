@@ -35,7 +35,26 @@ CUT_SHOWN = 20  # rids named in a timeout's event; the count says how many in al
 
 class Engine(Protocol):
     def drain(self, reason: str) -> None: ...
+    def undrain(self) -> None: ...
+    def drain_state(self) -> dict: ...
     def inflight(self) -> InflightList: ...
+
+
+def lift_stale(engine: Engine, log: EventLog, why: str) -> bool:
+    """Lifts a drain no restart follows (a coordinator that ended during one left rank 0 refusing
+    every new request); whether there was one. Best effort: a rank 0 that does not answer is left."""
+    try:
+        state = engine.drain_state()
+        if not state.get("draining"):
+            return False
+        engine.undrain()
+    except EngineError as exc:
+        log.warning("drain_lift_failed", f"could not ask rank 0 whether it still drains ({exc})")
+        return False
+    log.warning("drain_lifted", f"rank 0 was still draining ({state.get('reason', '?')}, for "
+                f"{float(state.get('since_s', 0.0)):.0f} s) and {why}: it admits new requests again",
+                reason=str(state.get("reason", "")))
+    return True
 
 
 class Outcome(enum.StrEnum):

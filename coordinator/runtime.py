@@ -31,7 +31,7 @@ from .bringup import BringUp, Preempted, StepContext, StepFailed
 from .bringup.health import RANK_UNIT
 from .packstate import incomplete
 from .config import ClusterConfig
-from .drain import OPERATOR_REASON, Drainer, Outcome
+from .drain import OPERATOR_REASON, Drainer, Outcome, lift_stale
 from .guard.engine import EngineApi
 from .incidentlog import KEEP as INCIDENTS_KEPT, Counts, IncidentHistory, Loaded
 from .messages import (AutotuneResetJob, CanaryDone, CanarySent, PackStartJob, RankObserved, UnexportJob, Wake,
@@ -373,7 +373,7 @@ class ClusterRuntime:
                 self._bring_up_with_retries(reset_attempts=True)
         elif request.action is Action.RESTART:
             rank0_drains = True
-            if request.drain and self.snapshot().phase == Phase.SERVING:
+            if request.drain and self.snapshot().phase in (Phase.SERVING, Phase.DRAINING):
                 rank0_drains = self._drain_first(request.reason or OPERATOR_REASON)
                 if rank0_drains is None:
                     return  # the group broke meanwhile: the loop recovers from that next
@@ -409,10 +409,21 @@ class ClusterRuntime:
                               broken=lambda: self._trouble is not None,
                               set_detail=lambda detail: self._set(detail=detail)).run(
                 reason, self.cfg.number("DRAIN_TIMEOUT_S"))
+        except Preempted as preempted:
+            if preempted.request.action is Action.SHUTDOWN and not preempted.request.stop_cluster:
+                lift_stale(engine, self._log, "the coordinator stops leaving the ranks serving")
+            raise
         finally:
             engine.close()
             self._activity = Activity.IDLE
         return None if drained.outcome is Outcome.BROKEN else drained.nothing_left
+
+    def _lift_stale_drain(self, why: str) -> None:
+        engine = EngineApi(self.base_url, self._api_key, timeout_s=5.0)
+        try:
+            lift_stale(engine, self._log, why)
+        finally:
+            engine.close()
 
     def _watching_group(self) -> bool:
         """Whether a broken group is trouble to recover from now: serving, or draining before a restart."""
@@ -898,6 +909,7 @@ class ClusterRuntime:
         self._set(phase=Phase.HEALTH, detail="re-adopting running ranks", ranks_since=self._clock())
         if not adopt.answers(ctx):
             return False
+        self._call(lambda: self._lift_stale_drain("no restart follows it"))
         ranks = len(found.plans)
         self._set(phase=Phase.SERVING,
                   detail=f"serving on :{self.cfg.integer('PORT')}, {ranks}/{ranks} ranks (re-adopted)",

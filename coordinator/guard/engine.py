@@ -98,6 +98,20 @@ class EngineApi:
         """Rank 0 admits new requests again."""
         self._drain_call("DELETE", None)
 
+    def drain_state(self) -> dict:
+        """GET /dsv41/drain: {"draining": bool, "reason": ..., "since_s": ...}; {} from a rank 0
+        without the route. EngineError when it does not answer."""
+        status, text = self._request("GET", drain_contract.PATH)
+        if status == 404:
+            return {}
+        if status != 200:
+            raise EngineError(f"GET {drain_contract.PATH}: HTTP {status}: {text[:200].decode(errors='replace')}")
+        try:
+            body = json.loads(text)
+        except ValueError as exc:
+            raise EngineError(f"GET {drain_contract.PATH}: unexpected answer: {exc}") from None
+        return body if isinstance(body, dict) else {}
+
     def _drain_call(self, method: str, body: dict | None) -> None:
         status, text = self._request(method, drain_contract.PATH, body)
         if status != 200:

@@ -12,7 +12,7 @@ import pytest
 
 from adapter.drain import DrainGate
 from coordinator.bringup import Preempted
-from coordinator.drain import Drainer, Outcome, verdict
+from coordinator.drain import Drainer, Outcome, lift_stale, verdict
 from coordinator.guard.engine import EngineError
 from coordinator.policy import Action, Request
 from dsv41 import drain as contract
@@ -114,6 +114,12 @@ class Rank0:
             raise EngineError(self.refuse)
         self.reasons.append(reason)
 
+    def drain_state(self):
+        return {"draining": True, "reason": self.reasons[-1], "since_s": 12.0} if self.reasons else {}
+
+    def undrain(self):
+        self.reasons.clear()
+
     def inflight(self):
         self.reads += 1
         return self.listings.pop(0) if len(self.listings) > 1 else self.listings[0]
@@ -210,3 +216,13 @@ def test_a_rank_0_that_does_not_answer_at_all_has_nothing_to_drain():
     assert d.run("configuration change: NCCL_DEBUG", 600).outcome is Outcome.SKIPPED
     assert "DSV41_EVENT=drain_skipped" in stream.getvalue() and "Connection refused" in stream.getvalue()
     assert "<6>" in stream.getvalue()  # information, not a warning
+
+
+def test_a_stale_drain_is_lifted_and_one_not_there_is_left_alone():
+    engine = Rank0([listing()])
+    stream = io.StringIO()
+    log = EventLog("test", {}, stream=stream, use_journal=False)
+    assert lift_stale(engine, log, "no restart follows it") is False and stream.getvalue() == ""
+    engine.drain("dsv41ctl restart --drain")
+    assert lift_stale(engine, log, "no restart follows it") is True and engine.reasons == []
+    assert "DSV41_EVENT=drain_lifted" in stream.getvalue() and "for 12 s" in stream.getvalue()

@@ -49,6 +49,7 @@ class RankZero:
         self.inflight = None
         self.drains = []
         self.drain_route = True
+        self.lifted = 0  # DELETE /dsv41/drain calls
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -63,7 +64,15 @@ class RankZero:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def do_DELETE(self):
+                outer.lifted += 1
+                outer.drains.clear()
+                self._answer(200, {"draining": False})
+
             def do_GET(self):
+                if self.path == "/dsv41/drain" and outer.drains:
+                    self._answer(200, {"draining": True, "reason": outer.drains[-1]["reason"], "since_s": 1.0})
+                    return
                 if self.path == "/dsv41/inflight" and outer.inflight is not None:
                     self._answer(200, {"requests": [{"rid": r, "prompt_tokens": 1, "prefilled_tokens": 1}
                                                     for r in list(outer.inflight)]})
@@ -1010,3 +1019,12 @@ def test_a_configuration_change_drains_the_running_ranks_before_it_restarts_them
     rank0.inflight = []
     wait_phase(drive, "serving", within=10)
     assert "DSV41_EVENT=drain_done" in stream.getvalue() and asked == []
+
+
+def test_a_coordinator_stopping_during_a_drain_and_leaving_the_ranks_lifts_the_drain(cluster):
+    rt, agents, rank0, journal, stream, drive = serving_with_requests(cluster, "chat-1")
+    rt.request("restart", drain=True)
+    wait_phase(drive, "draining", within=2)
+    drive.in_thread(lambda: rt.shutdown(stop_cluster=False), 10, "the supervisor to shut down")
+    assert rank0.lifted == 1 and all(a.running for a in agents.values())
+    assert "DSV41_EVENT=drain_lifted" in stream.getvalue()
