@@ -27,7 +27,9 @@ caller sends the key.
 Installed when SGLang imports `sglang.srt.entrypoints.http_server` (its FastAPI `app`); the
 prompt length is recorded on each request state in `TokenizerManager._send_one_request` /
 `_send_batch_request`, since SGLang keeps prompt ids only when the client asked for them.
-DSV41_INFLIGHT_ROUTE=0 switches it off; DSV41_PROGRESS_DIR moves the snapshot (tests).
+The same adapter installs rank 0's drain (adapter/drain.py: POST/DELETE/GET /dsv41/drain and the
+refusal of new requests while draining), since both are rank 0's routes for the coordinator.
+DSV41_INFLIGHT_ROUTE=0 switches both off; DSV41_PROGRESS_DIR moves the snapshot (tests).
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from dsv41.drain import PATH as DRAIN_PATH
 from dsv41.inflight import PATH, SCHEDULER_SOURCE, InflightRequest, payload
 
 from adapter import reqstate
+from adapter.drain import DrainGate
 from adapter.patching import AFTER, BEFORE, ON_IMPORT, AdapterSpec, Patch, PatchError
 from adapter.scheduler_requests import SchedulerRequests
 from dsv41 import rankadapters
@@ -182,8 +186,10 @@ class InflightRoute:
         clock: Callable[[], float] = time.perf_counter,  # ReqState times come from perf_counter
         scheduler: Callable[[], reqstate.Snapshot | None] = lambda: None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,  # the snapshot's clock
+        drain: DrainGate | None = None,  # /dsv41/drain, installed with this route
     ) -> None:
         self._states = states
+        self._drain = drain
         self._clock = clock
         self._scheduler = scheduler
         self._monotonic_ns = monotonic_ns
@@ -213,6 +219,8 @@ class InflightRoute:
             status, body = self.body()
             return JSONResponse(body, status_code=status)
 
+        if self._drain is not None:
+            self._drain.install(app)
         if any(getattr(r, "path", None) == PATH for r in getattr(app, "routes", ())):
             return
         app.add_route(PATH, dsv41_inflight, methods=["GET"], include_in_schema=False)
@@ -240,11 +248,11 @@ def build(env: Mapping[str, str]) -> AdapterSpec | None:
         return None
     directory = rankadapters.DSV41_PROGRESS_DIR.read(env)
     tracker = SchedulerRequests(directory)
-    route = InflightRoute(scheduler=SchedulerSnapshot(directory))
+    route = InflightRoute(scheduler=SchedulerSnapshot(directory), drain=DrainGate())
     return AdapterSpec(
         name=NAME,
         state=route,
-        detail=f"GET {PATH}, the scheduler's request states in {directory}",
+        detail=f"GET {PATH}, the scheduler's request states in {directory}; {DRAIN_PATH}",
         patches=(
             Patch(
                 TOKENIZER_MANAGER,

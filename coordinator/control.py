@@ -33,6 +33,7 @@ from . import plan as plan_mod
 from .agents import AgentClient, AgentUnavailable
 from .packstate import incomplete
 from .config import ClusterConfig
+from .drain import OPERATOR_REASON as DRAIN_REASON
 from .runtime import ClusterRuntime, Incident, Snapshot
 from .sockets import CONTROL_GROUP, CONTROL_SOCKET, STATUS_GROUP, private_socket, status_socket
 from .state import Phase
@@ -220,7 +221,16 @@ class ControlService(control_pb2_grpc.ControlServicer):
         return self._act(context, "Stop", "stop", "stop requested")
 
     def Restart(self, request, context):
-        return self._act(context, "Restart", "restart", "restart requested")
+        if not request.drain:
+            return self._act(context, "Restart", "restart", "restart requested")
+        caller = self._authorize(context, "Restart")
+        self._runtime.request("restart", DRAIN_REASON, drain=True)
+        timeout = self._cfg.number("DRAIN_TIMEOUT_S")
+        what = (f"rank 0 refuses new requests and lets those in flight finish for up to {timeout:g} s "
+                "(DRAIN_TIMEOUT_S), then the ranks restart") if timeout > 0 else \
+            "DRAIN_TIMEOUT_S=0: the ranks restart without a drain"
+        return pb.ActionReply(ok=True, message=f"drained restart requested (by {caller.user}): {what}",
+                              status=self._status())
 
     def Events(self, request, context):
         release = self._stream(context, "Events")

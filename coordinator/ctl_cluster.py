@@ -90,6 +90,10 @@ def add_commands(sub, default_config: str) -> None:
         p = sub.add_parser(name, help=help_text)
         common(p)
         p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for serving/stopped")
+        if name == "restart":
+            p.add_argument("--drain", action="store_true",
+                           help="a restart that can wait: rank 0 refuses new requests (503 naming the drain) and "
+                                "lets those in flight finish, for up to DRAIN_TIMEOUT_S, before the ranks stop")
         p.set_defaults(handler=_action, action=name)
     events = sub.add_parser("events", help="incidents (rank exits, failed steps, restarts)")
     common(events)
@@ -351,6 +355,8 @@ def _action(args, out: TextIO, err: TextIO) -> int:
     stub = _stub(args.socket)
     method = {"start": stub.Start, "stop": stub.Stop, "restart": stub.Restart}[args.action]
     request = {"start": pb.StartRequest, "stop": pb.StopRequest, "restart": pb.RestartRequest}[args.action]()
+    if getattr(args, "drain", False):
+        request.drain = True
     reply = method(request, timeout=30)
     print(reply.message, file=out)
     want = Phase.STOPPED if args.action == "stop" else Phase.SERVING

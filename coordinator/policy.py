@@ -32,6 +32,7 @@ class Activity(str, enum.Enum):
     MEMORY_WAIT = "memory_wait"  # waiting for memory to come back before a restart
     WAITING = "waiting"  # waiting for a node that cannot be reached to answer again
     STOPPING = "stopping"  # stopping the ranks: never interrupted, it is what every request starts with
+    DRAINING = "draining"  # letting rank 0's requests finish before a restart that can wait
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Request:
     reason: str = ""  # shown as the phase detail and, for a guard's stop, recorded as an incident
     stop_cluster: bool = True  # SHUTDOWN only: stop the ranks before the coordinator exits
     source: str = "dsv41ctl"
+    drain: bool = False  # RESTART only: rank 0 drains what is in flight first (DRAIN_TIMEOUT_S)
 
 
 def merge_requests(queued: Request | None, new: Request) -> Request:
@@ -58,6 +60,7 @@ _PREEMPTS = {
     Activity.BACKOFF: {Action.START, Action.STOP, Action.RESTART, Action.SHUTDOWN},
     Activity.MEMORY_WAIT: {Action.STOP, Action.RESTART, Action.SHUTDOWN},
     Activity.WAITING: {Action.START, Action.STOP, Action.RESTART, Action.SHUTDOWN},
+    Activity.DRAINING: {Action.STOP, Action.RESTART, Action.SHUTDOWN},
     Activity.STOPPING: set(),
     Activity.IDLE: set(),  # the idle loop takes every request as it comes
 }

@@ -45,7 +45,8 @@ class ServingProbe:
     @classmethod
     def for_runtime(cls, runtime, api_key: str | None) -> "ServingProbe":
         cfg = runtime.cfg
-        return cls(lambda: runtime.snapshot().phase == Phase.SERVING, runtime.post,
+        # A drain serves what is in flight: a hang then is still a hang.
+        return cls(lambda: runtime.snapshot().phase in (Phase.SERVING, Phase.DRAINING), runtime.post,
                    EngineApi(runtime.base_url, api_key, timeout_s=2.0), cfg.number("CANARY_INTERVAL_S"))
 
     def start(self) -> "ServingProbe":

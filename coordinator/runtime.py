@@ -31,6 +31,8 @@ from .bringup import BringUp, Preempted, StepContext, StepFailed
 from .bringup.health import RANK_UNIT
 from .packstate import incomplete
 from .config import ClusterConfig
+from .drain import OPERATOR_REASON, Drainer, Outcome, lift_stale
+from .guard.engine import EngineApi
 from .incidentlog import KEEP as INCIDENTS_KEPT, Counts, IncidentHistory, Loaded
 from .messages import (AutotuneResetJob, CanaryDone, CanarySent, FabricTestJob, PackStartJob, RankObserved,
                        UnexportJob, Wake, WatchLost, WorkSeen)
@@ -222,11 +224,12 @@ class ClusterRuntime:
             out[node] = (max(0.0, now - h.at), step_age, h.forward_count or 0)
         return out
 
-    def request(self, action: str, reason: str | None = None, source: str = "dsv41ctl") -> None:
+    def request(self, action: str, reason: str | None = None, source: str = "dsv41ctl", drain: bool = False) -> None:
         """An operator's (or the memory guard's) start, stop or restart; it supersedes one not yet
         served, and a stop or restart cancels a bring-up under way. `reason` is shown as the phase
-        detail; a stop with a reason is recorded as an incident."""
-        self._offer(Request(Action(action), reason or "", source=source))
+        detail; a stop with a reason is recorded as an incident. `drain`: a restart that can wait
+        lets rank 0's requests finish first (coordinator/drain.py)."""
+        self._offer(Request(Action(action), reason or "", source=source, drain=drain))
 
     def shutdown(self, stop_cluster: bool) -> None:
         """Stops the supervisor (cancelling a bring-up); with stop_cluster, brings the ranks down first
@@ -373,7 +376,12 @@ class ClusterRuntime:
             if self.snapshot().phase != Phase.SERVING:
                 self._bring_up_with_retries(reset_attempts=True)
         elif request.action is Action.RESTART:
-            self._stop_ranks("restart requested", wait_memory=True)
+            rank0_drains = True
+            if request.drain and self.snapshot().phase in (Phase.SERVING, Phase.DRAINING):
+                rank0_drains = self._drain_first(request.reason or OPERATOR_REASON)
+                if rank0_drains is None:
+                    return  # the group broke meanwhile: the loop recovers from that next
+            self._stop_ranks("restart requested", wait_memory=True, drain=rank0_drains)
             self._bring_up_with_retries(reset_attempts=True)
 
     def _first_start(self) -> None:
@@ -381,7 +389,10 @@ class ClusterRuntime:
             keys = ", ".join(self._restart_for)
             self._log.event("config_restart", f"restarting the ranks for the configuration change of {keys}",
                             "notice", keys=keys)
-            self._stop_ranks(f"configuration change: {keys}", final_phase=None, wait_memory=True)
+            rank0_drains = self._drain_first(f"configuration change: {keys}")  # planned: it can wait
+            self._trouble = None  # the old configuration's group broke during it: the restart replaces it anyway
+            self._stop_ranks(f"configuration change: {keys}", final_phase=None, wait_memory=True,
+                             drain=bool(rank0_drains))
             self._bring_up_with_retries(reset_attempts=True)
             return
         if self._adopt():
@@ -390,6 +401,38 @@ class ClusterRuntime:
             self._bring_up_with_retries()
         elif self.snapshot().phase == STARTING:  # nothing runs (ranks that run but do not answer stay "health")
             self._set(phase=Phase.STOPPED, detail="nothing was running; waiting for dsv41ctl start")
+
+    def _drain_first(self, reason: str) -> bool | None:
+        """The drain before a restart that can wait: None when the group broke meanwhile (the urgent
+        path takes over), else whether rank 0 may still drain at its stop (nothing is being cut)."""
+        self._activity = Activity.DRAINING
+        self._set(phase=Phase.DRAINING, detail=f"draining for a restart: {reason}")
+        engine = EngineApi(self.base_url, self._api_key, timeout_s=5.0)
+        try:
+            drained = Drainer(engine, self._log, wait=self._wait, call=self._call, monotonic=self._monotonic,
+                              broken=lambda: self._trouble is not None,
+                              set_detail=lambda detail: self._set(detail=detail)).run(
+                reason, self.cfg.number("DRAIN_TIMEOUT_S"))
+        except Preempted as preempted:
+            if preempted.request.action is Action.SHUTDOWN and not preempted.request.stop_cluster:
+                lift_stale(engine, self._log, "the coordinator stops leaving the ranks serving")
+            raise
+        finally:
+            engine.close()
+            self._activity = Activity.IDLE
+        return None if drained.outcome is Outcome.BROKEN else drained.nothing_left
+
+    def _lift_stale_drain(self, why: str) -> None:
+        engine = EngineApi(self.base_url, self._api_key, timeout_s=5.0)
+        try:
+            lift_stale(engine, self._log, why)
+        finally:
+            engine.close()
+
+    def _watching_group(self) -> bool:
+        """Whether a broken group is trouble to recover from now: serving, or draining before a restart."""
+        return self._trouble is None and (self._activity, self.snapshot().phase) in (
+            (Activity.IDLE, Phase.SERVING), (Activity.DRAINING, Phase.DRAINING))
 
     # ------------------------------------------------------------------ events
 
@@ -433,7 +476,7 @@ class ClusterRuntime:
             blame = policy.first_failure(list(self._exits.values()))
             raise StepFailed(self._step, blame.node, f"during bring-up, {blame.message}",
                              incident=IncidentKind.MEMORY_FLOOR if blame.floor else None)
-        if self._activity is Activity.IDLE and self.snapshot().phase == Phase.SERVING and self._trouble is None:
+        if self._watching_group():
             self._trouble = Trouble(IncidentKind.RANK_EXIT, node)
 
     # ------------------------------------------------------------------ liveness
@@ -466,7 +509,7 @@ class ClusterRuntime:
             return
         if self._activity is Activity.BRINGUP and self._ranks_run:
             raise StepFailed(self._step, node, why, transient=True, incident="")
-        if self._activity is Activity.IDLE and self.snapshot().phase == Phase.SERVING and self._trouble is None:
+        if self._watching_group():
             self._trouble = Trouble(IncidentKind.NODE_REBOOTED, node, why)
 
     def _note_work(self, message) -> None:
@@ -507,11 +550,10 @@ class ClusterRuntime:
                                   node_name=node)
         if not react:
             return
-        phase = self.snapshot().phase
         if newly and self._activity is Activity.BRINGUP and self._ranks_run:
             raise StepFailed(self._step, newly[0], self._lost_message(newly[0], now), transient=True,
                              unreachable=tuple(newly), incident=IncidentKind.NODE_LOST)
-        if self._activity is not Activity.IDLE or phase != Phase.SERVING or self._trouble is not None:
+        if not self._watching_group():
             return
         if newly:
             self._trouble = Trouble(IncidentKind.NODE_LOST, newly[0], self._lost_message(newly[0], now))
@@ -877,6 +919,7 @@ class ClusterRuntime:
         self._set(phase=Phase.HEALTH, detail="re-adopting running ranks", ranks_since=self._clock())
         if not adopt.answers(ctx):
             return False
+        self._call(lambda: self._lift_stale_drain("no restart follows it"))
         ranks = len(found.plans)
         self._set(phase=Phase.SERVING,
                   detail=f"serving on :{self.cfg.integer('PORT')}, {ranks}/{ranks} ranks (re-adopted)",

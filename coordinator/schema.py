@@ -166,6 +166,11 @@ KEYS: tuple[Key, ...] = (
     _k("NODE_WAIT_TIMEOUT_S", v.integer(0, 86400 * 7), "0",
        "how long the phase `waiting` waits for a node that cannot be reached before failing; 0: until it "
        "answers again"),
+    _k("DRAIN_TIMEOUT_S", v.real(0.0, 7200.0), "600",
+       "before a restart that can wait (`dsv41ctl restart --drain`, a configuration change that restarts the "
+       "ranks) rank 0 refuses new requests and lets those in flight finish for up to this long, then the rest "
+       "are cut; 0: no drain. A GB10 decodes one request at about 16 tokens/s (63 ms a step), so 600 s lets "
+       "an answer of about 9,500 tokens finish, long reasoning included; urgent restarts never drain"),
     _k("HANG_TIMEOUT_S", v.real(1.0, 7200.0), "60",
        "a rank that takes no forward step this long while requests are in flight (or a canary is "
        "unanswered) is hung; the longest legitimate step, a 768-token chunk at 256k context, takes about 2 s"),

@@ -25,6 +25,7 @@ class Phase(enum.StrEnum):
     HEALTH = "health"
     SMOKE = "smoke"
     SERVING = "serving"
+    DRAINING = "draining"  # before a restart that can wait: rank 0 refuses new requests, those in flight finish
     STOPPING = "stopping"
     RESTARTING = "restarting"  # a restart's backoff
     WAITING = "waiting"  # for a node that cannot be reached

@@ -111,7 +111,8 @@ SGLANG_DSV41_REASONING_EFFORT = Setting(
     "default reasoning budget: 1-100 or low/high/xhigh/max")
 DSV41_INFLIGHT_ROUTE = Setting(
     "DSV41_INFLIGHT_ROUTE", Kind.FLAG, "1",
-    "serve /dsv41/inflight on rank 0 (the memory guard's victim list)")
+    "serve /dsv41/inflight (the memory guard's victim list) and /dsv41/drain (the drain before a planned "
+    "restart) on rank 0")
 OFFLOAD_MODE = Setting(
     "OFFLOAD_MODE", Kind.CHOICE, "nvme",
     "Engram tables: nvme serves them from this node's packed shards (required on GB10; the rank refuses "

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator
 
 from adapter.redact import redact_secrets
+from dsv41 import drain as drain_contract
 
 from .answers import Answer, answer
 from .args import SimArgs
@@ -47,6 +48,23 @@ class ApiState:
         self._lock = threading.Condition()
         self._state = "starting"  # -> serving -> draining
         self._open = 0
+        self._drain = drain_contract.DrainState()  # POST /dsv41/drain: refusing new requests for a restart
+
+    def drain_answer(self, method: str, body: object) -> tuple[int, dict]:
+        """/dsv41/drain, as the rank's adapter answers it (dsv41/drain.py)."""
+        with self._lock:
+            before = self._drain
+            status, self._drain, out = drain_contract.answer(before, method, body, time.monotonic())
+            after = self._drain
+        if after.reason != before.reason:
+            self.log(f"drain: refusing new requests: {after.reason}" if after.draining
+                     else "drain: lifted, admitting new requests")
+        return status, out
+
+    def drain_refusal(self, method: str, path: str) -> tuple[int, dict, dict] | None:
+        with self._lock:
+            state = self._drain
+        return drain_contract.refusal(state.reason) if drain_contract.refuses(state, method, path) else None
 
     @property
     def state(self) -> str:
@@ -189,10 +207,13 @@ class Handler(BaseHTTPRequestHandler):
             self.api.log(f"http {self.address_string()} {fmt % args}")
 
     # --- plumbing ---------------------------------------------------------------------------
-    def _send(self, status: int, body: Any = None, content_type: str = "application/json") -> None:
+    def _send(self, status: int, body: Any = None, content_type: str = "application/json",
+              headers: dict[str, str] | None = None) -> None:
         data = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
         self.send_response(status)
         self.send_header("Content-Type", content_type)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -217,6 +238,12 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorised():
             self._send(401, {"error": "Unauthorized"})
             return
+        refused = self.api.drain_refusal(self.command, path)
+        if refused is not None:  # before routing, as the rank's middleware does
+            status, headers, body = refused
+            self._discard_body()
+            self._send(status, body, headers=headers)
+            return
         route = routes.get(path)
         if route is None:
             self._send(404, {"detail": "Not Found"})
@@ -236,10 +263,29 @@ class Handler(BaseHTTPRequestHandler):
                         "/v1/models": self._models, "/model_info": self._model_info,
                         "/server_info": self._server_info, "/get_server_info": self._server_info,
                         "/v1/loads": self._loads, "/metrics": self._metrics,
-                        "/dsv41/inflight": lambda: self._send(200, inflight_body(self.api.engine))})
+                        "/dsv41/inflight": lambda: self._send(200, inflight_body(self.api.engine)),
+                        drain_contract.PATH: self._drain})
 
     def do_POST(self) -> None:
-        self._dispatch({"/v1/chat/completions": self._chat, "/abort_request": self._abort})
+        self._dispatch({"/v1/chat/completions": self._chat, "/abort_request": self._abort,
+                        drain_contract.PATH: self._drain})
+
+    def do_DELETE(self) -> None:
+        self._dispatch({drain_contract.PATH: self._drain})
+
+    def _discard_body(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+
+    def _drain(self) -> None:
+        body = None
+        if self.command == "POST":
+            try:
+                body = self._read_json()
+            except Rejected:
+                body = None
+        self._send(*self.api.drain_answer(self.command, body))
 
     # --- routes -----------------------------------------------------------------------------
     def _health(self) -> None:

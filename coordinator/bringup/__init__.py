@@ -25,7 +25,7 @@ BY_NAME: dict[str, Step] = {step.name: step for step in STEPS}
 
 def ranks_in(steps: tuple[Step, ...]) -> dict[Phase, Ranks]:
     """What the ranks do in every phase where they may run: each step's own declaration, then the
-    supervisor's serving and stopping (rank 0 drains what is in flight); in any other phase none
+    supervisor's serving, draining and stopping (rank 0 drains what is in flight); in any other phase none
     runs. Once a step has started ranks, every later step runs them: one that says otherwise is
     refused here, not left unguarded."""
     started = [i for i, step in enumerate(steps) if step.ranks is not Ranks.NONE]
@@ -34,7 +34,7 @@ def ranks_in(steps: tuple[Step, ...]) -> dict[Phase, Ranks]:
             raise ValueError(f"bring-up step {step.name} comes after ranks started, so its ranks run: "
                              f"declare Ranks.STARTING or Ranks.SERVING")
     declared = {step.name: step.ranks for step in steps}
-    return {**declared, Phase.SERVING: Ranks.SERVING, Phase.STOPPING: Ranks.SERVING}
+    return {**declared, Phase.SERVING: Ranks.SERVING, Phase.DRAINING: Ranks.SERVING, Phase.STOPPING: Ranks.SERVING}
 
 
 def guarded_phases(steps: tuple[Step, ...]) -> dict[Phase, bool]:

@@ -1,4 +1,5 @@
-"""Rank 0's HTTP API as the guard uses it: the in-flight list and /abort_request (stdlib only).
+"""Rank 0's HTTP API as the guard uses it: the in-flight list and /abort_request (stdlib only); and
+the drain before a planned restart (coordinator/drain.py).
 
 One persistent HTTP/1.1 connection, re-opened when it breaks: an abort is two round trips on an
 open socket, not two TCP handshakes.
@@ -11,6 +12,7 @@ import json
 import threading
 import urllib.parse
 
+from dsv41 import drain as drain_contract
 from dsv41 import inflight as contract
 from dsv41.inflight import InflightList
 
@@ -20,6 +22,10 @@ ABORT_PATH = "/abort_request"
 
 class EngineError(Exception):
     """Rank 0 did not take the request; the message says what happened."""
+
+
+class EngineUnreachable(EngineError):
+    """Rank 0's HTTP server did not answer at all (not running, refusing connections, timed out)."""
 
 
 class EngineApi:
@@ -56,7 +62,7 @@ class EngineApi:
                     self._conn.close()
                     self._conn = None
                     if attempt == 2 or isinstance(exc, TimeoutError):
-                        raise EngineError(f"{method} {self.base_url}{path}: {exc or type(exc).__name__}") from None
+                        raise EngineUnreachable(f"{method} {self.base_url}{path}: {exc or type(exc).__name__}") from None
         raise AssertionError("unreachable")
 
     def inflight(self) -> InflightList:
@@ -82,6 +88,34 @@ class EngineApi:
         status, text = self._request("POST", ABORT_PATH, body)
         if status != 200:
             raise EngineError(f"POST {ABORT_PATH} {body}: HTTP {status}: {text[:200].decode(errors='replace')}")
+
+    def drain(self, reason: str) -> None:
+        """Rank 0 refuses new requests from now on, naming `reason`; EngineError when it did not
+        take it (404: a rank without the adapter's drain route)."""
+        self._drain_call("POST", {"reason": reason})
+
+    def undrain(self) -> None:
+        """Rank 0 admits new requests again."""
+        self._drain_call("DELETE", None)
+
+    def drain_state(self) -> dict:
+        """GET /dsv41/drain: {"draining": bool, "reason": ..., "since_s": ...}; {} from a rank 0
+        without the route. EngineError when it does not answer."""
+        status, text = self._request("GET", drain_contract.PATH)
+        if status == 404:
+            return {}
+        if status != 200:
+            raise EngineError(f"GET {drain_contract.PATH}: HTTP {status}: {text[:200].decode(errors='replace')}")
+        try:
+            body = json.loads(text)
+        except ValueError as exc:
+            raise EngineError(f"GET {drain_contract.PATH}: unexpected answer: {exc}") from None
+        return body if isinstance(body, dict) else {}
+
+    def _drain_call(self, method: str, body: dict | None) -> None:
+        status, text = self._request(method, drain_contract.PATH, body)
+        if status != 200:
+            raise EngineError(f"{method} {drain_contract.PATH}: HTTP {status}: {text[:200].decode(errors='replace')}")
 
 
 def parse_inflight(body: object) -> InflightList:

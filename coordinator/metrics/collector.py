@@ -21,8 +21,8 @@ from .recorder import Recorder
 
 # Every phase the runtime reports, so that a dashboard sees each one at 0 before it first happens:
 # the bring-up steps' (from their registry) and the supervisor's own.
-PHASES = (Phase.STARTING, Phase.STOPPED, *STEP_PHASES, Phase.SERVING, Phase.STOPPING, Phase.RESTARTING, Phase.WAITING,
-          Phase.FAILED)
+PHASES = (Phase.STARTING, Phase.STOPPED, *STEP_PHASES, Phase.SERVING, Phase.DRAINING, Phase.STOPPING,
+          Phase.RESTARTING, Phase.WAITING, Phase.FAILED)
 RESOURCES = ("cpu", "memory", "io")
 
 

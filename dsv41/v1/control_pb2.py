@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 from dsv41.v1 import agent_pb2 as dsv41_dot_v1_dot_agent__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64sv41/v1/control.proto\x12\x08\x64sv41.v1\x1a\x14\x64sv41/v1/agent.proto\"\x16\n\x14\x43lusterStatusRequest\"\x8d\x02\n\x08NodeView\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0f\x61gent_reachable\x18\x04 \x01(\x08\x12\x13\n\x0b\x61gent_error\x18\x05 \x01(\t\x12$\n\x06status\x18\x06 \x01(\x0b\x32\x14.dsv41.v1.NodeStatus\x12&\n\x06\x66\x61\x62ric\x18\x07 \x01(\x0b\x32\x16.dsv41.v1.FabricReport\x12\x18\n\x10plan_fingerprint\x18\x08 \x01(\t\x12\x13\n\x0blease_age_s\x18\t \x01(\x01\x12\x12\n\nstep_age_s\x18\n \x01(\x01\x12\x15\n\rforward_count\x18\x0b \x01(\x04\"J\n\x08Incident\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xbf\x03\n\rClusterStatus\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x14\n\x0cphase_detail\x18\x02 \x01(\t\x12\x1a\n\x12phase_since_unix_s\x18\x03 \x01(\x01\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x15\n\rranks_running\x18\x05 \x01(\r\x12\x13\n\x0branks_total\x18\x06 \x01(\r\x12\x1c\n\x14serving_since_unix_s\x18\x07 \x01(\x01\x12)\n\rlast_incident\x18\x08 \x01(\x0b\x32\x12.dsv41.v1.Incident\x12!\n\x05nodes\x18\t \x03(\x0b\x32\x12.dsv41.v1.NodeView\x12\x1b\n\x13\x63oordinator_version\x18\n \x01(\t\x12\x13\n\x0b\x63onfig_path\x18\x0b \x01(\t\x12\x17\n\x0frestart_attempt\x18\x0c \x01(\r\x12\x1b\n\x13\x63oordinator_running\x18\r \x01(\x08\x12\x12\n\ngeneration\x18\x0e \x01(\t\x12\x13\n\x0b\x63onfig_note\x18\x0f \x01(\t\x12\x32\n\ncollective\x18\x11 \x01(\x0b\x32\x1e.dsv41.v1.CollectiveTestReport\"\x13\n\x11\x46\x61\x62ricTestRequest\"^\n\x0f\x46\x61\x62ricTestReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12.\n\x06report\x18\x03 \x01(\x0b\x32\x1e.dsv41.v1.CollectiveTestReport\"\x0e\n\x0cStartRequest\"\r\n\x0bStopRequest\"\x10\n\x0eRestartRequest\"S\n\x0b\x41\x63tionReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\'\n\x06status\x18\x03 \x01(\x0b\x32\x17.dsv41.v1.ClusterStatus\"-\n\rEventsRequest\x12\x0e\n\x06\x66ollow\x18\x01 \x01(\x08\x12\x0c\n\x04last\x18\x02 \x01(\r\":\n\x0bLogsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05lines\x18\x02 \x01(\r\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"\x1c\n\x0bPackRequest\x12\r\n\x05start\x18\x01 \x01(\x08\"N\n\x0cPackProgress\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0b\x32\x13.dsv41.v1.PackState\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\"\x16\n\x14\x41utotuneResetRequest\"1\n\x0fUnexportRequest\x12\r\n\x05\x66orce\x18\x01 \x01(\x08\x12\x0f\n\x07unmount\x18\x02 \x01(\x08\"l\n\rConfigRequest\x12.\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1e.dsv41.v1.ConfigRequest.Action\"+\n\x06\x41\x63tion\x12\x08\n\x04\x44IFF\x10\x00\x12\t\n\x05\x41PPLY\x10\x01\x12\x0c\n\x08ROLLBACK\x10\x02\"q\n\x0c\x43onfigChange\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x62\x65\x66ore\x18\x02 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x03 \x01(\t\x12\x12\n\nbefore_set\x18\x04 \x01(\x08\x12\x11\n\tafter_set\x18\x05 \x01(\x08\x12\x0e\n\x06\x65\x66\x66\x65\x63t\x18\x06 \x01(\t\"k\n\x0b\x43onfigReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\'\n\x07\x63hanges\x18\x03 \x03(\x0b\x32\x16.dsv41.v1.ConfigChange\x12\x16\n\x0erestarts_ranks\x18\x04 \x01(\x08\"*\n\rBundleRequest\x12\x19\n\x11journal_max_bytes\x18\x01 \x01(\r\"*\n\x0b\x42undleChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05notes\x18\x02 \x03(\t2\xe7\x05\n\x07\x43ontrol\x12\x44\n\tGetStatus\x12\x1e.dsv41.v1.ClusterStatusRequest\x1a\x17.dsv41.v1.ClusterStatus\x12\x36\n\x05Start\x12\x16.dsv41.v1.StartRequest\x1a\x15.dsv41.v1.ActionReply\x12\x34\n\x04Stop\x12\x15.dsv41.v1.StopRequest\x1a\x15.dsv41.v1.ActionReply\x12:\n\x07Restart\x12\x18.dsv41.v1.RestartRequest\x1a\x15.dsv41.v1.ActionReply\x12\x34\n\x06\x45vents\x12\x17.dsv41.v1.EventsRequest\x1a\x0f.dsv41.v1.Event0\x01\x12\x36\n\x04Logs\x12\x15.dsv41.v1.LogsRequest\x1a\x15.dsv41.v1.JournalLine0\x01\x12\x37\n\x04Pack\x12\x15.dsv41.v1.PackRequest\x1a\x16.dsv41.v1.PackProgress0\x01\x12\x46\n\rAutotuneReset\x12\x1e.dsv41.v1.AutotuneResetRequest\x1a\x15.dsv41.v1.ActionReply\x12\x41\n\rUnexportShare\x12\x19.dsv41.v1.UnexportRequest\x1a\x15.dsv41.v1.ActionReply\x12:\n\x06\x42undle\x12\x17.dsv41.v1.BundleRequest\x1a\x15.dsv41.v1.BundleChunk0\x01\x12\x38\n\x06\x43onfig\x12\x17.dsv41.v1.ConfigRequest\x1a\x15.dsv41.v1.ConfigReply\x12\x44\n\nFabricTest\x12\x1b.dsv41.v1.FabricTestRequest\x1a\x19.dsv41.v1.FabricTestReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64sv41/v1/control.proto\x12\x08\x64sv41.v1\x1a\x14\x64sv41/v1/agent.proto\"\x16\n\x14\x43lusterStatusRequest\"\x8d\x02\n\x08NodeView\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0f\x61gent_reachable\x18\x04 \x01(\x08\x12\x13\n\x0b\x61gent_error\x18\x05 \x01(\t\x12$\n\x06status\x18\x06 \x01(\x0b\x32\x14.dsv41.v1.NodeStatus\x12&\n\x06\x66\x61\x62ric\x18\x07 \x01(\x0b\x32\x16.dsv41.v1.FabricReport\x12\x18\n\x10plan_fingerprint\x18\x08 \x01(\t\x12\x13\n\x0blease_age_s\x18\t \x01(\x01\x12\x12\n\nstep_age_s\x18\n \x01(\x01\x12\x15\n\rforward_count\x18\x0b \x01(\x04\"J\n\x08Incident\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xbf\x03\n\rClusterStatus\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x14\n\x0cphase_detail\x18\x02 \x01(\t\x12\x1a\n\x12phase_since_unix_s\x18\x03 \x01(\x01\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x15\n\rranks_running\x18\x05 \x01(\r\x12\x13\n\x0branks_total\x18\x06 \x01(\r\x12\x1c\n\x14serving_since_unix_s\x18\x07 \x01(\x01\x12)\n\rlast_incident\x18\x08 \x01(\x0b\x32\x12.dsv41.v1.Incident\x12!\n\x05nodes\x18\t \x03(\x0b\x32\x12.dsv41.v1.NodeView\x12\x1b\n\x13\x63oordinator_version\x18\n \x01(\t\x12\x13\n\x0b\x63onfig_path\x18\x0b \x01(\t\x12\x17\n\x0frestart_attempt\x18\x0c \x01(\r\x12\x1b\n\x13\x63oordinator_running\x18\r \x01(\x08\x12\x12\n\ngeneration\x18\x0e \x01(\t\x12\x13\n\x0b\x63onfig_note\x18\x0f \x01(\t\x12\x32\n\ncollective\x18\x11 \x01(\x0b\x32\x1e.dsv41.v1.CollectiveTestReport\"\x13\n\x11\x46\x61\x62ricTestRequest\"^\n\x0f\x46\x61\x62ricTestReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12.\n\x06report\x18\x03 \x01(\x0b\x32\x1e.dsv41.v1.CollectiveTestReport\"\x0e\n\x0cStartRequest\"\r\n\x0bStopRequest\"\x1f\n\x0eRestartRequest\x12\r\n\x05\x64rain\x18\x01 \x01(\x08\"S\n\x0b\x41\x63tionReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\'\n\x06status\x18\x03 \x01(\x0b\x32\x17.dsv41.v1.ClusterStatus\"-\n\rEventsRequest\x12\x0e\n\x06\x66ollow\x18\x01 \x01(\x08\x12\x0c\n\x04last\x18\x02 \x01(\r\":\n\x0bLogsRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05lines\x18\x02 \x01(\r\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"\x1c\n\x0bPackRequest\x12\r\n\x05start\x18\x01 \x01(\x08\"N\n\x0cPackProgress\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0b\x32\x13.dsv41.v1.PackState\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\"\x16\n\x14\x41utotuneResetRequest\"1\n\x0fUnexportRequest\x12\r\n\x05\x66orce\x18\x01 \x01(\x08\x12\x0f\n\x07unmount\x18\x02 \x01(\x08\"l\n\rConfigRequest\x12.\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1e.dsv41.v1.ConfigRequest.Action\"+\n\x06\x41\x63tion\x12\x08\n\x04\x44IFF\x10\x00\x12\t\n\x05\x41PPLY\x10\x01\x12\x0c\n\x08ROLLBACK\x10\x02\"q\n\x0c\x43onfigChange\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x62\x65\x66ore\x18\x02 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x03 \x01(\t\x12\x12\n\nbefore_set\x18\x04 \x01(\x08\x12\x11\n\tafter_set\x18\x05 \x01(\x08\x12\x0e\n\x06\x65\x66\x66\x65\x63t\x18\x06 \x01(\t\"k\n\x0b\x43onfigReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\'\n\x07\x63hanges\x18\x03 \x03(\x0b\x32\x16.dsv41.v1.ConfigChange\x12\x16\n\x0erestarts_ranks\x18\x04 \x01(\x08\"*\n\rBundleRequest\x12\x19\n\x11journal_max_bytes\x18\x01 \x01(\r\"*\n\x0b\x42undleChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05notes\x18\x02 \x03(\t2\xe7\x05\n\x07\x43ontrol\x12\x44\n\tGetStatus\x12\x1e.dsv41.v1.ClusterStatusRequest\x1a\x17.dsv41.v1.ClusterStatus\x12\x36\n\x05Start\x12\x16.dsv41.v1.StartRequest\x1a\x15.dsv41.v1.ActionReply\x12\x34\n\x04Stop\x12\x15.dsv41.v1.StopRequest\x1a\x15.dsv41.v1.ActionReply\x12:\n\x07Restart\x12\x18.dsv41.v1.RestartRequest\x1a\x15.dsv41.v1.ActionReply\x12\x34\n\x06\x45vents\x12\x17.dsv41.v1.EventsRequest\x1a\x0f.dsv41.v1.Event0\x01\x12\x36\n\x04Logs\x12\x15.dsv41.v1.LogsRequest\x1a\x15.dsv41.v1.JournalLine0\x01\x12\x37\n\x04Pack\x12\x15.dsv41.v1.PackRequest\x1a\x16.dsv41.v1.PackProgress0\x01\x12\x46\n\rAutotuneReset\x12\x1e.dsv41.v1.AutotuneResetRequest\x1a\x15.dsv41.v1.ActionReply\x12\x41\n\rUnexportShare\x12\x19.dsv41.v1.UnexportRequest\x1a\x15.dsv41.v1.ActionReply\x12:\n\x06\x42undle\x12\x17.dsv41.v1.BundleRequest\x1a\x15.dsv41.v1.BundleChunk0\x01\x12\x38\n\x06\x43onfig\x12\x17.dsv41.v1.ConfigRequest\x1a\x15.dsv41.v1.ConfigReply\x12\x44\n\nFabricTest\x12\x1b.dsv41.v1.FabricTestRequest\x1a\x19.dsv41.v1.FabricTestReplyb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsv41.v1.control_pb2', globals())
@@ -38,33 +38,33 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _STOPREQUEST._serialized_start=1013
   _STOPREQUEST._serialized_end=1026
   _RESTARTREQUEST._serialized_start=1028
-  _RESTARTREQUEST._serialized_end=1044
-  _ACTIONREPLY._serialized_start=1046
-  _ACTIONREPLY._serialized_end=1129
-  _EVENTSREQUEST._serialized_start=1131
-  _EVENTSREQUEST._serialized_end=1176
-  _LOGSREQUEST._serialized_start=1178
-  _LOGSREQUEST._serialized_end=1236
-  _PACKREQUEST._serialized_start=1238
-  _PACKREQUEST._serialized_end=1266
-  _PACKPROGRESS._serialized_start=1268
-  _PACKPROGRESS._serialized_end=1346
-  _AUTOTUNERESETREQUEST._serialized_start=1348
-  _AUTOTUNERESETREQUEST._serialized_end=1370
-  _UNEXPORTREQUEST._serialized_start=1372
-  _UNEXPORTREQUEST._serialized_end=1421
-  _CONFIGREQUEST._serialized_start=1423
-  _CONFIGREQUEST._serialized_end=1531
-  _CONFIGREQUEST_ACTION._serialized_start=1488
-  _CONFIGREQUEST_ACTION._serialized_end=1531
-  _CONFIGCHANGE._serialized_start=1533
-  _CONFIGCHANGE._serialized_end=1646
-  _CONFIGREPLY._serialized_start=1648
-  _CONFIGREPLY._serialized_end=1755
-  _BUNDLEREQUEST._serialized_start=1757
-  _BUNDLEREQUEST._serialized_end=1799
-  _BUNDLECHUNK._serialized_start=1801
-  _BUNDLECHUNK._serialized_end=1843
-  _CONTROL._serialized_start=1846
-  _CONTROL._serialized_end=2589
+  _RESTARTREQUEST._serialized_end=1059
+  _ACTIONREPLY._serialized_start=1061
+  _ACTIONREPLY._serialized_end=1144
+  _EVENTSREQUEST._serialized_start=1146
+  _EVENTSREQUEST._serialized_end=1191
+  _LOGSREQUEST._serialized_start=1193
+  _LOGSREQUEST._serialized_end=1251
+  _PACKREQUEST._serialized_start=1253
+  _PACKREQUEST._serialized_end=1281
+  _PACKPROGRESS._serialized_start=1283
+  _PACKPROGRESS._serialized_end=1361
+  _AUTOTUNERESETREQUEST._serialized_start=1363
+  _AUTOTUNERESETREQUEST._serialized_end=1385
+  _UNEXPORTREQUEST._serialized_start=1387
+  _UNEXPORTREQUEST._serialized_end=1436
+  _CONFIGREQUEST._serialized_start=1438
+  _CONFIGREQUEST._serialized_end=1546
+  _CONFIGREQUEST_ACTION._serialized_start=1503
+  _CONFIGREQUEST_ACTION._serialized_end=1546
+  _CONFIGCHANGE._serialized_start=1548
+  _CONFIGCHANGE._serialized_end=1661
+  _CONFIGREPLY._serialized_start=1663
+  _CONFIGREPLY._serialized_end=1770
+  _BUNDLEREQUEST._serialized_start=1772
+  _BUNDLEREQUEST._serialized_end=1814
+  _BUNDLECHUNK._serialized_start=1816
+  _BUNDLECHUNK._serialized_end=1858
+  _CONTROL._serialized_start=1861
+  _CONTROL._serialized_end=2604
 # @@protoc_insertion_point(module_scope)

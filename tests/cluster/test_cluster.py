@@ -764,3 +764,71 @@ def test_19a_a_rank_change_that_fails_at_start_is_rolled_back_to_the_previous_co
 
 def coordinator_events_named(head, event: str) -> list[dict]:
     return head.journal(unit="dsv41-coordinator.service", fields=None, matches=[f"DSV41_EVENT={event}"])
+
+
+# A streaming chat request run on the head in the background: its HTTP status and every SSE line
+# go to a JSON file when it ends.
+STREAM_CLIENT = """
+import json, sys, urllib.error, urllib.request
+url, body, out = sys.argv[1:4]
+result = {}
+try:
+    with urllib.request.urlopen(urllib.request.Request(url, data=open(body, 'rb').read(),
+                                headers={'Content-Type': 'application/json'}), timeout=300) as r:
+        result['status'] = r.status
+        result['lines'] = [line.decode().strip() for line in r if line.strip()]
+except urllib.error.HTTPError as e:
+    result = {'status': e.code, 'body': e.read().decode()}
+except Exception as e:
+    result = {'status': 0, 'error': repr(e)}
+open(out + '.tmp', 'w').write(json.dumps(result))
+import os; os.rename(out + '.tmp', out)
+"""
+
+
+def test_20_a_drained_restart_lets_a_streaming_request_finish_and_refuses_new_ones_naming_the_drain(sparks):
+    head = head_of(sparks)
+    before = rank_pids(wait_serving(head))
+    started_before = len(coordinator_events_named(head, "drain_started"))
+    url = f"http://{head.address}:8888/v1/chat/completions"
+    head.write_file("/var/tmp/stream-client.py", STREAM_CLIENT)
+    head.write_file("/var/tmp/drain-request.json", json.dumps({  # a 40k-token prompt: ~20 s of prefill
+        "model": "deepseek-v4.1-flash", "stream": True, "rid": "drained-stream-1",
+        "messages": [{"role": "user", "content": "word " * 32000 + " what is 19+23?"}]}))
+    head.run(["rm", "-f", "/var/tmp/drain-result.json"])
+    assert head.run(["sh", "-c", f"nohup python3 /var/tmp/stream-client.py {url} /var/tmp/drain-request.json "
+                     "/var/tmp/drain-result.json >/dev/null 2>&1 &"], check=False).returncode == 0
+
+    def inflight():
+        return json.loads(head.run(["python3", "-c", "import urllib.request; print(urllib.request.urlopen("
+                                    f"'http://{head.address}:8888/dsv41/inflight').read().decode())"]).stdout)
+    wait_for(lambda: [r for r in inflight()["requests"] if r["rid"] == "drained-stream-1"], 20,
+             "the streaming request never showed in flight")
+    asked = ctl(head, "restart", "--drain")
+    assert asked.returncode == 0 and "DRAIN_TIMEOUT_S" in asked.stdout, asked.stdout + asked.stderr
+    wait_for(lambda: status(head).get("phase") == "draining", 10, "the coordinator did not start draining")
+    refused = head.run(["python3", "-c", "import json, sys, urllib.error, urllib.request\n"
+                        "try:\n"
+                        f"    urllib.request.urlopen(urllib.request.Request('{url}', data=sys.argv[1].encode(), "
+                        "headers={'Content-Type': 'application/json'}), timeout=20)\n"
+                        "    print(json.dumps({'status': 200}))\n"
+                        "except urllib.error.HTTPError as e:\n"
+                        "    print(json.dumps({'status': e.code, 'retry_after': e.headers.get('Retry-After'), "
+                        "'body': json.loads(e.read())}))",
+                        json.dumps({"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "hi"}]})])
+    answer = json.loads(refused.stdout)
+    assert answer["status"] == 503 and answer["retry_after"] == "60", answer
+    assert "draining for a restart: dsv41ctl restart --drain" in answer["body"]["error"]["message"]
+    result = json.loads(wait_for(lambda: head.run(["cat", "/var/tmp/drain-result.json"], check=False).stdout, 90,
+                                 "the streaming request did not end"))
+    assert result["status"] == 200, result
+    assert result["lines"][-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in result["lines"][:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "42" in "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    after = wait_serving(head, timeout=120, changed_from=before)
+    assert all(after_pid != before[name] for name, after_pid in rank_pids(after).items())
+    started = coordinator_events_named(head, "drain_started")[started_before:]
+    assert started and started[-1]["DSV41_IN_FLIGHT"] == "1" and started[-1]["DSV41_REASON"] == "dsv41ctl restart --drain"
+    done = coordinator_events_named(head, "drain_done")
+    assert done and done[-1]["DSV41_FINISHED"] == "1", done

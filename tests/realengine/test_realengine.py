@@ -569,6 +569,44 @@ def test_13_a_slowed_link_fails_the_collective_gate_naming_the_pair(rehearsal):
     assert body["collective"]["ok"], body["collective"]
 
 
+def refusal(client: Client, key: bool = True) -> tuple[int, dict, str]:
+    """A new chat request's HTTP status, its error body and its Retry-After (it is expected to be refused)."""
+    try:
+        client.post("/v1/chat/completions", {"model": "deepseek-v4.1-flash", "max_tokens": 4,
+                                             "messages": [{"role": "user", "content": "hi"}]}, timeout=30, key=key)
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode()
+        return exc.code, (json.loads(text) if text.startswith("{") else {}), exc.headers.get("Retry-After") or ""
+    return 200, {}, ""
+
+
+def test_12_restart_drain_lets_the_request_in_flight_finish_and_refuses_new_ones_naming_the_drain(rehearsal):
+    head = head_of(rehearsal)
+    client = Client(head)
+    before = rank_pids(serving(head))
+    started_before = len(coordinator_events_named(head, "drain_started"))
+    call = long_answer(client)
+    asked = ctl(head, "restart", "--drain")
+    assert asked.returncode == 0 and "DRAIN_TIMEOUT_S" in asked.stdout, asked.stdout + asked.stderr
+    wait_for(lambda: status(head).get("phase") == "draining", 15, "the coordinator did not start draining")
+    code, body, retry_after = refusal(client)
+    assert code == 503 and retry_after == "60", (code, body)
+    assert "draining for a restart: dsv41ctl restart --drain" in body["error"]["message"], body
+    assert refusal(client, key=False)[0] == 401  # SGLang's API key still answers first
+    code, drain = client.get("/dsv41/drain")
+    assert code == 200 and json.loads(drain)["draining"] is True
+    outcome = call.outcome(timeout=120)
+    assert isinstance(outcome, dict) and outcome["meta_info"]["finish_reason"]["type"] == "stop", outcome
+    assert outcome["meta_info"]["completion_tokens"] == 208  # its whole answer, to the loop abort
+    after = wait_serving(head, timeout=SERVE_S, changed_from=before)
+    assert all(after_pid != before[name] for name, after_pid in rank_pids(after).items())
+    assert client.chat([{"role": "user", "content": "19+23?"}])["choices"][0]["message"]["content"] == "42"
+    started = coordinator_events_named(head, "drain_started")[started_before:]
+    assert started and started[-1]["DSV41_IN_FLIGHT"] == "1", started
+    done = coordinator_events_named(head, "drain_done")
+    assert done and done[-1]["DSV41_FINISHED"] == "1", done
+
+
 def test_3_stop_with_a_request_in_flight_leaves_no_sglang_process(rehearsal):
     head = head_of(rehearsal)
     client = Client(head)

@@ -7,6 +7,7 @@ without DSV41_SOURCE shows SGLang's own behaviour, so every test compares the tw
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -323,3 +324,19 @@ def test_the_scheduler_publishes_its_requests_from_the_real_get_next_batch_to_ru
     assert armed["launch_error"] is None and not armed["launched_before_run_batch"] and armed["launched_after_run_batch"]
     assert plain["error"] is None and plain["records"] is None and plain["marked"] is None
     assert installed(err).count("inflight") == 1
+
+
+def test_drain_refuses_new_requests_on_the_http_server_behind_sglangs_api_key(sglang: Sglang) -> None:
+    result, err = sglang.check("chk_drain")
+    assert result["routes"] == ["/dsv41/drain"]
+    assert result["post_without_key"]["status"] == 401 and result["chat_without_key"]["status"] == 401
+    assert result["post"]["status"] == 200 and json.loads(result["post"]["body"])["draining"] is True
+    assert result["bad_post"]["status"] == 400
+    for name in ("chat", "generate"):
+        refused = result[name]
+        assert refused["status"] == 503 and refused["retry_after"] == "60", (name, refused)
+        assert "draining for a restart: dsv41ctl restart --drain" in json.loads(refused["body"])["error"]["message"]
+    assert json.loads(result["get"]["body"])["reason"] == "dsv41ctl restart --drain"
+    assert json.loads(result["delete"]["body"]) == {"draining": False}
+    assert result["chat_after"]["status"] != 503  # on to SGLang's own route (no engine here to answer it)
+    assert "dsv41-adapter: drain: refusing new requests: dsv41ctl restart --drain" in err

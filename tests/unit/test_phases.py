@@ -15,6 +15,7 @@ pytestmark = pytest.mark.unit
 def test_phase_and_incident_values_are_what_status_metrics_and_hooks_have_always_shown():
     assert [str(p) for p in Phase] == [
         "starting", "stopped", "preflight", "share", "fabric", "collective", "pack", "launch", "health", "smoke", "serving",
+        "draining",
         "stopping", "restarting", "waiting", "failed", "unknown"]
     assert {str(k) for k in IncidentKind} == {
         "rank_exit", "memory_floor", "node_lost", "node_rebooted", "rank_hung", "stopped", "export_forced",
@@ -49,7 +50,7 @@ def test_the_guard_watches_every_step_after_launch_and_the_supervisors_phases_wi
     after_launch = {step.name for step in bringup.STEPS[bringup.PHASES.index(Phase.LAUNCH):]}
     assert after_launch <= set(bringup.GUARDED_PHASES)
     # what the hand-written table said before it was derived
-    assert bringup.GUARDED_PHASES == {"launch": False, "health": False, "smoke": False, "serving": True,
+    assert bringup.GUARDED_PHASES == {"launch": False, "health": False, "smoke": False, "serving": True, "draining": True,
                                       "stopping": True}
     unwatched = set(Phase) - set(bringup.GUARDED_PHASES)
     assert unwatched == {Phase.STARTING, Phase.STOPPED, Phase.PREFLIGHT, Phase.SHARE, Phase.FABRIC, Phase.COLLECTIVE, Phase.PACK,

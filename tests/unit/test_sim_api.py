@@ -50,9 +50,9 @@ def call(port, method, path, body=None, headers=None):
     return resp.status, (json.loads(raw) if raw and resp.getheader("Content-Type") == "application/json" else raw)
 
 
-def chat(port, text, **extra):
+def chat(port, text, headers=None, **extra):
     return call(port, "POST", "/v1/chat/completions", {"model": "dsv", "messages": [{"role": "user", "content": text}],
-                                                        **extra})
+                                                        **extra}, headers=headers)
 
 
 def test_health_follows_the_serving_state():
@@ -223,6 +223,43 @@ def test_api_key_guards_everything_but_health():
         # Like SGLang 0.5.23 without the adapter: a key given in argv comes back in clear, twice.
         info = call(port, "GET", "/server_info", headers={"Authorization": "Bearer sekret"})[1]
         assert info["api_key"] == "sekret" and info["internal_states"][0]["api_key"] == "sekret"
+    finally:
+        server.shutdown()
+        state.engine.close()
+
+
+def test_a_drain_refuses_new_requests_naming_it_while_one_in_flight_finishes_with_its_answer():
+    state, server = start(ARGV + ["--api-key", "sekret"])
+    state.set_state("serving")
+    port = server.server_address[1]
+    key = {"Authorization": "Bearer sekret"}
+    try:
+        assert call(port, "POST", "/dsv41/drain", {"reason": "x"})[0] == 401  # behind the key, like the rank's
+        result = {}
+        text = "word " * 40_000  # ~2.5 s of prefill at 20k tokens/s
+        worker = threading.Thread(target=lambda: result.update(zip(("status", "body"), chat(
+            port, text, rid="drained-1", headers=key))))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not call(port, "GET", "/dsv41/inflight", headers=key)[1]["requests"]:
+            time.sleep(0.02)
+        status, body = call(port, "POST", "/dsv41/drain", {"reason": "dsv41ctl restart --drain"}, headers=key)
+        assert status == 200 and body["draining"] and body["reason"] == "dsv41ctl restart --drain"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+                     headers=key)
+        resp = conn.getresponse()
+        refused = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 503 and resp.getheader("Retry-After") == "60"
+        assert "draining for a restart: dsv41ctl restart --drain" in refused["error"]["message"]
+        assert call(port, "POST", "/generate", {"text": "hi"}, headers=key)[0] == 503  # refused before routing
+        assert call(port, "GET", "/health")[0] == 200  # the engine is healthy: the canary must not fail
+        assert call(port, "GET", "/dsv41/drain", headers=key)[1]["draining"] is True
+        worker.join(15)
+        assert result["status"] == 200 and result["body"]["choices"][0]["finish_reason"] == "stop"
+        assert call(port, "DELETE", "/dsv41/drain", headers=key)[1] == {"draining": False}
+        assert chat(port, "What is 19+23?", headers=key)[0] == 200
     finally:
         server.shutdown()
         state.engine.close()

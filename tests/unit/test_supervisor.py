@@ -40,10 +40,16 @@ SILENT = RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
 class RankZero:
-    """/health and /v1/chat/completions of a rank 0; `healthy` switches /health from 503 to 200."""
+    """/health and /v1/chat/completions of a rank 0; `healthy` switches /health from 503 to 200.
+    `inflight`: the rids GET /dsv41/inflight lists (None: it answers {} as a route it does not
+    know); `drains`: the bodies POST /dsv41/drain got; `drain_route` False answers it 404."""
 
     def __init__(self):
         self.healthy = threading.Event()
+        self.inflight = None
+        self.drains = []
+        self.drain_route = True
+        self.lifted = 0  # DELETE /dsv41/drain calls
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -58,11 +64,27 @@ class RankZero:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def do_DELETE(self):
+                outer.lifted += 1
+                outer.drains.clear()
+                self._answer(200, {"draining": False})
+
             def do_GET(self):
+                if self.path == "/dsv41/drain" and outer.drains:
+                    self._answer(200, {"draining": True, "reason": outer.drains[-1]["reason"], "since_s": 1.0})
+                    return
+                if self.path == "/dsv41/inflight" and outer.inflight is not None:
+                    self._answer(200, {"requests": [{"rid": r, "prompt_tokens": 1, "prefilled_tokens": 1}
+                                                    for r in list(outer.inflight)]})
+                    return
                 self._answer(200 if outer.healthy.is_set() else 503, {})
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/dsv41/drain":
+                    outer.drains.append(json.loads(body))
+                    self._answer(200 if outer.drain_route else 404, {})
+                    return
                 self._answer(200, {"choices": [{"message": {"content": "42"}, "finish_reason": "stop"}]})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -944,3 +966,111 @@ def test_with_the_gate_off_every_bring_up_warns_and_runs_no_job(cluster):
     wait_phase(drive, "health")
     assert calls(journal, "run_collective_test") == []
     assert "collective_gate_off" in stream.getvalue()
+
+
+# ----- the drain before a restart that can wait
+
+def serving_with_requests(cluster, *rids, **keys):
+    rt, agents, rank0, journal, stream, drive = cluster(**keys)
+    rank0.healthy.set()
+    rank0.inflight = list(rids)
+    rt.run()
+    wait_phase(drive, "serving")
+    return rt, agents, rank0, journal, stream, drive
+
+
+def test_a_drained_restart_waits_for_the_requests_in_flight_then_restarts_with_rank_0_drained_as_usual(cluster):
+    rt, agents, rank0, journal, stream, drive = serving_with_requests(cluster, "chat-1", "chat-2")
+    rt.request("restart", drain=True)
+    snap = wait_phase(drive, "draining", within=2)
+    assert rank0.drains == [{"reason": "dsv41ctl restart --drain"}]
+    drive.run_for(5.0)
+    snap = rt.snapshot()
+    assert snap.phase == "draining" and "2 requests in flight" in snap.detail, snap.detail
+    assert calls(journal, "stop_rank") == []  # nothing stopped while they run
+    rank0.inflight = ["chat-2"]
+    drive.run_for(2.0)
+    rank0.inflight = []
+    wait_restarted(drive, agents, within=10)
+    log = stream.getvalue()
+    assert "DSV41_EVENT=drain_started" in log and "DSV41_IN_FLIGHT=2" in log
+    assert "DSV41_EVENT=drain_done" in log and "DSV41_FINISHED=2" in log
+    assert agents["spark1"].stop_deadlines == [rt.cfg.integer("RANK_STOP_TIMEOUT_S")]
+
+
+def test_a_drain_that_runs_out_cuts_what_is_left_naming_it_and_stops_rank_0_without_its_own_drain(cluster):
+    rt, agents, rank0, journal, stream, drive = serving_with_requests(cluster, "chat-long", DRAIN_TIMEOUT_S="3")
+    rt.request("restart", drain=True)
+    wait_phase(drive, "draining", within=2)
+    wait_restarted(drive, agents, within=10)
+    log = stream.getvalue()
+    assert "DSV41_EVENT=drain_timeout" in log and "DSV41_RIDS=chat-long" in log
+    assert agents["spark1"].stop_deadlines == [5]  # the workers' grace, not RANK_STOP_TIMEOUT_S again
+
+
+def test_a_stop_during_the_drain_preempts_it_and_nothing_is_restarted(cluster):
+    rt, agents, rank0, journal, stream, drive = serving_with_requests(cluster, "chat-1")
+    rt.request("restart", drain=True)
+    wait_phase(drive, "draining", within=2)
+    rt.request("stop")
+    wait_phase(drive, "stopped", within=1.0)
+    drive.run_for(1.0)
+    assert all(a.starts == 1 and not a.running for a in agents.values())
+
+
+def test_a_rank_exit_during_the_drain_turns_it_into_the_urgent_recovery(cluster):
+    rt, agents, rank0, journal, stream, drive = serving_with_requests(cluster, "chat-1")
+    rt.request("restart", drain=True)
+    wait_phase(drive, "draining", within=2)
+    agents["spark2"].exit_rank(result="exit-code", code="exited", status=1)
+    incident = wait_incident(drive, "rank_exit", within=5)
+    assert incident.node == "spark2"
+    wait_restarted(drive, agents, within=10)
+    assert "DSV41_EVENT=drain_interrupted" in stream.getvalue()
+    assert agents["spark1"].stop_deadlines == [5]  # the broken group is not drained
+
+
+def test_a_rank_0_without_the_drain_route_is_restarted_without_one(cluster):
+    rt, agents, rank0, journal, stream, drive = serving_with_requests(cluster, "chat-1")
+    rank0.drain_route = False
+    rt.request("restart", drain=True)
+    wait_restarted(drive, agents, within=10)
+    assert "DSV41_EVENT=drain_unavailable" in stream.getvalue() and "HTTP 404" in stream.getvalue()
+    assert "DSV41_EVENT=drain_started" not in stream.getvalue()
+
+
+def test_a_plain_restart_and_a_zero_drain_timeout_do_not_drain(cluster):
+    rt, agents, rank0, journal, stream, drive = serving_with_requests(cluster, "chat-1")
+    rt.request("restart")
+    wait_restarted(drive, agents, within=10)
+    assert rank0.drains == [] and "drain_" not in stream.getvalue()
+    rt, agents, rank0, journal, stream, drive = serving_with_requests(cluster, "chat-1", DRAIN_TIMEOUT_S="0")
+    rt.request("restart", drain=True)
+    wait_restarted(drive, agents, within=10)
+    assert rank0.drains == [] and "DSV41_EVENT=drain_skipped" in stream.getvalue()
+
+
+def test_a_configuration_change_drains_the_running_ranks_before_it_restarts_them(cluster):
+    rt, agents, rank0, journal, stream, drive = cluster()
+    for agent in agents.values():
+        agent.running = "old-run"
+    rank0.healthy.set()
+    rank0.inflight = ["chat-1"]
+    rollout, asked = rollout_of()
+    rt.run(restart_for=("NCCL_DEBUG",), rollout=rollout)
+    wait_phase(drive, "draining", within=2)
+    assert rank0.drains == [{"reason": "configuration change: NCCL_DEBUG"}]
+    drive.run_for(2.0)
+    assert calls(journal, "stop_rank") == []
+    rank0.inflight = []
+    wait_phase(drive, "serving", within=10)
+    assert "DSV41_EVENT=drain_done" in stream.getvalue() and asked == []
+
+
+def test_a_coordinator_stopping_during_a_drain_and_leaving_the_ranks_lifts_the_drain(cluster):
+    rt, agents, rank0, journal, stream, drive = serving_with_requests(cluster, "chat-1")
+    rt.request("restart", drain=True)
+    wait_phase(drive, "draining", within=2)
+    drive.in_thread(lambda: rt.shutdown(stop_cluster=False), 10, "the supervisor to shut down")
+    assert rank0.lifted == 1 and all(a.running for a in agents.values())
+    assert "DSV41_EVENT=drain_lifted" in stream.getvalue()
