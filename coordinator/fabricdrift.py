@@ -44,23 +44,24 @@ def changes_of(wire: Iterable) -> tuple[Change, ...]:
     return tuple(Change(c.netdev, c.what, c.before, c.after) for c in wire)
 
 
-def describe(node: str, found: Iterable[Change]) -> str:
+def describe(node: str, found: Iterable[Change], restarting: bool = True) -> str:
+    then = ("restarting the group after a drain (its fabric step checks again)" if restarting
+            else "the group's next bring-up checks it")
     return (f"{node}: the fabric changed under the running rank: " + "; ".join(c.describe() for c in found)
-            + ": NCCL does not reconnect; restarting the group after a drain (its fabric step checks again)")
+            + f": NCCL does not reconnect; {then}")
 
 
 class Reaction(enum.Enum):
     RESTART = "restart"    # an incident per node, then a drained restart
-    RECORD = "record"      # an incident per node; a restart or stop is already on its way
-    IGNORE = "ignore"      # no rank runs: the next bring-up's fabric step checks the fabric anyway
+    RECORD = "record"      # an incident per node only: a stop, restart or bring-up came since
 
 
 def reaction(ranks_run: bool, recovery_due: bool) -> Reaction:
-    """ranks_run: the group serves, or a bring-up's ranks run; recovery_due: a request waits, or a
-    fault found while serving is about to be recovered from (that restarts or stops the group too)."""
-    if not ranks_run:
-        return Reaction.IGNORE
-    return Reaction.RECORD if recovery_due else Reaction.RESTART
+    """For changes reported while the ranks ran, once they settle. ranks_run: the group still serves,
+    or a bring-up's ranks still run; recovery_due: a request waits, or a fault found while serving is
+    about to be recovered from (that restarts or stops the group too). A change is not forgotten when
+    the group went down meanwhile (its engine may have died of it): it is recorded, not acted on."""
+    return Reaction.RESTART if ranks_run and not recovery_due else Reaction.RECORD
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,11 @@ class FabricDrift:
         found = changes_of(wire_changes)
         if found:
             self._pending = gather(self._pending, node, found, self._monotonic())
+
+    def take_all(self) -> dict[str, tuple[Change, ...]]:
+        """node -> its changes so far, settled or not (then forgotten)."""
+        pending, self._pending = self._pending, None
+        return pending.changes if pending is not None else {}
 
     def take_settled(self) -> dict[str, tuple[Change, ...]]:
         """node -> its changes, once they have settled (then forgotten); empty before."""

@@ -417,7 +417,8 @@ class ClusterRuntime:
             self._watch_lost.discard(node)
             self._log.info("agent_stream_back", f"{node}: the rank watch is back", node_name=node)
         self._record_rank(node, message.rank)
-        self._drift.note(node, message.fabric_changes)
+        if message.fabric_changes:
+            self._note_drift(node, message.fabric_changes)
         if message.received_at:
             self._heard_from(message, react)
         found = policy.new_exit(node, message.rank, self._bring.launched.get(node), self._exits, self._clock())
@@ -530,23 +531,33 @@ class ClusterRuntime:
                 f"(at step {found.forward_count}; HANG_TIMEOUT_S={self.cfg.number('HANG_TIMEOUT_S'):g})"
                 + ("; its rank process is stopped (SIGSTOP?)" if self._heard[found.node].process_stopped else "")))
 
-    def _react_to_drift(self) -> None:
-        """A node's fabric changed while the ranks run: an incident naming it and the changes, then a
-        restart that can wait (coordinator/fabricdrift.py says why)."""
-        settled = self._drift.take_settled()
-        if not settled:
+    def _ranks_serve_or_start(self) -> bool:
+        return ((self._activity is Activity.IDLE and self.snapshot().phase == Phase.SERVING)
+                or (self._activity is Activity.BRINGUP and self._ranks_run))
+
+    def _note_drift(self, node: str, wire_changes) -> None:
+        """A change counts when reported while the ranks run: one before (a node whose link came back
+        while it was waited for) is checked by the bring-up's fabric step anyway."""
+        if self._ranks_serve_or_start():
+            self._drift.note(node, wire_changes)
             return
-        ranks_run = ((self._activity is Activity.IDLE and self.snapshot().phase == Phase.SERVING)
-                     or (self._activity is Activity.BRINGUP and self._ranks_run))
-        react = fabricdrift.reaction(ranks_run, self._peek_request() is not None or self._trouble is not None)
+        self._log.info("fabric_changed", f"{node}: the fabric changed while no rank runs ("
+                       + "; ".join(c.describe() for c in fabricdrift.changes_of(wire_changes))
+                       + "): the next bring-up checks it", node_name=node)
+
+    def _react_to_drift(self, settled: dict | None = None) -> None:
+        """A node's fabric changed while the ranks ran: an incident naming it and the changes, then a
+        restart that can wait (coordinator/fabricdrift.py says why). `settled`: changes to record
+        without waiting (a bring-up begins: its fabric step checks them)."""
+        react = fabricdrift.Reaction.RECORD
+        if settled is None:
+            settled = self._drift.take_settled()
+            react = fabricdrift.reaction(self._ranks_serve_or_start(),
+                                         self._peek_request() is not None or self._trouble is not None)
         for node, found in settled.items():
-            if react is fabricdrift.Reaction.IGNORE:
-                self._log.info("fabric_changed", f"{node}: the fabric changed while no rank runs ("
-                               + "; ".join(c.describe() for c in found) + "): the next bring-up checks it",
-                               node_name=node)
-            else:
-                self._incident(node, IncidentKind.FABRIC_CHANGED, fabricdrift.describe(node, found))
-        if react is fabricdrift.Reaction.RESTART:
+            self._incident(node, IncidentKind.FABRIC_CHANGED,
+                           fabricdrift.describe(node, found, react is fabricdrift.Reaction.RESTART))
+        if settled and react is fabricdrift.Reaction.RESTART:
             nodes = ", ".join(settled)
             self._offer(Request(Action.RESTART, f"the fabric of {nodes} changed", source="fabric", drain=True))
 
@@ -718,6 +729,7 @@ class ClusterRuntime:
         return True
 
     def _bring_up(self) -> None:
+        self._react_to_drift(self._drift.take_all())  # its fabric step checks what changed
         self._bring = BringUp()
         self._exits.clear()
         self._ranks_run = False

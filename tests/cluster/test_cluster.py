@@ -766,7 +766,7 @@ def coordinator_events_named(head, event: str) -> list[dict]:
 # netdev, then removing it) is an incident naming the node and the change, then serving again after
 # a drained restart; a streaming request in flight at the change finishes.
 STREAM_CLIENT = """
-import json, sys, urllib.request
+import json, sys, time, urllib.request
 out = {"chunks": 0, "done": False, "finish": None, "error": ""}
 try:
     with urllib.request.urlopen(urllib.request.Request(sys.argv[1], data=open(sys.argv[2], "rb").read(),
@@ -781,6 +781,7 @@ try:
                     out["finish"] = choice.get("finish_reason") or out["finish"]
 except Exception as exc:
     out["error"] = repr(exc)
+out["ended_at_unix_s"] = time.time()
 open(sys.argv[3], "w").write(json.dumps(out))
 """
 
@@ -789,10 +790,10 @@ def test_21_a_fabric_address_added_while_serving_is_an_incident_naming_the_node_
     head, spark2 = head_of(sparks), sparks["spark2"]
     before = rank_pids(wait_serving(head, timeout=120))
     seen = len(incidents(head, "fabric_changed"))
-    # ~8 s of prefill, then 256 tokens streamed: in flight when the restart comes (FABRIC_SETTLE_S=5).
+    # ~10 s of prefill, then its answer streamed: in flight when the restart comes (FABRIC_SETTLE_S=5).
     head.write_file("/var/tmp/drift-request.json", json.dumps({
         "model": "deepseek-v4.1-flash", "max_tokens": 256, "stream": True,
-        "messages": [{"role": "user", "content": "word " * 12000}]}))
+        "messages": [{"role": "user", "content": "word " * 16000}]}))
     head.write_file("/var/tmp/drift-client.py", STREAM_CLIENT)
     head.run(["rm", "-f", "/var/tmp/drift-stream.json"])
     client = head.run(["sh", "-c", f"nohup python3 /var/tmp/drift-client.py http://{head.address}:8888/v1/chat/"
@@ -814,7 +815,9 @@ def test_21_a_fabric_address_added_while_serving_is_an_incident_naming_the_node_
     # relies on rank 0's own drain on SIGTERM within RANK_STOP_TIMEOUT_S.)
     done = json.loads(wait_for(lambda: head.run(["cat", "/var/tmp/drift-stream.json"], check=False).stdout, 120,
                                "the streaming client never finished"))
-    assert done["done"] and done["finish"] == "length" and not done["error"], done
+    restart_at = int(changed["__REALTIME_TIMESTAMP"]) / 1e6  # the restart begins as it is recorded
+    assert done["done"] and done["finish"] in ("stop", "length") and not done["error"], done
+    assert done["ended_at_unix_s"] > restart_at, (done, restart_at)  # it was in flight at the restart
     # Undoing it is a change too: one more incident and restart, then serving as before.
     spark2.run(["ip", "addr", "del", "10.77.0.2/24", "dev", "host0"])
     removed = new_incident(head, "fabric_changed", seen + 1, timeout=30)

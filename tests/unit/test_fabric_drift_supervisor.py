@@ -64,6 +64,23 @@ def test_a_change_while_nothing_runs_is_journaled_only(cluster):
     assert "spark3: the fabric changed while no rank runs (host0 mtu 9000 -> 1500)" in stream.getvalue()
 
 
+def test_a_change_the_group_stopped_after_is_recorded_without_a_restart(cluster):
+    rt, agents, rank0, journal, stream, drive = cluster(**LIVE, FABRIC_SETTLE_S="2")
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(drive, "serving")
+    requests = offered(rt)
+    report(agents["spark3"], ("host0", "mtu", "9000", "1500"))
+    drive.run_for(0.5)
+    rt.request("stop")
+    wait_phase(drive, "stopped")
+    changed = wait_incident(drive, "fabric_changed", within=3.0)
+    assert changed.node == "spark3" and changed.message.endswith(
+        "host0 mtu 9000 -> 1500: NCCL does not reconnect; the group's next bring-up checks it")
+    drive.run_for(1.0)
+    assert not [r for r in requests if r.source == "fabric"] and rt.snapshot().phase == "stopped" and all(a.starts == 1 for a in agents.values())
+
+
 def test_an_incident_another_thread_found_is_recorded_by_the_supervisor(cluster):
     rt, agents, rank0, journal, stream, drive = cluster(**LIVE)
     rank0.healthy.set()
@@ -79,7 +96,7 @@ def test_an_incident_another_thread_found_is_recorded_by_the_supervisor(cluster)
 def test_what_a_settled_drift_does():
     assert reaction(ranks_run=True, recovery_due=False) is Reaction.RESTART
     assert reaction(ranks_run=True, recovery_due=True) is Reaction.RECORD  # a stop or restart already waits
-    assert reaction(ranks_run=False, recovery_due=False) is Reaction.IGNORE
+    assert reaction(ranks_run=False, recovery_due=False) is Reaction.RECORD  # stopped meanwhile: not forgotten
 
 
 def test_a_flapping_link_is_not_waited_on_for_ever():
