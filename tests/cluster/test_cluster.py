@@ -788,12 +788,12 @@ open(sys.argv[3], "w").write(json.dumps(out))
 
 def test_21_a_fabric_address_added_while_serving_is_an_incident_naming_the_node_then_serving_again(sparks):
     head, spark2 = head_of(sparks), sparks["spark2"]
-    before = rank_pids(wait_serving(head, timeout=120))
+    before = rank_pids(serving_with(head, lease_env(sparks)))  # a slow prefill: 2000 tokens/s
     seen = len(incidents(head, "fabric_changed"))
     # ~10 s of prefill, then its answer streamed: in flight when the restart comes (FABRIC_SETTLE_S=5).
     head.write_file("/var/tmp/drift-request.json", json.dumps({
         "model": "deepseek-v4.1-flash", "max_tokens": 256, "stream": True,
-        "messages": [{"role": "user", "content": "word " * 16000}]}))
+        "messages": [{"role": "user", "content": "word " * 20000}]}))
     head.write_file("/var/tmp/drift-client.py", STREAM_CLIENT)
     head.run(["rm", "-f", "/var/tmp/drift-stream.json"])
     client = head.run(["sh", "-c", f"nohup python3 /var/tmp/drift-client.py http://{head.address}:8888/v1/chat/"
