@@ -27,6 +27,7 @@ from . import settings as settings_mod
 from .auth import CallerCheck, CredentialFiles, PinFile
 from .container import ContainerProcesses, signal_rank
 from .events import EventHub
+from .fabric.watch import FabricWatch
 from .floor import NodeFloor
 from .gpu.telemetry import GpuTelemetry
 from .memory import MemorySampler, PsiTrigger, RankMemoryReader, TriggerWatcher
@@ -218,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     gpus = GpuTelemetry(log=log)
     # NVML's first open can take a second without persistence mode: not in the first status call.
     threading.Thread(target=gpus.read, name="gpu-open", daemon=True).start()
+    fabric = FabricWatch(events, s.sysfs_root, s.state_dir).start()
     try:
         creds, pins = _tls(s, log, args.config)
         service = AgentService(build_handlers(s, systemd, rank, sampler, watches.triggers, events, started,
-                                              gpus=gpus))
+                                              gpus=gpus, fabric=fabric))
         upstream = os.path.join(runtime_dir(), "agent.sock")
         server = _grpc_server(s, events, service, creds, pins, upstream)
         relay = _relay(s, events, upstream)
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     relay.stop()
     server.stop(grace=2.0).wait(5.0)
     watches.stop()
+    fabric.stop()
     gpus.close()
     systemd.close()
     return 0

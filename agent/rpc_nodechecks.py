@@ -20,6 +20,7 @@ from dsv41.v1 import agent_pb2 as pb
 
 from .fabric.checker import FabricChecker
 from .fabric.checks import FabricResult
+from .fabric.drift import FabricTarget
 from .fabric.spec import Invalid as FabricInvalid
 from .fabric.spec import check_fabric
 from .nfs.errors import Denied, Invalid, Refused
@@ -104,9 +105,12 @@ class NodeCheckRpcs:
     owns the node checks (built at their first use, once) and lends the other handlers what they
     need of them: the paths' trust, the last known mount and export."""
 
-    def __init__(self, settings, events, rank, build: Callable[[], NodeChecks]):
+    def __init__(self, settings, events, rank, build: Callable[[], NodeChecks],
+                 watch_fabric: Callable[[FabricTarget], None] | None = None):
         """rank: whose status says whether the rank runs (a mount is not changed under it);
-        build: makes the node checks (the mount manager reads its state file then)."""
+        build: makes the node checks (the mount manager reads its state file then);
+        watch_fabric: given what each fabric check named, for the fabric watch (FabricWatch.watch)."""
+        self._watch_fabric = watch_fabric
         self._settings = settings
         self._events = events
         self._rank = rank
@@ -237,6 +241,10 @@ class NodeCheckRpcs:
                                mtu=request.mtu, socket_ifaces=list(request.socket_ifaces),
                                peers=[(p.name, p.address, p.port) for p in request.peers])
             result = self._node_checks().fabric.check(req)
+            if self._watch_fabric is not None:
+                self._watch_fabric(FabricTarget(tuple(dict.fromkeys([*([req.iface] if req.iface else []),
+                                                                     *req.socket_ifaces])),
+                                                req.hcas, req.address))
             failed = [c.name for c in result.checks if not c.ok]
             if failed:
                 self._events.warning("fabric_check", f"fabric check failed: {', '.join(failed)}",

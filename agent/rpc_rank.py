@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -54,14 +55,23 @@ def rank_pb(state: RankStatus) -> pb.RankState:
                         first_loss_detail=state.first_loss_detail, adapter_version=state.adapter_version)
 
 
+@dataclass(frozen=True)
+class _FabricChanged:
+    """The fabric watch's changes, queued beside the rank's states for one WatchRank stream."""
+    changes: tuple
+
+
 class RankRpcs:
     """StartRank, StopRank and WatchRank, over the node's one rank unit."""
 
     def __init__(self, settings, rank: RankManager, events, path_trust: Callable[[], PathTrust],
                  progress: Callable[[], list[pb.RankProgress]], boot_id: str,
-                 monotonic: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+                 monotonic: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 fabric_changes: Callable[[Callable], Callable[[], None]] | None = None):
         """path_trust: checks paths as PID 1 (and so the rank) sees them; progress: the ranks'
-        forward-step counters, for WatchRank's heartbeats."""
+        forward-step counters, for WatchRank's heartbeats; fabric_changes: subscribes a listener to
+        the fabric watch's changes (FabricWatch.subscribe), each sent at once on every WatchRank."""
+        self._fabric_changes = fabric_changes
         self._settings = settings
         self._rank = rank
         self._events = events
@@ -144,14 +154,18 @@ class RankRpcs:
         interval = heartbeat_ms / 1000.0 if heartbeat_ms else None
         changes: queue.Queue = queue.Queue()
         unwatch = self._rank.watch(changes.put)
+        unwatch_fabric = self._fabric_changes(lambda found: changes.put(_FabricChanged(found))) \
+            if self._fabric_changes else (lambda: None)
         seq = 0
 
-        def event(state: RankStatus, heartbeat: bool) -> pb.RankEvent:
+        def event(state: RankStatus, heartbeat: bool, fabric: tuple = ()) -> pb.RankEvent:
             nonlocal seq
             seq += 1
             return pb.RankEvent(at_monotonic_s=self._monotonic(), at_unix_s=self._wall(), rank=rank_pb(state),
                                 boot_id=self._boot_id, seq=seq, heartbeat=heartbeat,
-                                progress=self._progress() if interval else [])
+                                progress=self._progress() if interval else [],
+                                fabric_changes=[pb.FabricChange(netdev=c.netdev, what=c.what, before=c.before,
+                                                                after=c.after) for c in fabric])
         try:
             yield event(self._rank.status(), False)
             beat_at = self._monotonic() + (interval or 0.0)
@@ -164,6 +178,10 @@ class RankRpcs:
                         yield event(self._rank.status(), True)
                         beat_at = self._monotonic() + interval
                     continue
-                yield event(state, False)
+                if isinstance(state, _FabricChanged):
+                    yield event(self._rank.status(), False, state.changes)
+                else:
+                    yield event(state, False)
         finally:
+            unwatch_fabric()
             unwatch()

@@ -27,6 +27,7 @@ from dsv41 import progress as progress_files
 from .auth import cert_not_after
 from .bootid import boot_id
 from .events import EventHub
+from .fabric.watch import FabricWatch
 from .gpu.telemetry import GpuReading, GpuReport, GpuTelemetry
 from .images import ImageIds
 from .memory import MeminfoInvalid, MemorySampler, TriggerWatcher
@@ -188,21 +189,25 @@ def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager,
                    triggers: TriggerWatcher, events: EventHub, started_monotonic: float,
                    monotonic: Callable[[], float] = time.monotonic, pressure: NodePressure | None = None,
                    host_root: str | None = None, progress_dir: str = progress_files.DIRECTORY,
-                   proc_root: str = "/proc", gpus: GpuTelemetry | None = None) -> AgentHandlers:
+                   proc_root: str = "/proc", gpus: GpuTelemetry | None = None,
+                   fabric: FabricWatch | None = None) -> AgentHandlers:
     """The handlers over the daemon's components. host_root: where paths the coordinator names
     (pack directories) are seen as PID 1 sees them (this unit's PrivateTmp= hides /tmp and /var/tmp,
     where the pack job, its own unit, writes); progress_dir: where the ranks publish their
-    forward-step counters; gpus: the node's GPU telemetry (NVML)."""
+    forward-step counters; gpus: the node's GPU telemetry (NVML); fabric: the fabric watch, which each
+    fabric check retargets and whose changes every WatchRank stream carries."""
     this_boot = boot_id(proc_root)
 
     def progress() -> list[pb.RankProgress]:
         return rank_progress(progress_dir)
-    node_checks = NodeCheckRpcs(settings, events, rank, lambda: build_node_checks(settings, systemd, events))
+    node_checks = NodeCheckRpcs(settings, events, rank, lambda: build_node_checks(settings, systemd, events),
+                                None if fabric is None else fabric.watch)
     images = ImageIds(settings.allowed_images if "container" in settings.allowed_runtimes else ())
     status = StatusRpcs(settings, sampler, rank, images, node_checks.mount_snapshot_pb,
                         node_checks.export_snapshot_pb, progress, this_boot, started_monotonic, monotonic, pressure,
                         None if gpus is None else gpus.read)
-    rank_rpcs = RankRpcs(settings, rank, events, node_checks.path_trust, progress, this_boot, monotonic)
+    rank_rpcs = RankRpcs(settings, rank, events, node_checks.path_trust, progress, this_boot, monotonic,
+                         fabric_changes=None if fabric is None else fabric.subscribe)
     return AgentHandlers(
         status=status,
         rank=rank_rpcs,

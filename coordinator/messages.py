@@ -23,10 +23,20 @@ class RankObserved:
     boot_id: str = ""
     progress: tuple = ()  # pb.RankProgress
     heartbeat: bool = False
+    fabric_changes: tuple = ()  # pb.FabricChange: the node's fabric changed under it
 
     @classmethod
     def of(cls, node: str, event: pb.RankEvent, received_at: float) -> "RankObserved":
-        return cls(node, event.rank, received_at, event.boot_id, tuple(event.progress), event.heartbeat)
+        return cls(node, event.rank, received_at, event.boot_id, tuple(event.progress), event.heartbeat,
+                   tuple(event.fabric_changes))
+
+
+@dataclass(frozen=True)
+class IncidentSeen:
+    """An incident another thread found (the GPU watch's gpu_slow): the supervisor records it."""
+    node: str
+    kind: str  # an IncidentKind value
+    message: str
 
 
 @dataclass(frozen=True)

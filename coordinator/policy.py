@@ -41,7 +41,7 @@ class Request:
     reason: str = ""  # shown as the phase detail and, for a guard's stop, recorded as an incident
     stop_cluster: bool = True  # SHUTDOWN only: stop the ranks before the coordinator exits
     source: str = "dsv41ctl"
-    drain: bool = False  # RESTART only: rank 0 drains what is in flight first (DRAIN_TIMEOUT_S)
+    drain: bool = False  # a restart that can wait: rank 0 stops admitting and in-flight requests finish first
 
 
 def merge_requests(queued: Request | None, new: Request) -> Request:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 
-from . import adopt, bringup, liveness, policy, share, stopping
+from . import adopt, bringup, fabricdrift, liveness, policy, share, stopping
 from . import plan as plan_mod
 from . import unexport as unexport_mod
 from .agents import AgentClient, AgentUnavailable
@@ -34,8 +34,8 @@ from .config import ClusterConfig
 from .drain import OPERATOR_REASON, Drainer, Outcome, lift_stale
 from .guard.engine import EngineApi
 from .incidentlog import KEEP as INCIDENTS_KEPT, Counts, IncidentHistory, Loaded
-from .messages import (AutotuneResetJob, CanaryDone, CanarySent, FabricTestJob, PackStartJob, RankObserved,
-                       UnexportJob, Wake, WatchLost, WorkSeen)
+from .messages import (AutotuneResetJob, CanaryDone, CanarySent, FabricTestJob, IncidentSeen, PackStartJob,
+                       RankObserved, UnexportJob, Wake, WatchLost, WorkSeen)
 from .parallel import on_each, spawn
 from .peerfailure import peer_failure
 from .policy import Action, Activity, RankExit, Request
@@ -143,6 +143,7 @@ class ClusterRuntime:
         self._canary_out = False
         self._deferred: list = []  # jobs that arrived during an activity
         self._watch_lost: set[str] = set()  # nodes whose rank watch broke and has not answered since
+        self._drift = fabricdrift.FabricDrift(cfg.number("FABRIC_SETTLE_S"), monotonic)
         self._stop_watchers = threading.Event()
         self._watch_threads: list[threading.Thread] = []
         self._done = threading.Event()
@@ -447,6 +448,8 @@ class ClusterRuntime:
                                   "re-subscribing", node_name=message.node)
         elif isinstance(message, (WorkSeen, CanarySent, CanaryDone)):
             self._note_work(message)
+        elif isinstance(message, IncidentSeen):
+            self._incident(message.node, IncidentKind(message.kind), message.message)
         elif isinstance(message, (UnexportJob, PackStartJob, AutotuneResetJob, FabricTestJob)):
             if self._activity is Activity.IDLE and react:
                 self._run_job(message)
@@ -461,6 +464,8 @@ class ClusterRuntime:
             self._watch_lost.discard(node)
             self._log.info("agent_stream_back", f"{node}: the rank watch is back", node_name=node)
         self._record_rank(node, message.rank)
+        if message.fabric_changes:
+            self._note_drift(node, message.fabric_changes)
         if message.received_at:
             self._heard_from(message, react)
         found = policy.new_exit(node, message.rank, self._bring.launched.get(node), self._exits, self._clock())
@@ -539,6 +544,8 @@ class ClusterRuntime:
         now = self._monotonic()
         lease = self.cfg.number("NODE_LEASE_S")
         self._watch_own_pause(now, lease)
+        if react:
+            self._react_to_drift()
         newly = []
         for node in self.clients:
             last = self._heard.get(node)
@@ -569,6 +576,36 @@ class ClusterRuntime:
                 f"rank on {found.node} hung: no forward step for {found.stalled_s:.1f} s while work was pending "
                 f"(at step {found.forward_count}; HANG_TIMEOUT_S={self.cfg.number('HANG_TIMEOUT_S'):g})"
                 + ("; its rank process is stopped (SIGSTOP?)" if self._heard[found.node].process_stopped else "")))
+
+    def _ranks_serve_or_start(self) -> bool:
+        return ((self._activity is Activity.IDLE and self.snapshot().phase == Phase.SERVING)
+                or (self._activity is Activity.BRINGUP and self._ranks_run))
+
+    def _note_drift(self, node: str, wire_changes) -> None:
+        """A change counts when reported while the ranks run: one before (a node whose link came back
+        while it was waited for) is checked by the bring-up's fabric step anyway."""
+        if self._ranks_serve_or_start():
+            self._drift.note(node, wire_changes)
+            return
+        self._log.info("fabric_changed", f"{node}: the fabric changed while no rank runs ("
+                       + "; ".join(c.describe() for c in fabricdrift.changes_of(wire_changes))
+                       + "): the next bring-up checks it", node_name=node)
+
+    def _react_to_drift(self, settled: dict | None = None) -> None:
+        """A node's fabric changed while the ranks ran: an incident naming it and the changes, then a
+        restart that can wait (coordinator/fabricdrift.py says why). `settled`: changes to record
+        without waiting (a bring-up begins: its fabric step checks them)."""
+        react = fabricdrift.Reaction.RECORD
+        if settled is None:
+            settled = self._drift.take_settled()
+            react = fabricdrift.reaction(self._ranks_serve_or_start(),
+                                         self._peek_request() is not None or self._trouble is not None)
+        for node, found in settled.items():
+            self._incident(node, IncidentKind.FABRIC_CHANGED,
+                           fabricdrift.describe(node, found, react is fabricdrift.Reaction.RESTART))
+        if settled and react is fabricdrift.Reaction.RESTART:
+            nodes = ", ".join(settled)
+            self._offer(Request(Action.RESTART, f"the fabric of {nodes} changed", source="fabric", drain=True))
 
     def _watch_own_pause(self, now: float, lease: float) -> None:
         """A gap between two checks is the coordinator's own pause (frozen, stopped, starved,
@@ -740,6 +777,7 @@ class ClusterRuntime:
         return True
 
     def _bring_up(self) -> None:
+        self._react_to_drift(self._drift.take_all())  # its fabric step checks what changed
         self._bring = BringUp()
         self._exits.clear()
         self._ranks_run = False

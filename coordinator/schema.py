@@ -70,6 +70,11 @@ KEYS: tuple[Key, ...] = (
     # fabric
     _k("FABRIC_IFACE", v.ifname, None, "netdev carrying the node's fabric address (HEAD_IP / WORKERk_IP)"),
     _k("FABRIC_MTU", v.integer(576, 9216), "9000", "MTU the fabric netdevs are expected to have"),
+    _k("FABRIC_SETTLE_S", v.real(0.0, 120.0), "5",
+       "a change of a node's fabric while its rank runs (link state, MTU, IPv4 address, the RoCE v2 GID index; "
+       "its agent reports each at once) is recorded as one fabric_changed incident once no further change came "
+       "for this long (one `netplan apply` is a link flap and an address re-added), then the group restarts "
+       "after a drain"),
     _k("GLOO_SOCKET_IFNAME", v.listing(v.ifname, what="interface names"), None,
        "interface(s) for Gloo's TCP bootstrap", env=True),
     _k("NCCL_SOCKET_IFNAME", v.listing(v.ifname, what="interface names"), None,
@@ -267,11 +272,15 @@ KEYS: tuple[Key, ...] = (
        "0: off"),
     _k("MEMORY_FLOOR_KILL_AFTER_S", v.real(0.1, 60.0), "1",
        "after the floor's SIGTERM, SIGKILL once memory keeps falling, or at the latest after this long"),
-    # GPU slow state (decided from the agents' NVML figures at every METRICS_POLL_S; needs METRICS_LISTEN)
+    # GPU slow state (decided from the agents' NVML figures at every status poll: METRICS_POLL_S with metrics
+    # on, else GPU_POLL_S)
     _k("GPU_SLOW_S", v.real(1.0, 86400.0), "120",
        "a GPU slow this long without a break (thermal or hardware slowdown among its throttle reasons, or busy "
-       "below GPU_EXPECTED_SM_MHZ) is journaled as gpu_slow with its figures and the known remedy, and "
-       "dsv41_gpu_slow is 1 while it lasts"),
+       "below GPU_EXPECTED_SM_MHZ) is a gpu_slow incident with its figures and the known remedy (once per "
+       "episode; no restart: one does not clear it), and dsv41_gpu_slow is 1 while it lasts"),
+    _k("GPU_POLL_S", v.real(1.0, 600.0), "15",
+       "how often the coordinator asks every agent for its GPU figures for the slow state when METRICS_LISTEN "
+       "is empty (with metrics on, their poll every METRICS_POLL_S serves)"),
     _k("GPU_BUSY_RATIO", v.real(0.0, 1.0, lo_open=True), "0.5",
        "a GPU counts as busy for GPU_EXPECTED_SM_MHZ when its NVML utilisation is at least this (0..1)"),
     _k("GPU_EXPECTED_SM_MHZ", v.optional(v.integer(1, 10000)), "",

@@ -21,9 +21,13 @@ from . import config as config_mod
 from . import configdiff, pki
 from .agents import AgentClient, Tls
 from .configstore import ConfigStore
+from .gpuslow import GpuSlowWatch, rules_from_config
+from .gpuwatch import GpuSlowIncidents
 from .guard.runner import MemoryGuard
 from .hook import IncidentHook, file_problem
 from .incidentlog import HISTORY_NAME, IncidentHistory
+from .messages import IncidentSeen
+from .metrics.nodes import NodePoller
 from .probe import ServingProbe
 from .runtime import ClusterRuntime, Rollout, boottime
 from .state import Phase
@@ -97,7 +101,13 @@ class Session:
             self.hook = IncidentHook(hook_file, cfg.number("INCIDENT_HOOK_TIMEOUT_S"), log).start()
             self.runtime.on_incident(self.hook.offer)  # only queues: the hook runs in its own thread
         self.guard = MemoryGuard.for_runtime(self.runtime, log, creds.api_key)
-        self.metrics = _start_metrics(cfg, self.runtime, log, self.guard, creds.tls)
+        # The GPU slow state is an incident whether or not metrics are on: their poll feeds it, else one
+        # of its own (coordinator/gpuwatch.py).
+        self.gpus = GpuSlowIncidents(GpuSlowWatch(rules_from_config(cfg)),
+                                     lambda *seen: self.runtime.post(IncidentSeen(*seen)), log)
+        self.metrics = _start_metrics(cfg, self.runtime, log, self.guard, creds.tls, self.gpus)
+        self.gpu_poller = None if self.metrics is not None else NodePoller(
+            make_clients(cfg, creds.tls), {}, cfg.number("GPU_POLL_S"), log, on_poll=self.gpus.on_poll)
         self.probe: ServingProbe | None = None
 
     def start(self, autostart: bool, restart_for: tuple[str, ...] = (), rollout: Rollout | None = None) -> None:
@@ -105,6 +115,8 @@ class Session:
         self.probe = ServingProbe.for_runtime(self.runtime, self.api_key).start()
         if self.guard is not None:
             self.guard.start()
+        if self.gpu_poller is not None:
+            self.gpu_poller.start()
 
     def stop(self, stop_cluster: bool) -> None:
         if self.guard is not None:
@@ -114,13 +126,18 @@ class Session:
         self.runtime.shutdown(stop_cluster=stop_cluster)
         if self.metrics is not None:
             self.metrics.stop()
+        if self.gpu_poller is not None:
+            self.gpu_poller.stop()
+            for client in self.gpu_poller.clients.values():
+                client.close()
         if self.hook is not None:
             self.hook.stop()
         for client in self.runtime.clients.values():
             client.close()
 
 
-def _start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: EventLog, guard, tls: Tls | None):
+def _start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: EventLog, guard, tls: Tls | None,
+                   gpus: GpuSlowIncidents):
     """The metrics endpoint, or None (METRICS_LISTEN empty, or it cannot listen: the cluster is kept
     serving without it, and a scrape target that is down is what Prometheus alerts on)."""
     listen = cfg.optional_listen("METRICS_LISTEN")
@@ -129,7 +146,7 @@ def _start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: 
     from .metrics.exporter import Metrics  # prometheus_client only when metrics are on
     clients = make_clients(cfg, tls)
     try:
-        return Metrics(cfg, runtime, log, guard, clients=clients).start()
+        return Metrics(cfg, runtime, log, guard, clients=clients, gpus=gpus).start()
     except OSError as exc:
         for client in clients.values():
             client.close()

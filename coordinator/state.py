@@ -55,6 +55,8 @@ class IncidentKind(enum.StrEnum):
     STOPPED = "stopped"  # an operator's or the guard's stop
     EXPORT_FORCED = "export_forced"  # `dsv41ctl share unexport --force`
     ROLLED_BACK = "rolled_back"  # a configuration change failed to serve: the one before it runs again
+    FABRIC_CHANGED = "fabric_changed"  # a node's fabric changed under its running rank (coordinator/fabricdrift.py)
+    GPU_SLOW = "gpu_slow"  # a GPU slow or hot for longer than GPU_SLOW_S (coordinator/gpuwatch.py)
     # a bring-up step that failed: "<step>_failed" (step_failed)
     PREFLIGHT_FAILED = "preflight_failed"
     SHARE_FAILED = "share_failed"

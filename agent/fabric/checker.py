@@ -53,18 +53,24 @@ class FabricChecker:
         return assemble(checks, gid)
 
     def _probe(self, ifaces: list[str], req: FabricRequest) -> tuple[dict | None, str]:
-        request = {"ifaces": ifaces, "peers": [{"address": p.address, "port": p.port} for p in req.peers],
-                   "connect_timeout_s": self.connect_timeout_s}
-        try:
-            r = subprocess.run(list(self._probe_argv), input=json.dumps(request), capture_output=True, text=True,
-                               timeout=self._probe_timeout, cwd="/", env=probe_env())
-        except subprocess.TimeoutExpired:
-            return None, f"the netlink probe did not answer within {self._probe_timeout:g} s"
-        except OSError as exc:
-            return None, f"cannot start the netlink probe: {exc}"
-        if r.returncode != 0:
-            return None, f"the netlink probe failed (exit {r.returncode}): {r.stderr.strip()[-500:]}"
-        try:
-            return json.loads(r.stdout), ""
-        except ValueError:
-            return None, f"the netlink probe printed no JSON: {r.stdout.strip()[-200:]}"
+        peers = [{"address": p.address, "port": p.port} for p in req.peers]
+        return run_probe(self._probe_argv, ifaces, peers, self.connect_timeout_s, self._probe_timeout)
+
+
+def run_probe(argv: Sequence[str], ifaces: list[str], peers: list[dict], connect_timeout_s: float,
+              timeout_s: float) -> tuple[dict | None, str]:
+    """The netlink probe's answer (agent.fabric.probe), or None and why it gave none."""
+    request = {"ifaces": ifaces, "peers": peers, "connect_timeout_s": connect_timeout_s}
+    try:
+        r = subprocess.run(list(argv), input=json.dumps(request), capture_output=True, text=True,
+                           timeout=timeout_s, cwd="/", env=probe_env())
+    except subprocess.TimeoutExpired:
+        return None, f"the netlink probe did not answer within {timeout_s:g} s"
+    except OSError as exc:
+        return None, f"cannot start the netlink probe: {exc}"
+    if r.returncode != 0:
+        return None, f"the netlink probe failed (exit {r.returncode}): {r.stderr.strip()[-500:]}"
+    try:
+        return json.loads(r.stdout), ""
+    except ValueError:
+        return None, f"the netlink probe printed no JSON: {r.stdout.strip()[-200:]}"

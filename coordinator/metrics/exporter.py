@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from .. import plan as plan_mod
 from ..gpuslow import GpuSlowWatch, rules_from_config
+from ..gpuwatch import GpuSlowIncidents
+from ..messages import IncidentSeen
 from .collector import ClusterCollector
 from .low import WindowLow
 from .nodes import NodePoller
@@ -19,10 +21,12 @@ GUARD_WINDOW_S = 60.0
 
 
 class Metrics:
-    def __init__(self, cfg, runtime, log: EventLog, guard=None, clients: dict | None = None):
+    def __init__(self, cfg, runtime, log: EventLog, guard=None, clients: dict | None = None,
+                 gpus: GpuSlowIncidents | None = None):
         """Subscribes at once (so no event is missed); serves only after start(). `clients`: agent
         clients of the metrics' own (default the runtime's), so that polling an agent that is down
-        never puts the supervisor's channel into reconnect backoff."""
+        never puts the supervisor's channel into reconnect backoff; `gpus`: the GPU slow-state watch
+        this poll feeds (default one recording its incidents with the runtime)."""
         listen = cfg.optional_listen("METRICS_LISTEN")
         if listen is None:
             raise ValueError("METRICS_LISTEN is empty: there is no address to serve metrics on")
@@ -35,9 +39,10 @@ class Metrics:
         plans = plan_mod.render_cluster(cfg)
         self._own_clients = clients
         self._log = log
-        self.gpu_slow = GpuSlowWatch(rules_from_config(cfg))
+        self.gpus = gpus or GpuSlowIncidents(GpuSlowWatch(rules_from_config(cfg)),
+                                             lambda *seen: runtime.post(IncidentSeen(*seen)), log)
         self.poller = NodePoller(clients or runtime.clients, {p.node: p for p in plans if p.pack.required},
-                                 cfg.number("METRICS_POLL_S"), log, on_poll=self._watch_gpus)
+                                 cfg.number("METRICS_POLL_S"), log, on_poll=self.gpus.on_poll)
         low = None
         self.guard_window = None
         if guard is not None:
@@ -48,15 +53,8 @@ class Metrics:
         self.registry.register(ClusterCollector(runtime.snapshot, [n.name for n in cfg.nodes], self.recorder,
                                                 self.poller.views, low,
                                                 guard.settings.guard_bytes if guard is not None else 0, mounts,
-                                                runtime.liveness_views, self.gpu_slow.slow))
+                                                runtime.liveness_views, self.gpus.slow))
         self._listen = listen
-
-    def _watch_gpus(self, views) -> None:
-        """Journals each GPU that has just become slow (once per episode; dsv41_gpu_slow shows it while it lasts)."""
-        statuses = {node: view.status for node, view in views.items() if view.up and view.status is not None}
-        for slow in self.gpu_slow.observe(statuses):
-            self._log.warning("gpu_slow", slow.message, node=slow.gpu.node, gpu=slow.gpu.index, uuid=slow.gpu.uuid,
-                              cause=slow.cause, slow_s=round(slow.for_s))
 
     def start(self) -> "Metrics":
         self.poller.start()

@@ -47,8 +47,13 @@ class NodePoller:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5.0)
+        if self._thread.ident is not None:  # started (a session stopped before its start never was)
+            self._thread.join(5.0)
         self._pool.shutdown(wait=False)
+
+    @property
+    def clients(self) -> dict:
+        return dict(self._clients)
 
     def views(self) -> dict[str, NodeView]:
         with self._lock:

@@ -832,3 +832,52 @@ def test_20_a_drained_restart_lets_a_streaming_request_finish_and_refuses_new_on
     assert started and started[-1]["DSV41_IN_FLIGHT"] == "1" and started[-1]["DSV41_REASON"] == "dsv41ctl restart --drain"
     done = coordinator_events_named(head, "drain_done")
     assert done and done[-1]["DSV41_FINISHED"] == "1", done
+
+
+# Scenario 21: a node's fabric changing while serving (another tool adding an address to its fabric
+# netdev, then removing it) is an incident naming the node and the change, then serving again after
+# a drained restart; a streaming request in flight at the change finishes (scenario 20's client).
+
+
+def test_21_a_fabric_address_added_while_serving_is_an_incident_naming_the_node_then_serving_again(sparks):
+    head, spark2 = head_of(sparks), sparks["spark2"]
+    before = rank_pids(serving_with(head, lease_env(sparks)))  # a slow prefill: 2000 tokens/s
+    seen = len(incidents(head, "fabric_changed"))
+    # ~10 s of prefill, then its answer streamed: in flight when the restart comes (FABRIC_SETTLE_S=5).
+    head.write_file("/var/tmp/drift-request.json", json.dumps({
+        "model": "deepseek-v4.1-flash", "max_tokens": 256, "stream": True,
+        "messages": [{"role": "user", "content": "word " * 20000}]}))
+    head.write_file("/var/tmp/stream-client.py", STREAM_CLIENT)
+    head.run(["rm", "-f", "/var/tmp/drift-stream.json"])
+    drains_before = len(coordinator_events_named(head, "drain_started"))
+    client = head.run(["sh", "-c", f"nohup python3 /var/tmp/stream-client.py http://{head.address}:8888/v1/chat/"
+                       "completions /var/tmp/drift-request.json /var/tmp/drift-stream.json >/dev/null 2>&1 &"],
+                      check=False)
+    assert client.returncode == 0
+    wait_for(lambda: json.loads(head.run(["python3", "-c", "import urllib.request; print(urllib.request.urlopen("
+                                          f"'http://{head.address}:8888/dsv41/inflight').read().decode())"]).stdout)
+             ["requests"], 20, "the request never showed in flight")
+    spark2.run(["ip", "addr", "add", "10.77.0.2/24", "dev", "host0"])
+    changed = new_incident(head, "fabric_changed", seen, timeout=30)
+    assert changed["DSV41_NODE_NAME"] == "spark2", changed["MESSAGE"]
+    assert "the fabric changed under the running rank: host0 address 10.77.0.2/24 added" in changed["MESSAGE"]
+    reported = spark2.journal(unit="dsv41-agent.service", fields=None, matches=["DSV41_EVENT=fabric_changed"])
+    assert reported and "host0 address 10.77.0.2/24 added" in reported[-1]["MESSAGE"]
+    after = wait_serving(head, timeout=120, changed_from=before)
+    assert all(after_pid != before[name] for name, after_pid in rank_pids(after).items())
+    # The request in flight was drained, not cut: the restart drained it first, and it ended whole.
+    drained = coordinator_events_named(head, "drain_started")[drains_before:]
+    assert drained and drained[0]["DSV41_IN_FLIGHT"] == "1", drained
+    assert drained[0]["DSV41_REASON"] == "the fabric of spark2 changed", drained
+    assert coordinator_events_named(head, "drain_done")[-1]["DSV41_FINISHED"] == "1"
+    result = json.loads(wait_for(lambda: head.run(["cat", "/var/tmp/drift-stream.json"], check=False).stdout, 120,
+                                 "the streaming client never finished"))
+    assert result["status"] == 200 and result["lines"][-1] == "data: [DONE]", result
+    finish = json.loads(result["lines"][-2][len("data: "):])["choices"][0]["finish_reason"]
+    assert finish in ("stop", "length"), result["lines"][-2]
+    # Undoing it is a change too: one more incident and restart, then serving as before.
+    spark2.run(["ip", "addr", "del", "10.77.0.2/24", "dev", "host0"])
+    removed = new_incident(head, "fabric_changed", seen + 1, timeout=30)
+    assert removed["DSV41_NODE_NAME"] == "spark2" and "host0 address 10.77.0.2/24 removed" in removed["MESSAGE"]
+    wait_serving(head, timeout=120, changed_from=rank_pids(after))
+    assert len(incidents(head, "fabric_changed")) == seen + 2

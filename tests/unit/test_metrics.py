@@ -266,11 +266,9 @@ def test_the_gpu_families_are_empty_without_gpus():
     assert "dsv41_gpu_sm_clock_mhz" in families and samples(families, "dsv41_gpu_sm_clock_mhz") == {}
 
 
-def test_each_poll_goes_to_the_gpu_watch_and_a_gpu_slow_too_long_is_journaled_once():
-    from types import SimpleNamespace
-
+def test_each_poll_goes_to_the_gpu_watch_and_a_gpu_slow_too_long_is_an_incident_once():
     from coordinator.gpuslow import GpuSlowRules, GpuSlowWatch
-    from coordinator.metrics.exporter import Metrics
+    from coordinator.gpuwatch import GpuSlowIncidents
     from coordinator.metrics.nodes import NodePoller
     from tests.fakeclock import FakeClock
 
@@ -289,13 +287,16 @@ def test_each_poll_goes_to_the_gpu_watch_and_a_gpu_slow_too_long_is_journaled_on
 
     clock, stream = FakeClock(), io.StringIO()
     log = EventLog("test", {}, stream=stream, use_journal=False)
-    holder = SimpleNamespace(gpu_slow=GpuSlowWatch(GpuSlowRules(slow_s=10.0), clock.monotonic), _log=log)
+    reported = []
+    gpus = GpuSlowIncidents(GpuSlowWatch(GpuSlowRules(slow_s=10.0), clock.monotonic),
+                            lambda *seen: reported.append(seen), log)
     views = {"spark1": NodeView("spark1", True, hot), "spark2": NodeView("spark2", False)}
     for step in (0, 11, 5):
         clock.advance(step)
-        Metrics._watch_gpus(holder, views)
+        gpus.on_poll(views)
     lines = [line for line in stream.getvalue().splitlines() if "DSV41_EVENT=gpu_slow" in line]
     assert len(lines) == 1, stream.getvalue()
     assert "spark1 GPU0 NVIDIA GB10: slow for 11 s (throttle reasons hw_slowdown, hw_thermal_slowdown" in lines[0]
     assert "Known remedy" in lines[0] and "DSV41_NODE=spark1" in lines[0] and "DSV41_SLOW_S=11" in lines[0]
-    assert [s.gpu.node for s in holder.gpu_slow.slow()] == ["spark1"]
+    assert [s.gpu.node for s in gpus.slow()] == ["spark1"]
+    assert len(reported) == 1 and reported[0][:2] == ("spark1", "gpu_slow") and "Known remedy" in reported[0][2]

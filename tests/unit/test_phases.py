@@ -19,7 +19,7 @@ def test_phase_and_incident_values_are_what_status_metrics_and_hooks_have_always
         "stopping", "restarting", "waiting", "failed", "unknown"]
     assert {str(k) for k in IncidentKind} == {
         "rank_exit", "memory_floor", "node_lost", "node_rebooted", "rank_hung", "stopped", "export_forced",
-        "rolled_back",
+        "rolled_back", "fabric_changed", "gpu_slow",
         *(f"{s.name.value}_failed" for s in bringup.STEPS)}
     assert f"{Phase.SERVING}" == "serving" and Phase.SERVING == "serving"
 
