@@ -18,25 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from dsv41.fabricchange import FabricChange as Change
+
 MAX_SETTLES = 4
-
-
-@dataclass(frozen=True)
-class Change:
-    netdev: str
-    what: str      # "link", "mtu", "address", "gid_index"
-    before: str
-    after: str
-
-    def describe(self) -> str:
-        if self.what == "address":
-            if not self.before:
-                return f"{self.netdev} address {self.after} added"
-            if not self.after:
-                return f"{self.netdev} address {self.before} removed"
-        if self.what == "gid_index":
-            return f"RoCE v2 GID index of the fabric address {self.before} -> {self.after}"
-        return f"{self.netdev} {self.what} {self.before} -> {self.after}"
 
 
 def changes_of(wire: Iterable) -> tuple[Change, ...]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from dsv41.fabricchange import FabricChange
+
 from .spec import check_ifname
 
 NONE = "none"
@@ -48,23 +50,6 @@ class LinkState:
 class FabricSnapshot:
     links: dict[str, LinkState | None] = field(default_factory=dict)  # None: no such netdev
     gid: str = NONE                # "rocep1s0f0 port 1 index 3", or NONE (no RoCE v2 GID, or not watched)
-
-
-@dataclass(frozen=True)
-class FabricChange:
-    netdev: str
-    what: str                      # "link", "mtu", "address", "gid_index"
-    before: str
-    after: str
-
-    def describe(self) -> str:
-        if self.what == "address":
-            return (f"{self.netdev} address {self.after} added" if not self.before
-                    else f"{self.netdev} address {self.before} removed" if not self.after
-                    else f"{self.netdev} address {self.before} -> {self.after}")
-        if self.what == "gid_index":
-            return f"RoCE v2 GID of the fabric address: {self.before} -> {self.after}"
-        return f"{self.netdev} {self.what} {self.before} -> {self.after}"
 
 
 def link_state(link: dict | None) -> LinkState | None:

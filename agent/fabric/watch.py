@@ -57,11 +57,21 @@ class NetlinkEvents:
     def __init__(self):
         self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
         self._sock.bind((0, RTMGRP_LINK | RTMGRP_IPV4_IFADDR))
+        # interrupt() ends a wait at once: an agent that stops must not sit out a poll interval.
+        self._wake_r, self._wake_w = socket.socketpair()
+
+    def interrupt(self) -> None:
+        try:
+            self._wake_w.send(b"x", socket.MSG_DONTWAIT)
+        except OSError:
+            pass  # already woken (buffer full) or closed: either way the wait ends
 
     def wait(self, timeout_s: float) -> list[tuple[int, int]] | None:
-        """The (type, index) of the messages that came within timeout_s (empty: none); None when the
-        kernel dropped some (ENOBUFS): everything must be read again."""
-        ready, _, _ = select.select([self._sock], [], [], timeout_s)
+        """The (type, index) of the messages that came within timeout_s (empty: none, or woken by
+        interrupt()); None when the kernel dropped some (ENOBUFS): everything must be read again."""
+        ready, _, _ = select.select([self._sock, self._wake_r], [], [], timeout_s)
+        if self._wake_r in ready:
+            return []
         out: list[tuple[int, int]] = []
         while ready:
             try:
@@ -75,7 +85,8 @@ class NetlinkEvents:
         return out
 
     def close(self) -> None:
-        self._sock.close()
+        for sock in (self._sock, self._wake_r, self._wake_w):
+            sock.close()
 
 
 class FabricWatch:
@@ -107,6 +118,7 @@ class FabricWatch:
         self._netdevs: tuple[str, ...] = ()
         self._indexes: dict[str, int] = {}
         self._last: FabricSnapshot | None = None
+        self._netlink: object | None = None  # the thread's, for stop() to interrupt its wait
 
     # -- public, thread-safe
 
@@ -141,6 +153,9 @@ class FabricWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        interrupt = getattr(self._netlink, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
         self._thread.join(5.0)
 
     # -- the thread
@@ -164,6 +179,7 @@ class FabricWatch:
             self._events.warning("fabric_watch_unavailable", f"no netlink events ({exc.strerror or exc}): the "
                                  f"fabric's links are read every {self._gid_poll_s * 6:g} s instead")
             netlink = None
+        self._netlink = netlink
         polls = 0
         try:
             while not self._stop.is_set():
@@ -174,6 +190,8 @@ class FabricWatch:
                     self.look(links=polls % 6 == 0)
                     continue
                 messages = netlink.wait(self._gid_poll_s)
+                if self._stop.is_set():
+                    break
                 if messages is None or self._touched(messages):
                     while (more := netlink.wait(self._settle_s)):  # the rest of the burst
                         messages = (messages or []) + more

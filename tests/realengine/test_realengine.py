@@ -607,6 +607,39 @@ def test_12_restart_drain_lets_the_request_in_flight_finish_and_refuses_new_ones
     assert done and done[-1]["DSV41_FINISHED"] == "1", done
 
 
+def test_14_a_fabric_address_added_while_serving_is_drained_and_restarted_naming_the_node(rehearsal):
+    """Another tool adds an address to spark2's fabric netdev under the real group: the agent's
+    netlink watch reports it at once, the coordinator records fabric_changed naming spark2 and the
+    change, drains the real request in flight to its end, and the group serves again; taking the
+    address away is one more change."""
+    head, spark2 = head_of(rehearsal), rehearsal["spark2"]
+    client = Client(head)
+    before = rank_pids(serving(head))
+    seen = len(incidents(head, "fabric_changed"))
+    drains_before = len(coordinator_events_named(head, "drain_started"))
+    call = long_answer(client)
+    spark2.run(["ip", "addr", "add", "10.78.0.2/24", "dev", "host0"])
+    try:
+        changed = new_incident(head, "fabric_changed", seen, timeout=30)
+        assert changed["DSV41_NODE_NAME"] == "spark2", changed["MESSAGE"]
+        assert "host0 address 10.78.0.2/24 added" in changed["MESSAGE"], changed["MESSAGE"]
+        wait_for(lambda: status(head).get("phase") == "draining", 20, "the coordinator did not drain")
+        code, body, _ = refusal(client)
+        assert code == 503 and "draining for a restart: the fabric of spark2 changed" in body["error"]["message"]
+        outcome = call.outcome(timeout=120)
+        assert isinstance(outcome, dict) and outcome["meta_info"]["completion_tokens"] == 208, outcome
+        after = wait_serving(head, timeout=SERVE_S, changed_from=before)
+        assert all(after_pid != before[name] for name, after_pid in rank_pids(after).items())
+        drained = coordinator_events_named(head, "drain_started")[drains_before:]
+        assert drained and drained[0]["DSV41_IN_FLIGHT"] == "1", drained
+    finally:
+        spark2.run(["ip", "addr", "del", "10.78.0.2/24", "dev", "host0"], check=False)
+    removed = new_incident(head, "fabric_changed", seen + 1, timeout=30)
+    assert "host0 address 10.78.0.2/24 removed" in removed["MESSAGE"], removed["MESSAGE"]
+    wait_serving(head, timeout=SERVE_S, changed_from=rank_pids(after))
+    assert client.chat([{"role": "user", "content": "19+23?"}])["choices"][0]["message"]["content"] == "42"
+
+
 def test_3_stop_with_a_request_in_flight_leaves_no_sglang_process(rehearsal):
     head = head_of(rehearsal)
     client = Client(head)

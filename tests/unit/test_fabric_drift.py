@@ -231,3 +231,16 @@ def test_every_watch_rank_stream_carries_a_fabric_change_at_once_in_an_event_of_
         ("host0", "address", "", "10.77.0.2/24")]
     stream.close()
     assert listeners == []  # the stream's end unsubscribes it
+
+
+def test_stopping_the_watch_ends_a_netlink_wait_at_once_not_after_the_poll_interval(sysfs, tmp_path):
+    # An agent restart must not sit out the watch's poll (it went past the node's lease before):
+    # with a 60 s poll, the thread must be gone once stop() returns (it joins for at most 5 s).
+    watch = FabricWatch(Events(), str(sysfs), str(tmp_path), read_links=Links(), gid_poll_s=60.0)
+    watch.start()
+    wait_for_netlink = threading.Event()
+    while not wait_for_netlink.wait(0.01):
+        if watch._netlink is not None:  # the thread's real rtnetlink socket is open and waited on
+            wait_for_netlink.set()
+    watch.stop()
+    assert not watch._thread.is_alive()
