@@ -19,17 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.gpu.telemetry import GpuTelemetry  # noqa: E402
+from bench.nvml_vs_smi import LOAD  # noqa: E402 - the same matrix-product load
 from coordinator.gpuslow import GpuFigures, GpuSlowRules, decide_slow  # noqa: E402
-
-LOAD = r"""
-import sys, time, torch
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-end = time.monotonic() + float(sys.argv[1])
-while time.monotonic() < end:
-    for _ in range(20):
-        a @ a
-    torch.cuda.synchronize()
-"""
 
 
 def main() -> int:
