@@ -45,6 +45,9 @@ __all__ = ["ClusterRuntime", "Incident", "Snapshot", "StepFailed", "generation_o
 
 GIB = 1 << 30
 SETTLE_S = 0.5  # when one rank dies the others follow within moments: wait for them before blaming
+# Every rank seen to exit says its collective lost a peer: the peer that went may still be ending
+# (its launcher killed, its unit stopping the scheduler it left behind) on a busy node.
+CAUSE_WAIT_S = 3.0
 # A rank's lines around its loss, read for a collective's "closed by peer": the scheduler logs its
 # traceback moments before it ends (journald stamps lines as it reads them: a little later, at
 # times). Narrower than any run: an earlier run's lines are not this one's.
@@ -872,6 +875,7 @@ class ClusterRuntime:
         went dark, and ranks before the exits that followed it."""
         since = self._monotonic()
         self._settle()
+        self._wait_for_the_cause()
         lease = self.cfg.number("NODE_LEASE_S")
         quiet = liveness.unaccounted(list(self.clients), self._exits, self._heard, since)
         if quiet:
@@ -883,6 +887,20 @@ class ClusterRuntime:
         for node in lost:
             self._lost.setdefault(node, lost[node])
         return liveness.blame(self._with_engine_evidence(list(self._exits.values())), lost, self._monotonic())
+
+    def _wait_for_the_cause(self) -> None:
+        """When every exit so far is a rank whose engine said a peer went away, waits up to
+        CAUSE_WAIT_S for another node's exit: blaming one of those would name a follower."""
+        seen = len(self._exits)
+        if not seen or seen == len(self.clients):
+            return
+        if not all(e.peer_failure for e in self._with_engine_evidence(list(self._exits.values()))):
+            return
+        end = self._monotonic() + CAUSE_WAIT_S
+        while len(self._exits) == seen and self._monotonic() < end:
+            self._pump(min(0.25, max(0.0, end - self._monotonic())), react=False)
+        if len(self._exits) > seen:
+            self._settle()  # and any that follow it
 
     def _with_engine_evidence(self, exits: list[RankExit]) -> list[RankExit]:
         """Each exit with what its rank's own output said about a peer (peerfailure.py), read from

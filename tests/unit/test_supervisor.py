@@ -527,6 +527,27 @@ def test_a_rank_whose_engine_said_a_peer_went_away_is_not_blamed_though_it_exite
     wait_restarted(drive, agents, within=10)
 
 
+def test_when_every_exit_so_far_lost_a_peer_the_cause_still_ending_is_waited_for_and_blamed(cluster):
+    # SGLang over gloo, spark3's launcher killed -9: spark2's and spark1's ranks ended at once on
+    # gloo's error, while spark3's unit was still stopping the scheduler its launcher left behind.
+    rt, agents, rank0, journal, _, drive = cluster()
+    rank0.healthy.set()
+    rt.run()
+    wait_phase(drive, "serving")
+    agents["spark2"].output = [GLOO_CLOSED]
+    agents["spark1"].output = ["RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+                               "[10.0.0.3]:39613: Connection reset by peer"]
+    now = drive.clock.time()
+    agents["spark2"].exit_rank(at=now)
+    agents["spark1"].exit_rank(result="exit-code", code="exited", status=1, at=now + 0.03)
+    drive.run_for(1.5)  # past SETTLE_S: both exits so far name a lost peer
+    assert not [i for i in rt.incidents() if i.kind == "rank_exit"]
+    agents["spark3"].exit_rank(at=now - 0.05)  # its unit's own record: the launcher's end
+    incident = wait_incident(drive, "rank_exit")
+    assert incident.node == "spark3", incident.message
+    wait_restarted(drive, agents, within=10)
+
+
 def test_an_earlier_runs_words_are_not_evidence(cluster):
     # spark3's rank said its collective lost a peer, a minute ago: in the run before this one
     incident, drive, agents = blame_of_two_exits(cluster, "spark3", "spark1", {"spark3": [(GLOO_CLOSED, 60.0)]})
