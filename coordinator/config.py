@@ -15,6 +15,7 @@ from typing import Callable, Mapping, TypeVar
 from dsv41 import envfile
 
 from . import adapterkeys, schema
+from . import groups as groups_mod
 from . import values as v
 from .sglang_cli import canonicalize
 
@@ -51,6 +52,9 @@ class Node:
     rank: int
     address: str
     nfs_server: str | None  # the head's address this worker mounts from; None for the head
+    # The cluster's head (HEAD_HOST): it exports the weights and runs the coordinator and the gateway.
+    # With several GROUPS each group's head is rank 0 of its group; only one is the cluster's head.
+    share_head: bool = False
 
     @property
     def is_head(self) -> bool:
@@ -97,6 +101,9 @@ class ClusterConfig:
 
     def optional_words(self, key: str) -> tuple[str, ...] | None:
         return self._optional(key, v.Kind.WORDS, tuple)
+
+    def listen(self, key: str) -> v.Listen:
+        return self._required(key, v.Kind.LISTEN, v.Listen)
 
     def optional_listen(self, key: str) -> v.Listen | None:
         return self._optional(key, v.Kind.LISTEN, v.Listen)
@@ -245,7 +252,8 @@ def _nodes(settings: Mapping[str, object], given: Mapping[str, str], err) -> lis
     if not isinstance(nnodes, int):
         return []
     share = settings.get("NFS_SHARE", True)
-    nodes = [Node(_parsed(settings, "HEAD_HOST", str) or "spark1", 0, _parsed(settings, "HEAD_IP", str) or "", None)]
+    nodes = [Node(_parsed(settings, "HEAD_HOST", str) or "spark1", 0, _parsed(settings, "HEAD_IP", str) or "", None,
+                  share_head=True)]
     for k in range(1, nnodes):
         parsed: dict[str, str | None] = {}
         for pattern, (parser, doc) in schema.WORKER_KEYS.items():
@@ -278,8 +286,10 @@ def _cross_checks(s: Mapping[str, object], raw: Mapping[str, str], nodes: list[N
     def have(*keys: str) -> bool:
         return all(k in s for k in keys)
 
-    if have("TP_SIZE", "NNODES") and s["TP_SIZE"] % s["NNODES"]:
+    if have("TP_SIZE", "NNODES", "GROUPS") and not s["GROUPS"] and s["TP_SIZE"] % s["NNODES"]:
         err("TP_SIZE", f"must be a multiple of NNODES={s['NNODES']}", raw["TP_SIZE"])
+    if have("GROUPS") and s["GROUPS"]:
+        groups_mod.check(s, raw, nodes, err)
     if have("TP_SIZE", "EP_SIZE") and s["TP_SIZE"] % s["EP_SIZE"]:
         err("EP_SIZE", f"must divide TP_SIZE={s['TP_SIZE']}", raw["EP_SIZE"])
     if have("MAX_TOTAL_TOKENS", "CONTEXT_LENGTH") and s["MAX_TOTAL_TOKENS"] < s["CONTEXT_LENGTH"]:

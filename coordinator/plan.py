@@ -184,8 +184,8 @@ def render_node(cfg: ClusterConfig, name: str, *, dspark_tables: bool = False) -
         rank=node.rank,
         address=node.address,
         rank_spec=spec,
-        export=_export(cfg) if node.is_head and cfg.flag("NFS_SHARE") else None,
-        mount=_mount(cfg, node) if not node.is_head and cfg.flag("NFS_SHARE") else None,
+        export=_export(cfg) if node.share_head and cfg.flag("NFS_SHARE") else None,
+        mount=_mount(cfg, node) if not node.share_head and cfg.flag("NFS_SHARE") else None,
         fabric=_fabric(cfg, node),
         pack=_pack(cfg, node),
         dspark_tables=tables,
@@ -195,7 +195,7 @@ def render_node(cfg: ClusterConfig, name: str, *, dspark_tables: bool = False) -
 
 def model_path_on(cfg: ClusterConfig, node: Node) -> str:
     """Where the checkpoint is on the node itself: the head's MODEL_DIR, a worker's mount or copy."""
-    return cfg.text("MODEL_DIR") if node.is_head else cfg.text("COMMON_MODEL")
+    return cfg.text("MODEL_DIR") if node.share_head else cfg.text("COMMON_MODEL")
 
 
 def sglang_args(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> list[str]:

@@ -107,6 +107,15 @@ KEYS: tuple[Key, ...] = (
        "BASE_IMAGE. Agents run images by digest only: a tag is accepted here with a warning and refused by them. "
        "Preflight refuses to launch when nodes hold different image IDs"),
     _k("PORT", v.integer(1, 65535), "8888", "rank 0's HTTP API port"),
+    # the gateway in front of the groups (GROUPS with two or more)
+    _k("GATEWAY_PORT", v.integer(1, 65535), "30000",
+       "port of the model gateway (sglang-router) on the head with two or more GROUPS: clients use "
+       "http://HEAD_IP:GATEWAY_PORT; each group's rank 0 is a worker behind it while the group serves"),
+    _k("GATEWAY_METRICS_LISTEN", v.listen, "127.0.0.1:29000",
+       "address the gateway serves its own Prometheus metrics on (smg_*; the gateway cannot turn them off)"),
+    _k("GATEWAY_PYTHON", v.optional(v.abspath), "",
+       "a Python with sglang-router 0.3.2 to run the gateway on the head; empty: the head rank's own runtime (the "
+       "SGLang image ships sglang-router; with RANK_RUNTIME=host, RANK_PYTHON must have it)"),
     # rank runtime
     _k("RANK_RUNTIME", v.choice("container", "host"), "container",
        "container: docker run of the image; host: a Python environment on the node with sglang"),
@@ -193,8 +202,13 @@ KEYS: tuple[Key, ...] = (
        "exports(5) options of the weights' export: root on a client is squashed and clients use reserved ports; "
        "the recipe's ro,sync,no_subtree_check,no_root_squash,insecure,fsid=0 only when written here"),
     # parallelism
-    _k("NNODES", v.integer(2, MAX_NODES), None, "number of nodes (head + workers)"),
-    _k("TP_SIZE", v.integer(1, 64), None, "tensor-parallel size; a multiple of NNODES"),
+    _k("NNODES", v.integer(2, MAX_NODES), None, "number of nodes (head + workers), of every group"),
+    _k("TP_SIZE", v.integer(1, 64), None, "tensor-parallel size of one group; a multiple of its number of nodes"),
+    _k("GROUPS", v.optional(v.groups), "",
+       "the TP groups, each serving the whole model behind the gateway: space-separated groups, each a "
+       "comma-separated list of node names with the group's head first (spark1,spark2,spark3 "
+       "spark4,spark5,spark6); every node in exactly one group, all groups of one size. The first group's head "
+       "is HEAD_HOST. Empty: one group of every node, no gateway"),
     _k("EP_SIZE", v.integer(1, 64), "1", "expert-parallel size; divides TP_SIZE"),
     _k("DIST_PORT", v.integer(1, 65535), "20000", "torch.distributed rendezvous port on the head"),
     # serving

@@ -210,6 +210,21 @@ def listing(item: Parser, *, what: str) -> Parser:
     return Parser(parse, Kind.WORDS)
 
 
+def _groups(raw: str) -> tuple:
+    groups = []
+    for word in raw.split():
+        names = [part.strip() for part in word.split(",")]
+        for name in names:
+            if not _HOSTNAME.fullmatch(name):
+                raise Invalid(f"{word!r}: each group is a comma-separated list of node names (HEAD_HOST, "
+                              "WORKERk_HOST), groups separated by spaces: spark1,spark2,spark3 spark4,spark5,spark6")
+        groups.append(tuple(names))
+    return tuple(groups)
+
+
+groups = Parser(_groups, Kind.WORDS)
+
+
 def _hca(raw: str) -> str:
     device, _, port = raw.partition(":")
     if not _HCA.fullmatch(device) or (port and not port.isdigit()):

@@ -60,7 +60,8 @@ def test_every_schema_key_has_a_typed_reader():
                (config.v.Kind.FLAG, False): cfg.flag, (config.v.Kind.TEXT, False): cfg.text,
                (config.v.Kind.WORDS, False): cfg.words, (config.v.Kind.INTEGER, True): cfg.optional_integer,
                (config.v.Kind.NUMBER, True): cfg.optional_number, (config.v.Kind.TEXT, True): cfg.optional_text,
-               (config.v.Kind.WORDS, True): cfg.optional_words, (config.v.Kind.LISTEN, True): cfg.optional_listen}
+               (config.v.Kind.WORDS, True): cfg.optional_words, (config.v.Kind.LISTEN, True): cfg.optional_listen,
+               (config.v.Kind.LISTEN, False): cfg.listen}
     rank_only = {config.v.Kind.EFFORT, config.v.Kind.ALLOC_CONF}  # read by the rank from its environment
     for key in schema.KEYS:
         if key.parse.kind in rank_only:
