@@ -52,11 +52,17 @@ debs-lintian-trixie:
 
 # The local demo: three systemd nodes with the packages (root). ENGINE=sglang (the default): real
 # SGLang ranks on the CPU as docs/cpu-rehearsal.md sets them up; ENGINE=sim: the stand-in engine.
+# GROUPS=2: six nodes as two TP groups of three behind the gateway on spark1 (the stand-in engine,
+# the default then; ENGINE=sglang is refused: two real groups do not fit two cores).
 .PHONY: demo demo-down
-ENGINE ?= sglang
+GROUPS ?= 1
+ENGINE ?= $(if $(filter 1,$(GROUPS)),sglang,sim)
 demo:
+	$(if $(and $(filter sglang,$(ENGINE)),$(filter-out 1,$(GROUPS))),$(error GROUPS=$(GROUPS) runs the \
+	stand-in engine only: two groups of real SGLang CPU ranks do not fit this machine's two cores; use \
+	`make demo GROUPS=$(GROUPS)` (ENGINE=sim) or one group with ENGINE=sglang))
 	tools/install-test-deps.sh $(if $(filter sim,$(ENGINE)),--demo)
-	$(PYTHON) tools/demo.py up --engine $(ENGINE)
+	$(PYTHON) tools/demo.py up --engine $(ENGINE) --groups $(GROUPS)
 
 demo-down:
 	$(PYTHON) tools/demo.py down

@@ -1,14 +1,19 @@
-"""Three booted nodes named spark1..3 with the project's .deb packages installed by apt, configured
-the way an operator would (agent.env on every node, cluster.env on the head, the stand-in engine),
-driven only through systemctl, dsv41ctl and journalctl inside the nodes."""
+"""Booted nodes named spark1..N (three by default; six as two TP groups with boot_groups) with the
+project's .deb packages installed by apt, configured the way an operator would (agent.env on every
+node, cluster.env on the head, the stand-in engine), driven only through systemctl, dsv41ctl and
+journalctl inside the nodes."""
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from testbed.debs import debs_module
@@ -79,29 +84,90 @@ def sim_cluster_env(nodes: dict, sim_rank_command: str, port: int = 8888, **extr
         lines[f"WORKER{k}_IP"] = worker.address
         lines[f"WORKER{k}_HOST"] = names[k]
     lines.update(extra)
-    return "".join(f"{k}={v}\n" for k, v in lines.items() if v is not None)  # None: the key's default
+    # None: the key's default; a value with spaces (GROUPS) is quoted, as the file's syntax asks
+    return "".join(f'{k}="{v}"\n' if " " in v else f"{k}={v}\n" for k, v in lines.items() if v is not None)
 
 
-def boot_sparks(rootfs, debs: Path, node_options: dict | None = None, **extra_env: str) -> Cluster:
-    """node_options: more Node options for every node (binds_ro, syscalls, ...)."""
-    cluster = Cluster(rootfs, ["spark1", "spark2", "spark3"], memory_writable=True, **(node_options or {}))
+def spark_names(count: int) -> list[str]:
+    return [f"spark{i}" for i in range(1, count + 1)]
+
+
+def _setup_node(node: Node, debs: Path, head: str, extra_agent_env: str) -> None:
+    packages = ["dsv41-adapter", "dsv41-agent", "dsv41-sim"]
+    if node.name == head:
+        packages.append("dsv41-coordinator")
+    install(node, debs, packages)
+    node.write_file("/etc/dsv41/agent.env", agent_env(node) + extra_agent_env)
+    node.run(["mkdir", "-p", "/var/tmp/model", "/var/tmp/engram"])
+    node.run(["systemctl", "restart", "dsv41-agent.service"], timeout=60)
+
+
+def boot_sparks(rootfs, debs: Path, node_options: dict | None = None, nodes: int = 3,
+                head_agent_env: str = "", **extra_env: str | None) -> Cluster:
+    """spark1..spark<nodes> booted, the packages installed, agent.env on each (the head's with
+    head_agent_env appended) and cluster.env on the head (extra_env overrides its keys); the
+    coordinator not started. node_options: more Node options for every node (binds_ro, syscalls, ...)."""
+    names = spark_names(nodes)
+    cluster = Cluster(rootfs, names, memory_writable=True, **(node_options or {}))
     cluster.boot()
     try:
-        for node in cluster.nodes.values():
-            packages = ["dsv41-adapter", "dsv41-agent", "dsv41-sim"]
-            if node.name == "spark1":
-                packages.append("dsv41-coordinator")
-            install(node, debs, packages)
-            node.write_file("/etc/dsv41/agent.env", agent_env(node))
-            node.run(["mkdir", "-p", "/var/tmp/model", "/var/tmp/engram"])
-            node.run(["systemctl", "restart", "dsv41-agent.service"], timeout=60)
+        # Three at a time: apt and dpkg on two cores; more would only queue.
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            for done in [pool.submit(_setup_node, node, debs, names[0], head_agent_env if k == 0 else "")
+                         for k, node in enumerate(cluster.nodes.values())]:
+                done.result()
         # METRICS_LISTEN: the packaged default (0.0.0.0:9441), inside the head's own network namespace
         env = sim_cluster_env(cluster.nodes, SIM, **{"METRICS_LISTEN": None, **extra_env})
-        cluster.nodes["spark1"].write_file("/etc/dsv41/cluster.env", env, mode=0o640)
+        cluster.nodes[names[0]].write_file("/etc/dsv41/cluster.env", env, mode=0o640)
     except BaseException:
         cluster.stop()
         raise
     return cluster
+
+
+# The gateway's own Python (sglang-router 0.3.2, made by tools/router-venv.sh). Every node sees it
+# read-only at the same path, as GATEWAY_PYTHON names it on the head.
+ROUTER_VENV = Path("/var/tmp/dsv41-router-venv")
+GATEWAY_PYTHON = f"{ROUTER_VENV}/bin/python"
+GROUP_SIZE = 3
+
+
+def router_venv() -> Path:
+    """The gateway's environment: tools/router-venv.sh's (it prints the path), or one already at
+    ROUTER_VENV where that script is not in this tree."""
+    script = REPO / "tools" / "router-venv.sh"
+    if script.exists():
+        done = subprocess.run([str(script)], capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"tools/router-venv.sh failed:\n{done.stderr[-3000:]}")
+        return Path(done.stdout.strip().splitlines()[-1])
+    check = subprocess.run([GATEWAY_PYTHON, "-c", "import sglang_router"], capture_output=True, text=True) \
+        if Path(GATEWAY_PYTHON).exists() else None
+    if check is None or check.returncode != 0:
+        raise RuntimeError(f"no gateway environment at {ROUTER_VENV}: make it with `/usr/bin/python3 -m venv "
+                           f"{ROUTER_VENV} && {ROUTER_VENV}/bin/pip install sglang-router==0.3.2`")
+    return ROUTER_VENV
+
+
+def groups_setting(names: list[str], size: int) -> str:
+    """GROUPS for these nodes cut into groups of `size`, in order: "spark1,spark2,spark3 spark4,..."."""
+    if size < 1 or len(names) % size:
+        raise ValueError(f"{len(names)} nodes cannot be cut into groups of {size}")
+    return " ".join(",".join(names[i:i + size]) for i in range(0, len(names), size))
+
+
+def boot_groups(rootfs, debs: Path, groups: int = 2, size: int = GROUP_SIZE, node_options: dict | None = None,
+                head_agent_env: str = "", **extra_env: str | None) -> Cluster:
+    """groups * size stand-in nodes configured as that many TP groups (GROUPS, TP_SIZE=size) with the
+    gateway's Python (router_venv()) bound read-only into every node at its own path; head_agent_env:
+    more lines for the head's agent.env (what its agent may need to run the gateway)."""
+    venv = router_venv()
+    options = dict(node_options or {})
+    options["binds_ro"] = [*options.get("binds_ro", []), f"{venv}:{ROUTER_VENV}"]
+    names = spark_names(groups * size)
+    env = {"GROUPS": groups_setting(names, size), "TP_SIZE": str(size), "GATEWAY_PYTHON": GATEWAY_PYTHON,
+           **extra_env}
+    return boot_sparks(rootfs, debs, node_options=options, nodes=len(names), head_agent_env=head_agent_env, **env)
 
 
 def ctl(head: Node, *args: str, check: bool = False) -> subprocess.CompletedProcess:
@@ -131,3 +197,78 @@ def wait_serving(head: Node, timeout: float = 90.0, changed_from: dict | None = 
 
 def rank_pids(body: dict) -> dict[str, int]:
     return {n["name"]: int(n["status"]["rank"].get("main_pid", 0)) for n in body.get("nodes", [])}
+
+
+# Two or more GROUPS: `status --json` (protobuf's JSON, proto field names) has `groups` (name, phase,
+# detail, nodes, endpoint, serving_since_unix_s, generation) and `gateway` (url, unit_state, ready,
+# workers: group, url, healthy, error); the top-level phase is serving while any group serves.
+
+def group_views(body: dict) -> dict[str, dict]:
+    return {g["name"]: g for g in body.get("groups", [])}
+
+
+def group_phases(body: dict) -> dict[str, str]:
+    return {name: g.get("phase", "") for name, g in group_views(body).items()}
+
+
+def group_rank_pids(body: dict, group: str) -> dict[str, int]:
+    """The rank PIDs of one group's nodes (0: no rank)."""
+    members = set(group_views(body)[group].get("nodes", []))
+    return {name: pid for name, pid in rank_pids(body).items() if name in members}
+
+
+def gateway_workers(body: dict) -> dict[str, bool]:
+    """group -> healthy, for each worker the gateway lists."""
+    return {w["group"]: bool(w.get("healthy")) for w in body.get("gateway", {}).get("workers", [])}
+
+
+def groups_serving(body: dict, groups: int, changed_from: dict[str, dict[str, int]] | None = None,
+                   gateway: bool = True) -> bool:
+    """Every one of `groups` groups serves (with other rank PIDs than changed_from's, for the groups
+    named there) and, with gateway, the gateway is ready with each group a healthy worker."""
+    views = group_views(body)
+    if len(views) != groups or any(g.get("phase") != "serving" for g in views.values()):
+        return False
+    if changed_from and any(group_rank_pids(body, name) == pids for name, pids in changed_from.items()):
+        return False
+    workers = gateway_workers(body)
+    return not gateway or (body.get("gateway", {}).get("ready", False) and len(workers) == groups
+                           and all(workers.values()))
+
+
+def wait_groups_serving(head: Node, timeout: float = 120.0, groups: int = 2,
+                        changed_from: dict[str, dict[str, int]] | None = None, gateway: bool = True) -> dict:
+    """The status once groups_serving(...) holds; an AssertionError with the last status and the
+    coordinator's journal when it does not within timeout."""
+    deadline = time.monotonic() + timeout
+    body: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            body = status(head)
+        except (ValueError, subprocess.SubprocessError):
+            body = {}
+        if groups_serving(body, groups, changed_from, gateway):
+            return body
+        time.sleep(0.3)
+    seen = {name: (g.get("phase"), g.get("detail")) for name, g in group_views(body).items()}
+    raise AssertionError(f"not {groups} groups serving after {timeout} s: phase {body.get('phase')}, groups {seen}, "
+                         f"gateway {body.get('gateway')}\n"
+                         + head.run(["journalctl", "-u", "dsv41-coordinator", "-n", "40", "--no-pager"],
+                                    check=False).stdout)
+
+
+CHAT = {"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "19+23?"}]}
+
+
+def chat(url: str, timeout: float = 20.0, api_key: str | None = None) -> tuple[int, str]:
+    """One chat completion POSTed from the test machine to url (http://HOST:PORT): status and body
+    (an HTTP error's own status and body; 0 and the error for no answer at all)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(CHAT).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException) as exc:
+        return 0, f"{type(exc).__name__}: {exc}"

@@ -1,12 +1,16 @@
 #!/usr/bin/python3
 """The local demo: three systemd nodes (spark1-3) on a private bridge, the project's packages
-installed with apt, the coordinator started on spark1.
+installed with apt, the coordinator started on spark1; with --groups 2, six nodes (spark1-6) as two
+TP groups of three behind the model gateway on spark1.
 
-    sudo tools/demo.py up [--engine sglang|sim]   # build, boot, install, start; prints status and
+    sudo tools/demo.py up [--engine sglang|sim] [--groups 1|2]
+                                 # build, boot, install, start; prints status and
                                  # what to try. sglang (the default): real SGLang 0.5.23 ranks on the
                                  # CPU serving a tiny model over TP 3, set up as docs/cpu-rehearsal.md
                                  # says (mutual TLS, API key); sim: the stand-in engine (seconds to
-                                 # serve, no 2 GB engine environment; its runaway prompt shows the guard)
+                                 # serve, no 2 GB engine environment; its runaway prompt shows the guard).
+                                 # --groups 2: the stand-in engine only (the default engine then), the
+                                 # gateway (sglang-router, tools/router-venv.sh) on spark1's port 30000
     sudo tools/demo.py sh spark2 [COMMAND...]   # a shell (or one command) inside a node
     sudo tools/demo.py poweroff spark3          # the node loses power: all its processes die at once
     sudo tools/demo.py boot spark3              # power it on again: a fresh systemd on the same disk
@@ -23,6 +27,7 @@ installs them).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -41,6 +46,9 @@ SOCKET = "/run/dsv41-demo.sock"
 NODE_COMMANDS = ("poweroff", "boot", "freeze", "thaw", "unplug", "plug")
 ENGINES = ("sglang", "sim")
 SERVE_S = {"sglang": 300, "sim": 90}  # three CPU ranks of real SGLang on two cores: about a minute
+GROUPS_SERVE_S = 180  # six stand-in nodes and two bring-ups on two cores
+GROUP_COUNTS = (1, 2)
+GATEWAY_PORT = 30000  # GATEWAY_PORT's default
 
 
 def _save_state(cluster) -> None:
@@ -74,9 +82,12 @@ def _node_command(cluster, line: str) -> str:
     return f"ok: {command} {name}"
 
 
-def _boot(engine: str, debs: Path):
+def _boot(engine: str, groups: int, debs: Path):
     from testbed.nspawn import build_rootfs
 
+    if groups > 1:
+        from testbed.sparks import boot_groups
+        return boot_groups(build_rootfs(), debs, groups=groups, SMOKE_QUICK="0")
     if engine == "sim":
         from testbed.sparks import boot_sparks
         return boot_sparks(build_rootfs(), debs, SMOKE_QUICK="0")
@@ -85,8 +96,21 @@ def _boot(engine: str, debs: Path):
     return boot_rehearsal(build_rootfs(), debs, venv, tiny_model(venv, Path(tempfile.mkdtemp(prefix="dsv41-demo-model-"))))
 
 
-def _supervise(ready_fd: int, engine: str) -> None:
-    from testbed.sparks import build_debs, ctl, wait_serving
+def _wait_ready(head, engine: str, groups: int) -> dict:
+    """Waits for the cluster to serve; what `up` prints: the status, and with groups a chat
+    completion asked through the gateway."""
+    from testbed.sparks import chat, ctl, wait_groups_serving, wait_serving
+
+    if groups == 1:
+        wait_serving(head, timeout=SERVE_S[engine])
+        return {"status": ctl(head, "status").stdout}
+    wait_groups_serving(head, timeout=GROUPS_SERVE_S, groups=groups)
+    code, reply = chat(f"http://{head.address}:{GATEWAY_PORT}")
+    return {"status": ctl(head, "status").stdout, "chat": f"{code} {reply}"}
+
+
+def _supervise(ready_fd: int, engine: str, groups: int) -> None:
+    from testbed.sparks import build_debs
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -95,16 +119,16 @@ def _supervise(ready_fd: int, engine: str) -> None:
         try:
             debs = build_debs(Path(tempfile.mkdtemp(prefix="dsv41-demo-debs-")),
                               commit=os.environ.get("DEMO_COMMIT") or None)
-            cluster = _boot(engine, debs)
+            cluster = _boot(engine, groups, debs)
         except Exception as exc:  # report to the waiting `up`, then exit
             ready.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
             return
         try:
             head = cluster.nodes["spark1"]
             head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
-            wait_serving(head, timeout=SERVE_S[engine])
+            answer = _wait_ready(head, engine, groups)
             _save_state(cluster)
-            ready.write(json.dumps({"status": ctl(head, "status").stdout}))
+            ready.write(json.dumps(answer))
         except Exception as exc:
             ready.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
             cluster.stop()
@@ -136,7 +160,7 @@ def _supervise(ready_fd: int, engine: str) -> None:
         STATE.unlink(missing_ok=True)
 
 
-def up(engine: str) -> int:
+def up(engine: str, groups: int = 1) -> int:
     if STATE.exists():
         print(f"a demo is already up ({STATE}); `sudo tools/demo.py down` first", file=sys.stderr)
         return 1
@@ -149,11 +173,11 @@ def up(engine: str) -> int:
         os.dup2(log, 1)
         os.dup2(log, 2)
         try:
-            _supervise(write, engine)
+            _supervise(write, engine, groups)
         finally:
             os._exit(0)
     os.close(write)
-    print("building the packages, booting spark1-3, installing, starting the coordinator "
+    print(f"building the packages, booting spark1-{3 * groups}, installing, starting the coordinator "
           "(log: /var/tmp/dsv41-demo.log) ...", flush=True)
     with os.fdopen(read) as ready:
         answer = ready.read()
@@ -164,6 +188,9 @@ def up(engine: str) -> int:
     print(result["status"])
     nodes = json.loads(STATE.read_text())["nodes"]
     head = nodes["spark1"]["address"]
+    if groups > 1:
+        _print_groups_help(head, result["chat"])
+        return 0
     if engine == "sglang":
         what = "real SGLang 0.5.23 ranks (CPU, the tiny model of docs/cpu-rehearsal.md, TP 3 over gloo)"
         auth = " -H \"Authorization: Bearer $(sudo tools/demo.py sh spark1 cat /etc/dsv41/api-key)\""
@@ -189,6 +216,26 @@ Faults a Spark cluster has (then watch `dsv41ctl status` and `dsv41ctl events`):
 Tear it down:
   sudo tools/demo.py down""")
     return 0
+
+
+def _print_groups_help(head: str, chat: str) -> None:
+    gateway = f"http://{head}:{GATEWAY_PORT}"
+    print(f"""Two TP groups of the stand-in engine serve: g1 (spark1-3) and g2 (spark4-6), each group's rank 0 a
+worker of the model gateway (sglang-router) on spark1. Clients connect to the gateway:
+  {gateway}
+A chat completion through it answered: {chat}
+Look around:
+  curl -s {gateway}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "deepseek-v4.1-flash", "messages": [{{"role": "user", "content": "19+23?"}}]}}'
+  sudo tools/demo.py sh spark1 dsv41ctl status          # both groups, the gateway and its workers
+  sudo tools/demo.py sh spark1 systemctl status dsv41-gateway.service
+  sudo tools/demo.py sh spark1 dsv41ctl events
+A rank of group 2 killed -9: g2 restarts on its own, g1 keeps serving (and its PIDs) behind the gateway:
+  sudo tools/demo.py sh spark5 sh -c 'kill -9 $(systemctl show -p MainPID --value dsv41-rank)'
+A planned restart goes group by group, one group always serving:
+  sudo tools/demo.py sh spark1 dsv41ctl restart
+Node faults as with one group (poweroff, freeze, unplug spark5 ...). Tear it down:
+  sudo tools/demo.py down""")
 
 
 def sh(name: str, command: list[str]) -> int:
@@ -239,6 +286,17 @@ def down() -> int:
     return 0 if not STATE.exists() else 1
 
 
+def groups_problem(engine: str | None, groups: int) -> str:
+    """Why `up` cannot run this many groups with this engine (empty: it can)."""
+    if groups not in GROUP_COUNTS:
+        return f"--groups {groups}: this demo runs 1 group (spark1-3) or 2 groups of three (spark1-6)"
+    if groups > 1 and engine == "sglang":
+        return ("--groups 2 runs the stand-in engine only: two groups of real SGLang CPU ranks do not fit this "
+                "machine (one group of three takes its two cores for about a minute to serve); use "
+                "`make demo GROUPS=2` (ENGINE=sim), or one group with ENGINE=sglang")
+    return ""
+
+
 def main(argv: list[str]) -> int:
     if os.geteuid() != 0:
         print("the demo boots systemd containers: run it as root (sudo)", file=sys.stderr)
@@ -247,11 +305,15 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     if argv[0] == "up":
-        engine = argv[2] if argv[1:2] == ["--engine"] and len(argv) == 3 else "sglang" if len(argv) == 1 else None
-        if engine not in ENGINES:
-            print(f"usage: tools/demo.py up [--engine {'|'.join(ENGINES)}]", file=sys.stderr)
+        parser = argparse.ArgumentParser(prog="tools/demo.py up")
+        parser.add_argument("--engine", choices=ENGINES, help="sglang (the default with one group) or sim")
+        parser.add_argument("--groups", type=int, default=1, help="TP groups of three nodes: 1 or 2")
+        args = parser.parse_args(argv[1:])
+        problem = groups_problem(args.engine, args.groups)
+        if problem:
+            print(problem, file=sys.stderr)
             return 2
-        return up(engine)
+        return up(args.engine or ("sglang" if args.groups == 1 else "sim"), args.groups)
     if argv[0] == "down":
         return down()
     if argv[0] in NODE_COMMANDS:
