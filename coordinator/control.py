@@ -34,6 +34,7 @@ from .agents import AgentClient, AgentUnavailable
 from .packstate import incomplete
 from .config import ClusterConfig
 from .drain import OPERATOR_REASON as DRAIN_REASON
+from .grouped import GroupedRuntime, fill_status
 from .runtime import ClusterRuntime, Incident, Snapshot
 from .sockets import CONTROL_GROUP, CONTROL_SOCKET, STATUS_GROUP, private_socket, status_socket
 from .state import Phase
@@ -202,6 +203,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
         views = node_views(self._cfg, self._runtime.clients, snap.fingerprints, snap.fabric,
                            liveness=self._runtime.liveness_views())
         status = cluster_status(self._cfg, snap, views, True)
+        if isinstance(self._runtime, GroupedRuntime):
+            fill_status(status, self._runtime)
         if hasattr(self._live, "note"):
             status.config_note = self._live.note()
         return status

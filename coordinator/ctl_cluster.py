@@ -271,6 +271,9 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, w
     if st.last_incident.kind:
         i = st.last_incident
         put(f"  last incident {_age(now - i.at_unix_s)} ago: {i.node}: {i.message}", 4)
+    for line, ok in group_lines(st, now):
+        for part in fold(line, width, 6):
+            print(part if ok else paint(part, "33"), file=out)
     print(f"{'NODE':<9}{'RANK':<5}{'AGENT':<8}{'RANK UNIT':<17}{'UP':<8}{'RSS':>7}{'AVAIL':>8}{'PSI10':>7}  MOUNT",
           file=out)
     for view in st.nodes:
@@ -317,6 +320,22 @@ def render_status(st: pb.ClusterStatus, out: TextIO, now: float | None = None, w
         text, ok = collective_line(st.collective)
         for part in fold(text, width, 4):
             print(part if ok else paint(part, "31"), file=out)
+
+
+def group_lines(st: pb.ClusterStatus, now: float) -> list[tuple[str, bool]]:
+    """With GROUPS: the gateway (where clients connect, its workers) and a line per group."""
+    if not st.groups:
+        return []
+    gw = st.gateway
+    workers = ", ".join(f"{w.group or '?'} {w.url} {'healthy' if w.healthy else 'unhealthy'}" for w in gw.workers)
+    lines = [(f"  gateway {gw.url}: unit {gw.unit_state or 'unknown'}, {'ready' if gw.ready else 'not ready'}; "
+              f"workers: {workers or 'none'}" + (f"; {gw.error}" if gw.error else ""), gw.ready and not gw.error)]
+    for g in st.groups:
+        serving = g.phase == Phase.SERVING
+        what = f"up {_age(now - g.serving_since_unix_s)}" if serving else g.phase_detail
+        lines.append((f"  group {g.name} ({', '.join(g.nodes)}): {g.phase} {g.endpoint}" + (f"  {what}" if what else ""),
+                      serving))
+    return lines
 
 
 def collective_line(report) -> tuple[str, bool]:

@@ -27,6 +27,7 @@ from dsv41.version import VERSION
 
 from . import config as config_mod
 from .configstore import ConfigStore
+from .groups import is_grouped
 from .control import serve
 from .reconfig import Coordinator, first_config
 from .runtime import ClusterRuntime
@@ -45,7 +46,8 @@ def status_line(runtime: ClusterRuntime, clock=time.time) -> str:
         up = int(clock() - snap.serving_since)
         total = len(runtime.clients)
         running = sum(1 for r in snap.ranks.values() if r.active_state == "active")
-        return f"serving on :{runtime.cfg.integer('PORT')}, {running}/{total} ranks, up {up // 3600}h{up % 3600 // 60:02d}m"
+        port = runtime.cfg.integer("GATEWAY_PORT") if is_grouped(runtime.cfg) else runtime.cfg.integer("PORT")
+        return f"serving on :{port}, {running}/{total} ranks, up {up // 3600}h{up % 3600 // 60:02d}m"
     return f"{snap.phase}" + (f": {snap.detail}" if snap.detail else "")
 
 

@@ -157,6 +157,11 @@ class ClusterRuntime:
 
     # ------------------------------------------------------------------ public, thread-safe
 
+    @property
+    def log(self) -> EventLog:
+        """Its events' log (a group's carries DSV41_GROUP): the group's guard logs there too."""
+        return self._log
+
     def snapshot(self) -> Snapshot:
         with self._lock:
             return self._snapshot

@@ -29,6 +29,11 @@ from .incidentlog import HISTORY_NAME, IncidentHistory
 from .messages import IncidentSeen
 from .metrics.nodes import NodePoller
 from .probe import ServingProbe
+from . import groups as groups_mod
+from . import plan as plan_mod
+from .agents import rank_spec_pb
+from .gateway import Gateway
+from .grouped import GroupedRuntime, GroupRun, group_state_dir
 from .runtime import ClusterRuntime, Rollout, boottime
 from .state import Phase
 
@@ -90,39 +95,41 @@ class Session:
     def __init__(self, cfg: config_mod.ClusterConfig, text: str, creds: Credentials, log: EventLog,
                  listeners: list[Callable], state_dir: str, started_unix_s: float | None = None):
         self.cfg, self.text, self.api_key = cfg, text, creds.api_key
-        self.runtime = ClusterRuntime(cfg, make_clients(cfg, creds.tls), log, api_key=creds.api_key,
-                                      state_dir=state_dir, boottime=boottime,
-                                      history=IncidentHistory(os.path.join(state_dir, HISTORY_NAME), log),
-                                      started_unix_s=started_unix_s)
+        # One supervisor per TP group (GROUPS); a one-group cluster is its own, with no gateway.
+        self.supervisors = _supervisors(cfg, creds, log, state_dir, started_unix_s)
+        self.runtime = self.supervisors[0] if len(self.supervisors) == 1 else \
+            _grouped(cfg, self.supervisors, creds, log)
         for listener in listeners:
             self.runtime.on_incident(listener)
         self.hook = None
         if hook_file := cfg.optional_text("INCIDENT_HOOK"):
             self.hook = IncidentHook(hook_file, cfg.number("INCIDENT_HOOK_TIMEOUT_S"), log).start()
             self.runtime.on_incident(self.hook.offer)  # only queues: the hook runs in its own thread
-        self.guard = MemoryGuard.for_runtime(self.runtime, log, creds.api_key)
+        # Each group's guard acts on its own group's supervisor only.
+        self.guards = [g for g in (MemoryGuard.for_runtime(r, r.log, creds.api_key) for r in self.supervisors) if g]
         # The GPU slow state is an incident whether or not metrics are on: their poll feeds it, else one
         # of its own (coordinator/gpuwatch.py).
         self.gpus = GpuSlowIncidents(GpuSlowWatch(rules_from_config(cfg)),
                                      lambda *seen: self.runtime.post(IncidentSeen(*seen)), log)
-        self.metrics = _start_metrics(cfg, self.runtime, log, self.guard, creds.tls, self.gpus)
+        self.metrics = _start_metrics(cfg, self.runtime, log, self.guards[0] if self.guards else None, creds.tls,
+                                      self.gpus)
         self.gpu_poller = None if self.metrics is not None else NodePoller(
             make_clients(cfg, creds.tls), {}, cfg.number("GPU_POLL_S"), log, on_poll=self.gpus.on_poll)
-        self.probe: ServingProbe | None = None
+        self.probes: list[ServingProbe] = []
 
     def start(self, autostart: bool, restart_for: tuple[str, ...] = (), rollout: Rollout | None = None) -> None:
         self.runtime.run(autostart=autostart, restart_for=restart_for, rollout=rollout)
-        self.probe = ServingProbe.for_runtime(self.runtime, self.api_key).start()
-        if self.guard is not None:
-            self.guard.start()
+        self.probes = [ServingProbe.for_runtime(r, self.api_key).start() for r in self.supervisors]
+        for guard in self.guards:
+            guard.start()
         if self.gpu_poller is not None:
             self.gpu_poller.start()
 
     def stop(self, stop_cluster: bool) -> None:
-        if self.guard is not None:
-            self.guard.stop()  # first, so that it cannot act on a cluster going down
-        if self.probe is not None:
-            self.probe.stop()
+        for guard in self.guards:
+            guard.stop()  # first, so that it cannot act on a cluster going down
+        for probe in self.probes:
+            probe.stop()
         self.runtime.shutdown(stop_cluster=stop_cluster)
         if self.metrics is not None:
             self.metrics.stop()
@@ -134,6 +141,38 @@ class Session:
             self.hook.stop()
         for client in self.runtime.clients.values():
             client.close()
+
+
+def _supervisors(cfg: config_mod.ClusterConfig, creds: Credentials, log: EventLog, state_dir: str,
+                 started_unix_s: float | None) -> list[ClusterRuntime]:
+    groups = groups_mod.groups_of(cfg)
+    out = []
+    for group in groups:
+        own = groups_mod.group_config(cfg, group) if len(groups) > 1 else cfg
+        group_log = log.with_fields(DSV41_GROUP=group.name) if len(groups) > 1 else log
+        own_dir = group_state_dir(state_dir, group)
+        os.makedirs(own_dir, mode=0o700, exist_ok=True)
+        out.append(ClusterRuntime(own, make_clients(own, creds.tls), group_log, api_key=creds.api_key,
+                                  state_dir=own_dir, boottime=boottime,
+                                  history=IncidentHistory(os.path.join(own_dir, HISTORY_NAME), group_log),
+                                  started_unix_s=started_unix_s))
+    return out
+
+
+def _grouped(cfg: config_mod.ClusterConfig, supervisors: list[ClusterRuntime], creds: Credentials,
+             log: EventLog) -> GroupedRuntime:
+    runs = [GroupRun(group, r.cfg, r) for group, r in zip(groups_mod.groups_of(cfg), supervisors)]
+    grouped = GroupedRuntime(cfg, runs, log)
+    head_client = make_clients(supervisors[0].cfg, creds.tls)[cfg.head.name]
+
+    def head_rank_spec():
+        """The head rank's spec for the gateway's runtime; the API key's file goes to the head first."""
+        if creds.api_key:
+            head_client.put_file(os.path.basename(plan_mod.API_KEY_NODE_PATH), creds.api_key.encode(), mode=0o600)
+        return rank_spec_pb(plan_mod.render_node(supervisors[0].cfg, cfg.head.name), "")
+
+    grouped.gateway = Gateway(cfg, head_client, head_rank_spec, creds.api_key, log, grouped.routable)
+    return grouped
 
 
 def _start_metrics(cfg: config_mod.ClusterConfig, runtime: ClusterRuntime, log: EventLog, guard, tls: Tls | None,

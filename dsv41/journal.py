@@ -43,6 +43,13 @@ class EventLog:
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
 
+    def with_fields(self, **fields: str) -> "EventLog":
+        """The same log, its listeners included, with more fields on every entry (a group's DSV41_GROUP)."""
+        child = EventLog(self._identifier, {**self._fields, **{_field_name(k): str(v) for k, v in fields.items()}},
+                         self._stream, self._sender, use_journal=False)
+        child._lock, child._listeners = self._lock, self._listeners
+        return child
+
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Calls listener for every later event, in the thread that logs it (so it must be quick
         and must not block); returns the function that unsubscribes it."""

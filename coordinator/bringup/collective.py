@@ -80,6 +80,9 @@ def measure(ctx: StepContext, deadline: float) -> tuple[pb.CollectiveTestReport,
 
 
 def run(ctx: StepContext, deadline: float) -> None:
+    if len(ctx.bring.plans) < 2:  # a group of one node (GROUPS): no link between its ranks
+        ctx.log.info("collective_single_node", "the group has one node: no link to measure")
+        return
     ctx.set_detail(f"{backend(ctx.cfg)} all-reduce among {len(ctx.bring.plans)} nodes")
     result, verdict = measure(ctx, deadline)
     ctx.bring.collective = result
@@ -101,6 +104,8 @@ def on_demand(ctx: StepContext, deadline: float) -> tuple[bool, str]:
     except StepFailed as exc:
         return False, str(exc)
     report = ctx.bring.collective
+    if report is None:
+        return True, "the group has one node: no link to measure"
     return True, "passed: " + ", ".join(f"{f.group} {f.busbw_gbps:.2f} GB/s" for f in report.figures)
 
 

@@ -663,3 +663,99 @@ def test_3_stop_with_a_request_in_flight_leaves_no_sglang_process(rehearsal):
     assert isinstance(outcome, dict) and outcome["meta_info"]["finish_reason"]["type"] == "stop", outcome
     for name, node in rehearsal.items():
         assert sglang_processes(node) == [], name
+
+
+# ------------------------------------------------------------------ several groups behind the gateway
+
+GATEWAY_PORT = 30000  # GATEWAY_PORT's default
+
+
+class Load:
+    """A client sending one chat request a second through the gateway, counting the answers."""
+
+    def __init__(self, client: Client) -> None:
+        self.client, self.codes = client, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                reply = self.client.post("/v1/chat/completions", {"model": "deepseek-v4.1-flash", "max_tokens": 4,
+                                          "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+                self.codes.append(200 if reply.get("choices") else f"no choices: {reply}")
+            except urllib.error.HTTPError as exc:
+                self.codes.append(f"{exc.code} {exc.read()[:200]!r}")
+            except OSError as exc:
+                self.codes.append(repr(exc))
+            self._stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(90)
+        return self.codes
+
+
+def groups_serving(head, timeout: float, changed: dict | None = None) -> dict:
+    """Status once every group serves and the gateway has each as a healthy worker (with `changed`:
+    once each group named there runs other PIDs)."""
+    def ready():
+        body = status(head)
+        gateway = body.get("gateway", {})
+        healthy = [w for w in gateway.get("workers", []) if w.get("healthy")]
+        if all(g.get("phase") == "serving" for g in body.get("groups", [])) and body.get("groups") and \
+                len(healthy) == len(body["groups"]) and \
+                (changed is None or all(group_pids(body, g) != pids for g, pids in changed.items())):
+            return body
+        return None
+    return wait_for(ready, timeout, "the groups did not all serve behind the gateway")
+
+
+def group_pids(body: dict, group: str) -> dict[str, int]:
+    names = next(g["nodes"] for g in body["groups"] if g["name"] == group)
+    return {n: p for n, p in rank_pids(body).items() if n in names}
+
+
+def test_15_three_groups_behind_the_gateway_one_killed_and_the_gateway_keeps_answering(rehearsal):
+    """GROUPS of one node each (TP 1: three ranks are what two cores hold), the gateway run from the
+    ranks' own runtime (the engine's environment has sglang-router, as the SGLang image does)."""
+    head = head_of(rehearsal)
+    head.run(["systemctl", "stop", "dsv41-coordinator.service"], timeout=180)
+    before = head.run(["cat", CONFIG]).stdout
+    grouped = profile_env(rehearsal, GROUPS='"spark1 spark2 spark3"', TP_SIZE="1", RESTART_MAX_ATTEMPTS="20")
+    head.write_file(CONFIG, grouped, mode=0o640)
+    try:
+        head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
+        body = groups_serving(head, SERVE_S)
+        assert body["gateway"]["url"] == f"http://{head.address}:{GATEWAY_PORT}", body["gateway"]
+        assert head.run(["systemctl", "is-active", "dsv41-gateway.service"], check=False).stdout.strip() == "active"
+        client = Client(head)
+        client.base = f"http://{head.address}:{GATEWAY_PORT}"
+        assert client.chat([{"role": "user", "content": "hi"}], max_tokens=4)["choices"]
+        assert client.get("/v1/models", key=False)[0] == 200  # the gateway's open route
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the gateway's key is the cluster's
+            client.post("/v1/chat/completions", {"model": "deepseek-v4.1-flash", "messages": []}, key=False)
+        assert refused.value.code == 401
+        pids = {g: group_pids(body, g) for g in ("g1", "g2", "g3")}
+        load = Load(client)
+        time.sleep(8)
+        rehearsal["spark2"].run(["kill", "-9", str(pids["g2"]["spark2"])])
+        after = groups_serving(head, SERVE_S, changed={"g2": pids["g2"]})
+        time.sleep(8)
+        codes = load.stop()
+        assert group_pids(after, "g1") == pids["g1"] and group_pids(after, "g3") == pids["g3"], (pids, after)
+        ok = codes.count(200)
+        print(f"through the gateway while g2 was killed and restarted: {ok}/{len(codes)} answered 200")
+        assert len(codes) >= 20 and ok >= 0.95 * len(codes), codes
+        exits = incidents(head, "rank_exit")
+        assert exits and exits[-1]["DSV41_NODE_NAME"] == "spark2" and exits[-1]["DSV41_GROUP"] == "g2", exits[-1:]
+        stopped = ctl(head, "stop", "--wait", "180")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert head.run(["systemctl", "is-active", "dsv41-gateway.service"], check=False).stdout.strip() != "active"
+        for name, node in rehearsal.items():
+            assert sglang_processes(node) == [], name
+    finally:
+        head.run(["systemctl", "stop", "dsv41-coordinator.service"], check=False, timeout=180)
+        head.write_file(CONFIG, before, mode=0o640)

@@ -1,0 +1,212 @@
+"""GROUPS in cluster.env, each group's view of the configuration, and the rolling decisions."""
+
+from __future__ import annotations
+
+import io
+import threading
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from coordinator import config, groups, plan
+from coordinator.rolling import Roller, combined_phase, may_take_out, served_again
+from coordinator.state import Phase, Snapshot
+from dsv41.journal import EventLog
+from tests.configtext import HOME, edited, nodes_text
+
+pytestmark = pytest.mark.unit
+
+TWO_GROUPS = '"spark1,spark2,spark3 spark4,spark5,spark6"'
+
+
+def six(**changes):
+    text = edited(nodes_text(6), TP_SIZE="3", GROUPS=TWO_GROUPS, NFS_CLIENTS="10.0.0.0/24")
+    return edited(text, **changes)
+
+
+def load(text):
+    return config.parse(text, "/etc/dsv41/cluster.env", HOME)
+
+
+def errors(text) -> list[str]:
+    with pytest.raises(config.ConfigInvalid) as caught:
+        load(text)
+    return [str(e) for e in caught.value.errors]
+
+
+def test_an_existing_file_is_one_group_of_every_node():
+    cfg = load(nodes_text(3))
+    (only,) = groups.groups_of(cfg)
+    assert only.name == "g1" and [n.name for n in only.nodes] == ["spark1", "spark2", "spark3"]
+    assert not groups.is_grouped(cfg)
+
+
+def test_two_groups_each_numbered_from_its_head():
+    cfg = load(six())
+    g1, g2 = groups.groups_of(cfg)
+    assert [(n.name, n.rank) for n in g2.nodes] == [("spark4", 0), ("spark5", 1), ("spark6", 2)]
+    assert g1.head.share_head and not g2.head.share_head
+    view = groups.group_config(cfg, g2)
+    assert view.integer("NNODES") == 3 and view.text("HEAD_IP") == "10.0.0.4" and view.head.name == "spark4"
+    assert groups.worker_url(cfg, g2) == f"http://10.0.0.4:{cfg.integer('PORT')}"
+
+
+def test_a_second_groups_head_mounts_the_weights_and_is_its_groups_rank_0():
+    cfg = load(six())
+    view = groups.group_config(cfg, groups.groups_of(cfg)[1])
+    head = plan.render_node(view, "spark4")
+    assert head.export is None and head.mount is not None and head.mount.server == "10.0.24.1"
+    argv = head.rank_spec.argv
+    assert head.rank == 0 and argv[argv.index("--node-rank") + 1] == "0" and argv[argv.index("--nnodes") + 1] == "3"
+    assert argv[argv.index("--dist-init-addr") + 1] == f"10.0.0.4:{view.integer('DIST_PORT')}"
+    keyed = load(six(API_KEY_FILE="/etc/dsv41/api-key"))
+    g2_head = plan.render_node(groups.group_config(keyed, groups.groups_of(keyed)[1]), "spark4")
+    assert "DSV41_API_KEY_FILE" in g2_head.rank_spec.env  # each group's rank 0 checks the key
+    assert "DSV41_API_KEY_FILE" not in head.rank_spec.env
+    first = plan.render_node(groups.group_config(cfg, groups.groups_of(cfg)[0]), "spark1")
+    assert first.export is not None and first.mount is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("spark1,spark2,spark3 spark3,spark5,spark6", "spark3 is in group 1 and group 2: a node serves in one group"),
+    ("spark1,spark2,spark3 spark4,spark5,spark9", "group 2 names spark9, which is no node"),
+    ("spark1,spark2,spark3 spark4,spark5", "spark6 is in no group"),
+    ("spark2,spark1,spark3 spark4,spark5,spark6", "the first group's head must be HEAD_HOST (spark1)"),
+    ("spark1,spark2 spark3,spark4,spark5,spark6", "groups must be of one size"),
+    ("spark1,spark2,,spark3 spark4,spark5,spark6", "each group is a comma-separated list of node names"),
+])
+def test_groups_that_cannot_run_are_refused_naming_the_key(value, message):
+    found = errors(six(GROUPS=f'"{value}"'))
+    assert any("GROUPS" in e and message in e for e in found), found
+
+
+def test_tp_size_must_fit_a_group_not_the_whole_cluster():
+    assert load(six(TP_SIZE="3"))
+    found = errors(six(TP_SIZE="4"))
+    assert any("TP_SIZE" in e and "multiple of a group's size, 3 nodes" in e for e in found), found
+
+
+def test_the_gateways_ports_must_not_collide_on_the_head():
+    cfg = load(six())
+    port = cfg.integer("PORT")
+    found = errors(six(GATEWAY_PORT=str(port)))
+    assert any("GATEWAY_PORT" in e and f"port {port} is already PORT" in e for e in found), found
+    found = errors(six(GATEWAY_METRICS_LISTEN=f"127.0.0.1:{cfg.integer('AGENT_PORT')}"))
+    assert any("GATEWAY_METRICS_LISTEN" in e and "already AGENT_PORT" in e for e in found), found
+
+
+def test_one_group_needs_no_gateway_port():
+    cfg = load(edited(nodes_text(3), GROUPS="spark1,spark2,spark3", GATEWAY_PORT="8888", PORT="8888"))
+    assert not groups.is_grouped(cfg)
+
+
+# ---------------------------------------------------------------- the cluster's phase and the rollout
+
+def test_the_cluster_serves_while_any_group_serves():
+    phase, detail = combined_phase([("g1", Phase.SERVING, "ok"), ("g2", Phase.LAUNCH, "starting ranks")])
+    assert phase == Phase.SERVING and detail.startswith("1/2 groups serving") and "g2 launch (starting ranks)" in detail
+    assert combined_phase([("g1", Phase.STOPPED, ""), ("g2", Phase.STOPPED, "")])[0] == Phase.STOPPED
+    assert combined_phase([("g1", Phase.FAILED, "x"), ("g2", Phase.HEALTH, "")])[0] == Phase.HEALTH
+    assert combined_phase([("g1", Phase.FAILED, "x"), ("g2", Phase.STOPPED, "")])[0] == Phase.FAILED
+
+
+def test_the_last_serving_group_is_never_taken_out():
+    assert not may_take_out("g1", {"g1": Phase.SERVING, "g2": Phase.LAUNCH})
+    assert may_take_out("g1", {"g1": Phase.SERVING, "g2": Phase.SERVING})
+    assert may_take_out("g2", {"g1": Phase.SERVING, "g2": Phase.FAILED})  # it serves nothing: nothing is lost
+
+
+def test_served_again_needs_a_new_serving_run():
+    before = Snapshot(phase=Phase.SERVING, since=10.0, serving_since=10.0)
+    assert served_again(before, before) is None
+    assert served_again(before, replace(before, phase=Phase.DRAINING, since=11.0)) is None
+    assert served_again(before, replace(before, since=30.0, serving_since=30.0)) is True
+    assert served_again(before, replace(before, phase=Phase.FAILED, since=30.0)) is False
+
+
+@dataclass
+class Member:
+    name: str
+    snap: Snapshot
+    restarts: list = field(default_factory=list)
+
+    def snapshot(self) -> Snapshot:
+        return self.snap
+
+
+class Gateway:
+    def __init__(self, members, events):
+        self.members, self.events = members, events
+
+    def remove_now(self, group, timeout_s=5.0):
+        # While a group is out, every other group must be serving: the gateway always has one.
+        assert any(m.snap.phase == Phase.SERVING for m in self.members if m.name != group)
+        self.events.append(("out", group))
+        return True
+
+    def release(self, group):
+        self.events.append(("in", group))
+
+
+def roll(members, take_out, **kw):
+    events = []
+    gateway = Gateway(members, events)
+    log = EventLog("test", {}, stream=io.StringIO(), use_journal=False)
+    roller = Roller(members, gateway, take_out, log, "restart", poll_s=0.001, **kw).start()
+    assert roller.done.wait(10.0)
+    return events, log
+
+
+def test_a_rolling_restart_takes_one_group_out_at_a_time():
+    members = [Member(f"g{i}", Snapshot(phase=Phase.SERVING, since=1.0, serving_since=1.0)) for i in (1, 2, 3)]
+
+    def take_out(member):
+        member.restarts.append(True)
+        member.snap = replace(member.snap, phase=Phase.DRAINING, since=2.0)
+        # It serves again a moment later, as a supervisor's restart does.
+        threading.Timer(0.02, lambda: setattr(member, "snap", replace(member.snap, phase=Phase.SERVING,
+                                                                        since=5.0, serving_since=5.0))).start()
+
+    events, _ = roll(members, take_out)
+    assert events == [("out", "g1"), ("in", "g1"), ("out", "g2"), ("in", "g2"), ("out", "g3"), ("in", "g3")]
+    assert all(m.restarts for m in members)
+
+
+def test_a_group_that_does_not_serve_again_ends_the_rollout():
+    members = [Member(f"g{i}", Snapshot(phase=Phase.SERVING, since=1.0, serving_since=1.0)) for i in (1, 2)]
+
+    def take_out(member):
+        member.restarts.append(True)
+        member.snap = replace(member.snap, phase=Phase.FAILED, since=5.0)
+
+    events, _ = roll(members, take_out)
+    assert events == [("out", "g1"), ("in", "g1")] and not members[1].restarts
+
+
+def test_the_only_serving_group_is_held_until_another_serves():
+    members = [Member("g1", Snapshot(phase=Phase.SERVING, since=1.0, serving_since=1.0)),
+               Member("g2", Snapshot(phase=Phase.FAILED, since=1.0))]
+    clock = [0.0]
+
+    def monotonic():
+        clock[0] += 1.0
+        return clock[0]
+
+    out = io.StringIO()
+    events = []
+    log = EventLog("test", {}, stream=out, use_journal=False)
+    roller = Roller(members, Gateway(members, events), lambda m: m.restarts.append(True), log, "restart",
+                    monotonic=monotonic, poll_s=0.001, other_wait_s=50.0).start()
+    assert roller.done.wait(10.0)
+    assert events == [] and not members[0].restarts
+    assert "g1 left serving: it is the only group serving" in out.getvalue()
+
+
+def test_cancel_stops_a_rollout_waiting_for_a_group():
+    members = [Member(f"g{i}", Snapshot(phase=Phase.SERVING, since=1.0, serving_since=1.0)) for i in (1, 2)]
+    taken = threading.Event()
+    log = EventLog("test", {}, stream=io.StringIO(), use_journal=False)
+    roller = Roller(members, Gateway(members, []), lambda m: taken.set(), log, "restart", poll_s=0.001).start()
+    assert taken.wait(5.0)
+    roller.cancel()
+    assert roller.done.wait(5.0) and not members[1].restarts
