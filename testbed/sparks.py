@@ -200,8 +200,9 @@ def rank_pids(body: dict) -> dict[str, int]:
 
 
 # Two or more GROUPS: `status --json` (protobuf's JSON, proto field names) has `groups` (name, phase,
-# detail, nodes, endpoint, serving_since_unix_s, generation) and `gateway` (url, unit_state, ready,
-# workers: group, url, healthy, error); the top-level phase is serving while any group serves.
+# phase_detail, nodes, endpoint, serving_since_unix_s, generation, restart_attempt) and `gateway` (url,
+# unit_state, ready, workers: group, url, healthy; error); the top-level phase is serving while any
+# group serves, and its endpoint is then the gateway's.
 
 def group_views(body: dict) -> dict[str, dict]:
     return {g["name"]: g for g in body.get("groups", [])}
@@ -250,7 +251,7 @@ def wait_groups_serving(head: Node, timeout: float = 120.0, groups: int = 2,
         if groups_serving(body, groups, changed_from, gateway):
             return body
         time.sleep(0.3)
-    seen = {name: (g.get("phase"), g.get("detail")) for name, g in group_views(body).items()}
+    seen = {name: (g.get("phase"), g.get("phase_detail")) for name, g in group_views(body).items()}
     raise AssertionError(f"not {groups} groups serving after {timeout} s: phase {body.get('phase')}, groups {seen}, "
                          f"gateway {body.get('gateway')}\n"
                          + head.run(["journalctl", "-u", "dsv41-coordinator", "-n", "40", "--no-pager"],

@@ -15,7 +15,7 @@ import pytest
 
 from testbed.sparks import (boot_groups, build_debs, ctl, gateway_workers, group_phases, group_rank_pids, status,
                             wait_groups_serving)
-from tests.cluster.sparks import RequestLoop, StatusWatcher, chat, unit_pid, wait_for
+from tests.cluster.sparks import RequestLoop, StatusWatcher, chat, incidents, unit_pid, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -46,7 +46,7 @@ def test_groups_1_both_groups_serve_behind_the_gateway(sparks):
     head = sparks["spark1"]
     head.run(["systemctl", "start", "dsv41-coordinator.service"], timeout=60)
     body = wait_groups_serving(head, timeout=SERVE_S)
-    assert body["phase"] == "serving"
+    assert body["phase"] == "serving" and body["endpoint"] == gateway_url(sparks), body["endpoint"]
     views = {g["name"]: g for g in body["groups"]}
     assert list(views) == list(GROUPS)
     assert views["g1"]["nodes"] == ["spark1", "spark2", "spark3"]
@@ -79,6 +79,8 @@ def test_groups_2_a_rank_killed_in_group_2_restarts_group_2_only_and_the_gateway
     assert all(pid != before["g2"][n] for n, pid in group_rank_pids(after, "g2").items()), (before, after)
     assert group_rank_pids(after, "g1") == before["g1"]
     assert watcher.not_serving("g2"), "group 2 was never seen out of serving"
+    exits = incidents(head, "rank_exit")
+    assert exits and exits[-1]["DSV41_NODE_NAME"] == "spark5" and exits[-1]["DSV41_GROUP"] == "g2", exits[-1:]
     assert not watcher.not_serving("g1"), [s.phases for s in watcher.not_serving("g1")]
     answers = list(client.answers)
     assert len(answers) >= 30
