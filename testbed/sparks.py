@@ -125,10 +125,12 @@ def boot_sparks(rootfs, debs: Path, node_options: dict | None = None, nodes: int
     return cluster
 
 
-# The gateway's own Python (sglang-router 0.3.2, made by tools/router-venv.sh). Every node sees it
-# read-only at the same path, as GATEWAY_PYTHON names it on the head.
+# The gateway's own Python (sglang-router 0.3.2, made by tools/router-venv.sh under /var/tmp). Every
+# node sees it read-only under /opt, as the engine's environment is (testbed/rehearsal.py): the agent
+# runs no code from below a world-writable directory, sticky or not, so not from /var/tmp.
 ROUTER_VENV = Path("/var/tmp/dsv41-router-venv")
-GATEWAY_PYTHON = f"{ROUTER_VENV}/bin/python"
+NODE_ROUTER_VENV = "/opt/dsv41-router"
+GATEWAY_PYTHON = f"{NODE_ROUTER_VENV}/bin/python"
 GROUP_SIZE = 3
 
 
@@ -141,8 +143,9 @@ def router_venv() -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"tools/router-venv.sh failed:\n{done.stderr[-3000:]}")
         return Path(done.stdout.strip().splitlines()[-1])
-    check = subprocess.run([GATEWAY_PYTHON, "-c", "import sglang_router"], capture_output=True, text=True) \
-        if Path(GATEWAY_PYTHON).exists() else None
+    python = ROUTER_VENV / "bin" / "python"
+    check = subprocess.run([str(python), "-c", "import sglang_router"], capture_output=True, text=True) \
+        if python.exists() else None
     if check is None or check.returncode != 0:
         raise RuntimeError(f"no gateway environment at {ROUTER_VENV}: make it with `/usr/bin/python3 -m venv "
                            f"{ROUTER_VENV} && {ROUTER_VENV}/bin/pip install sglang-router==0.3.2`")
@@ -159,15 +162,17 @@ def groups_setting(names: list[str], size: int) -> str:
 def boot_groups(rootfs, debs: Path, groups: int = 2, size: int = GROUP_SIZE, node_options: dict | None = None,
                 head_agent_env: str = "", **extra_env: str | None) -> Cluster:
     """groups * size stand-in nodes configured as that many TP groups (GROUPS, TP_SIZE=size) with the
-    gateway's Python (router_venv()) bound read-only into every node at its own path; head_agent_env:
-    more lines for the head's agent.env (what its agent may need to run the gateway)."""
+    gateway's Python (router_venv()) bound read-only into every node as GATEWAY_PYTHON, which the head's
+    agent allows; head_agent_env: more lines for the head's agent.env."""
     venv = router_venv()
     options = dict(node_options or {})
-    options["binds_ro"] = [*options.get("binds_ro", []), f"{venv}:{ROUTER_VENV}"]
+    options["binds_ro"] = [*options.get("binds_ro", []), f"{venv}:{NODE_ROUTER_VENV}"]
     names = spark_names(groups * size)
     env = {"GROUPS": groups_setting(names, size), "TP_SIZE": str(size), "GATEWAY_PYTHON": GATEWAY_PYTHON,
            **extra_env}
-    return boot_sparks(rootfs, debs, node_options=options, nodes=len(names), head_agent_env=head_agent_env, **env)
+    # The head's agent runs GATEWAY_PYTHON only as one of its ALLOWED_PYTHONS.
+    return boot_sparks(rootfs, debs, node_options=options, nodes=len(names),
+                       head_agent_env=f"ALLOWED_PYTHONS={GATEWAY_PYTHON}\n{head_agent_env}", **env)
 
 
 def ctl(head: Node, *args: str, check: bool = False) -> subprocess.CompletedProcess:
