@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testbed.nspawn import Node
-from testbed.sparks import chat, group_phases, rank_pids, status
+from testbed.sparks import chat, gateway_workers, group_phases, rank_pids, status
 
 # The test-only stand-in for a worker's NFS client (the kernel here has none); see the script.
 NFS_CLIENT_STANDIN = Path(__file__).with_name("standin_mount_nfs4.sh")
@@ -102,6 +102,7 @@ class Sample:
     at_s: float
     phases: dict[str, str]      # group -> phase
     pids: dict[str, int]        # node -> rank PID
+    workers: dict[str, bool]    # the gateway's workers: group -> healthy
 
 
 class StatusWatcher:
@@ -118,7 +119,8 @@ class StatusWatcher:
         while not self._stop.is_set():
             try:
                 body = status(self.head)
-                self.samples.append(Sample(time.monotonic(), group_phases(body), rank_pids(body)))
+                self.samples.append(Sample(time.monotonic(), group_phases(body), rank_pids(body),
+                                           gateway_workers(body)))
             except (ValueError, subprocess.SubprocessError):
                 pass
             self._stop.wait(0.1)
@@ -136,3 +138,14 @@ class StatusWatcher:
 
     def none_serving(self) -> list[Sample]:
         return [s for s in self.samples if "serving" not in s.phases.values()]
+
+    def timeline(self, start_s: float) -> str:
+        """Each change of the groups' phases or the gateway's workers, at seconds from start_s."""
+        lines, last = [], None
+        for s in self.samples:
+            seen = (s.phases, s.workers)
+            if seen != last:
+                workers = " ".join(f"{g}:{'healthy' if ok else 'unhealthy'}" for g, ok in s.workers.items())
+                lines.append(f"  +{s.at_s - start_s:.1f} s: {s.phases} gateway: {workers or 'no workers'}")
+                last = seen
+        return "\n".join(lines)

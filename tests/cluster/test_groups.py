@@ -97,6 +97,8 @@ def test_groups_3_a_restart_goes_group_by_group_and_every_request_succeeds(spark
         after = wait_groups_serving(head, timeout=2 * SERVE_S, changed_from=before)
         client.wait_count(len(client.answers) + 3, timeout=30)
     print(client.summary())
+    print("the groups and the gateway's workers through the restart:")
+    print(watcher.timeline(client.answers[0].at_s))
     for group in GROUPS:
         now = group_rank_pids(after, group)
         assert all(pid != before[group][n] for n, pid in now.items()), (group, before[group], now)
@@ -107,7 +109,7 @@ def test_groups_3_a_restart_goes_group_by_group_and_every_request_succeeds(spark
     spells = {group: (watcher.not_serving(group)[0].at_s, watcher.not_serving(group)[-1].at_s) for group in GROUPS}
     first, second = sorted(spells.values())
     assert first[1] < second[0], spells
-    assert not client.failures(), client.summary()
+    assert not client.failures(), client.summary() + "\n" + watcher.timeline(client.answers[0].at_s)
 
 
 def test_groups_4_stop_ends_every_rank_and_the_gateway(sparks):
