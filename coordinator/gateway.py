@@ -28,7 +28,7 @@ POLL_S = 0.5
 ENSURE_RETRY_S = 5.0           # between tries to start the unit while the head agent does not answer
 SET_GATEWAY_TIMEOUT_S = 30.0
 ADD_RETRY_S = 10.0             # an add not listed after this is asked again (its job may have failed)
-ADD_SETTLE_S = 2.0             # an add of a healthy worker is listed within 0.3 s (0.3.2, measured)
+ADD_SETTLE_S = 4.0             # an add of a healthy worker was listed 0.3 to 1.1 s after its 202 (0.3.2)
 REMOVE_CHECK_S = 0.1
 STARTUP_GRACE_S = 15.0         # the router's start: not answering then is no episode to warn about
 
@@ -288,18 +288,21 @@ class Gateway:
         try:
             with self._state:  # a poll under way when the group was held may have added it just now
                 pending = self._pending.pop(group, None)
-            # A queued add is listed only once its job ends: wait that long, so that it can be removed.
-            settled_at = pending.at + ADD_SETTLE_S if pending else 0.0
-            return self._remove_until_gone(group, urls, settled_at, deadline)
+            return self._remove_until_gone(group, urls, pending, deadline)
         finally:
             self._ops.release()
 
-    def _remove_until_gone(self, group: str, urls: set[str], settled_at: float, deadline: float) -> bool:
+    def _remove_until_gone(self, group: str, urls: set[str], pending: _PendingAdd | None, deadline: float) -> bool:
+        # A queued add is listed only once its job ends: until it shows (and is removed) or could have
+        # shown, the group is not known to be gone.
+        settled_at = pending.at + ADD_SETTLE_S if pending else 0.0
         while True:
             try:
                 listed = self._api.workers()
                 self._seen(listed)
                 mine = [w for w in listed if _url(w.url) in urls]
+                if pending and any(w.id == pending.worker_id for w in mine):
+                    settled_at = 0.0
                 for worker in mine:
                     self._remove(worker, "held out (a planned restart or drain)")
                 if not mine and self._monotonic() >= settled_at:

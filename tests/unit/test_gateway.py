@@ -290,7 +290,7 @@ def test_remove_now_waits_for_an_add_whose_job_ends_late_and_removes_it():
     rig.api.workers = workers
     rig.gateway.poll()
     assert rig.gateway.remove_now("g2", timeout_s=5.0) is True
-    assert rig.clock.monotonic() - queued_at >= 1.0
+    assert 1.0 <= rig.clock.monotonic() - queued_at < 2.0  # done once it showed, not after ADD_SETTLE_S
     assert ("remove", "id2") in rig.api.calls and G2 not in rig.listed_urls()
 
 
