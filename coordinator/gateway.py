@@ -119,6 +119,8 @@ class Gateway:
         self._pending: dict[str, _PendingAdd] = {}
         self._removed_ids: set[str] = set()  # removals logged, until the worker is no longer listed
         self._unit_state = ""
+        self._unit_wanted = False  # start() until stop_unit()
+        self._unit_running = False  # ensure_unit() succeeded since the last start()
         self._unit_problem = ""
         self._unit_since: float | None = None
         self._unreachable = False
@@ -157,15 +159,25 @@ class Gateway:
         return True
 
     def start(self) -> "Gateway":
-        self._thread.start()
+        """The unit wanted running (at once, or again after stop_unit) and the workers kept in step."""
+        with self._state:
+            self._unit_wanted, self._unit_running = True, False
+        if not self._thread.is_alive() and not self._done.is_set():
+            self._thread.start()
         return self
 
     def stop(self, stop_unit: bool) -> None:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join(10.0)
-        if not stop_unit:
-            return
+        if stop_unit:
+            self.stop_unit()
+
+    def stop_unit(self) -> None:
+        """`dsv41ctl stop`: the unit stopped (its in-flight requests get the grace period); the
+        manager stays, for a later start."""
+        with self._state:
+            self._unit_wanted = False
         try:
             state = self._head.set_gateway(self._spec(False), timeout=UNIT_STOP_TIMEOUT_S + SET_GATEWAY_TIMEOUT_S)
         except AgentUnavailable as exc:
@@ -173,15 +185,24 @@ class Gateway:
                             "warning", error=str(exc))
             return
         with self._state:
-            self._unit_state = state.active_state
+            self._unit_state, self._ready, self._workers = state.active_state, False, ()
         self._log.event("gateway_unit", f"gateway unit {state.active_state}", active_state=state.active_state)
 
     def _run(self) -> None:
-        while not self._guarded(self.ensure_unit):
-            if self._done.wait(ENSURE_RETRY_S):
-                return
-        while not self._done.wait(self._poll_s):
-            self._guarded(self.poll)
+        wait = 0.0
+        while not self._done.wait(wait):
+            with self._state:
+                wanted, running = self._unit_wanted, self._unit_running
+            if not wanted:
+                wait = self._poll_s
+            elif not running:
+                started = bool(self._guarded(self.ensure_unit))
+                with self._state:
+                    self._unit_running = started and self._unit_wanted
+                wait = self._poll_s if started else ENSURE_RETRY_S
+            else:
+                self._guarded(self.poll)
+                wait = self._poll_s
 
     def _guarded(self, step: Callable[[], object]) -> object:
         """The loop outlives a bug in one round; the error is logged."""
