@@ -341,6 +341,11 @@ class Gateway:
         with self._state:
             self._held.discard(group)
 
+    def routes(self, group: str) -> bool:
+        """Whether the gateway's last listing had the group as a healthy worker."""
+        with self._state:
+            return any(g == group and healthy for g, _, healthy in self._workers)
+
     def view(self) -> GatewayView:
         with self._state:
             return GatewayView(self.url, self._unit_state, self._ready, self._workers, self._error)
