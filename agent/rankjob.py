@@ -5,6 +5,8 @@ The unit is the rank's unit as the node's RankSpec builds it (rankspec.unit_prop
 Python or container image, binds, environment, the GID index the agent fills in, the sandbox),
 with SGLang's entry replaced by the job's module and its own name, so what it measures is what the
 rank will run on. It never runs beside the rank: the rank's ports and GPU are the rank's.
+The model gateway's long-running unit (agent/gateway.py) is built by the same functions, with no
+time limit.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Job:
     result_prefix: str     # the job's result line starts with it
     off_switch: str        # the cluster.env setting that leaves the job out (said when it cannot run)
     event: str             # its events' prefix: collective_test_started, _done, _failed, _deadline
+    needs: str = "the rank's torch"  # what the job needs of the rank's runtime (said when it cannot run)
 
     @property
     def name(self) -> str:
@@ -64,8 +67,8 @@ def job_argv(job: Job, launch: RankLaunch, flags: Sequence[str]) -> tuple[str, .
     argv = launch.argv
     if launch.runtime == "host":
         if tuple(argv[1:3]) != SGLANG_ENTRY:
-            raise JobRefused(f"the rank runs {argv[0]}, not a Python with SGLang: the {job.what} needs the "
-                             f"rank's torch (set {job.off_switch} for the stand-in engine)")
+            raise JobRefused(f"the rank runs {argv[0]}, not a Python with SGLang: the {job.what} needs "
+                             f"{job.needs} (set {job.off_switch} for the stand-in engine)")
         return (argv[0], "-m", job.module, *flags)
     for i in range(len(argv) - len(CONTAINER_COMMAND) + 1):
         if tuple(argv[i:i + len(CONTAINER_COMMAND)]) == CONTAINER_COMMAND:
@@ -74,20 +77,28 @@ def job_argv(job: Job, launch: RankLaunch, flags: Sequence[str]) -> tuple[str, .
 
 
 def job_properties(job: Job, launch: RankLaunch, facts: dict[str, str], flags: Sequence[str], node: str,
-                   working_directory: str, timeout_s: int) -> list[tuple[str, str, object]]:
-    """The job unit's properties: the rank unit's, with the job's argv, name and time limit, and
-    no memory floor (the rank's floor guards the rank unit only)."""
-    run = replace(launch, argv=job_argv(job, launch, flags), floor=NO_FLOOR)
-    env = {k: v for k, v in fill_env(launch, facts).items() if k not in _NOT_FOR_THE_JOB}
+                   working_directory: str, timeout_s: int | None) -> list[tuple[str, str, object]]:
+    """The job unit's properties: the rank unit's, with the job's argv, name and time limit (None:
+    none, for a long-running unit), and no memory floor (the rank's floor guards the rank unit only)."""
+    return job_unit_properties(job, replace(launch, argv=job_argv(job, launch, flags)), facts, node,
+                               working_directory, timeout_s)
+
+
+def job_unit_properties(job: Job, run: RankLaunch, facts: dict[str, str], node: str, working_directory: str,
+                        timeout_s: int | None) -> list[tuple[str, str, object]]:
+    """job_properties for a launch that already carries the job's argv (job_argv, or the gateway's own Python)."""
+    run = replace(run, floor=NO_FLOOR)
+    env = {k: v for k, v in fill_env(run, facts).items() if k not in _NOT_FOR_THE_JOB}
     own = {
-        "Description": ("s", f"dsv41 {job.what}, rank {launch.rank} ({launch.runtime})"),
+        "Description": ("s", f"dsv41 {job.what}, rank {run.rank} ({run.runtime})"),
         "SyslogIdentifier": ("s", job.name),
         "LogExtraFields": ("aay", [f"DSV41_NODE={node}".encode(), f"DSV41_UNIT={job.name}".encode()]),
     }
     props = [(key, *own[key]) if key in own else (key, sig, value)
              for key, sig, value in unit_properties(run, env, node, working_directory)]
-    # A bound on the job even if the agent that waits for it is gone.
-    props.append(("RuntimeMaxUSec", "t", (timeout_s + 30) * USEC))
+    if timeout_s is not None:
+        # A bound on the job even if the agent that waits for it is gone.
+        props.append(("RuntimeMaxUSec", "t", (timeout_s + 30) * USEC))
     return props
 
 

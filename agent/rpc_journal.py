@@ -10,7 +10,7 @@ from dsv41.autotune_cache import clear_autotune_caches
 from dsv41.v1 import agent_pb2 as pb
 
 UNITS = ("dsv41-agent.service", "dsv41-rank.service", "dsv41-pack.service", "dsv41-collective-test.service",
-         "dsv41-matmul-check.service")
+         "dsv41-matmul-check.service", "dsv41-gateway.service")
 _PRIORITY_NAMES = ("emerg", "alert", "crit", "err", "warning", "notice", "info", "debug")
 MAX_LINES = 10_000
 

@@ -41,6 +41,7 @@ from .rpc_memory import MemoryRpcs, pressure_pb, sample_pb
 from .rpc_nodechecks import NodeCheckRpcs, build_node_checks, host_view
 from .rpc_pack import PackRpcs
 from .collective import CollectiveTestRpcs
+from .gateway import GatewayRpcs
 from .matmul import MatmulCheckRpcs
 from .rpc_rank import RankRpcs, rank_pb
 from .settings import AgentSettings
@@ -183,6 +184,7 @@ class AgentHandlers:
     diagnostics: DiagnosticsRpcs
     collective: CollectiveTestRpcs
     matmul: MatmulCheckRpcs
+    gateway: GatewayRpcs
 
 
 def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager, sampler: MemorySampler,
@@ -221,7 +223,8 @@ def build_handlers(settings: AgentSettings, systemd: Systemd, rank: RankManager,
         diagnostics=DiagnosticsRpcs(settings, events, status.GetStatus,
                                     lambda: node_checks.mount_snapshot_pb().unit),
         collective=CollectiveTestRpcs(settings, systemd, events, rank, rank_rpcs, monotonic=monotonic),
-        matmul=MatmulCheckRpcs(settings, systemd, events, rank, rank_rpcs, monotonic=monotonic))
+        matmul=MatmulCheckRpcs(settings, systemd, events, rank, rank_rpcs, monotonic=monotonic),
+        gateway=GatewayRpcs(settings, systemd, events, rank_rpcs, monotonic=monotonic))
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
@@ -299,6 +302,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     def RunMatmulCheck(self, request, context):
         return self._handlers.matmul.RunMatmulCheck(request, context)
+
+    def SetGateway(self, request, context):
+        return self._handlers.gateway.SetGateway(request, context)
 
 
 def ensure_dirs(settings: AgentSettings) -> None:

@@ -152,6 +152,11 @@ class AgentClient:
     def run_matmul_check(self, spec: pb.MatmulCheckSpec, timeout: float) -> pb.MatmulCheckResult:
         return self._call("RunMatmulCheck", self._stub.RunMatmulCheck, spec, timeout)
 
+    def set_gateway(self, spec: pb.GatewaySpec, timeout: float = 30.0) -> pb.GatewayState:
+        """The head's gateway unit started, kept, restarted or stopped (a stop waits up to the unit's
+        TimeoutStopSec: give a timeout above spec.stop_timeout_s then)."""
+        return self._call("SetGateway", self._stub.SetGateway, spec, timeout)
+
     def check_fabric(self, plan: NodePlan, timeout: float) -> pb.FabricReport:
         return self._call("CheckFabric", self._stub.CheckFabric, fabric_spec_pb(plan), timeout)
 

@@ -224,6 +224,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
         return self._act(context, "Stop", "stop", "stop requested")
 
     def Restart(self, request, context):
+        if isinstance(self._runtime, GroupedRuntime):
+            return self._act(context, "Restart", "restart", "rolling restart requested: one group at a time, each "
+                             "taken out of the gateway and drained first, never the only group serving")
         if not request.drain:
             return self._act(context, "Restart", "restart", "restart requested")
         caller = self._authorize(context, "Restart")

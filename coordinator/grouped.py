@@ -52,6 +52,7 @@ class GroupedRuntime:
         self.cfg = cfg
         self.runs = runs
         self.gateway = gateway
+        self.gateway_client = None  # the head agent's client the gateway's manager uses (the session closes it)
         self._log = log
         self.clients = {name: client for run in runs for name, client in run.runtime.clients.items()}
         self.base_url = f"http://{cfg.text('HEAD_IP')}:{cfg.integer('GATEWAY_PORT')}"

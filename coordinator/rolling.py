@@ -88,7 +88,13 @@ class Roller:
         self.cancelled.set()
 
     def _phases(self) -> dict[str, Phase]:
-        return {m.name: m.snapshot().phase for m in self._members}
+        """Each group's phase, where one the gateway does not route to yet (it adds a group a second or
+        two after it serves) does not count as serving: it would not answer for the group taken out."""
+        phases = {m.name: m.snapshot().phase for m in self._members}
+        if self._gateway is not None:
+            phases = {name: Phase.HEALTH if phase == Phase.SERVING and not self._gateway.routes(name) else phase
+                      for name, phase in phases.items()}
+        return phases
 
     def _run(self) -> None:
         try:

@@ -115,7 +115,8 @@ KEYS: tuple[Key, ...] = (
        "address the gateway serves its own Prometheus metrics on (smg_*; the gateway cannot turn them off)"),
     _k("GATEWAY_PYTHON", v.optional(v.abspath), "",
        "a Python with sglang-router 0.3.2 to run the gateway on the head; empty: the head rank's own runtime (the "
-       "SGLang image ships sglang-router; with RANK_RUNTIME=host, RANK_PYTHON must have it)"),
+       "SGLang image ships sglang-router; with RANK_RUNTIME=host, RANK_PYTHON must have it); the head's agent.env must "
+       "list it in ALLOWED_PYTHONS (tools/router-venv.sh makes one)"),
     # rank runtime
     _k("RANK_RUNTIME", v.choice("container", "host"), "container",
        "container: docker run of the image; host: a Python environment on the node with sglang"),

@@ -141,6 +141,8 @@ class Session:
             self.hook.stop()
         for client in self.runtime.clients.values():
             client.close()
+        if isinstance(self.runtime, GroupedRuntime):
+            self.runtime.gateway_client.close()
 
 
 def _supervisors(cfg: config_mod.ClusterConfig, creds: Credentials, log: EventLog, state_dir: str,
@@ -172,6 +174,7 @@ def _grouped(cfg: config_mod.ClusterConfig, supervisors: list[ClusterRuntime], c
         return rank_spec_pb(plan_mod.render_node(supervisors[0].cfg, cfg.head.name), "")
 
     grouped.gateway = Gateway(cfg, head_client, head_rank_spec, creds.api_key, log, grouped.routable)
+    grouped.gateway_client = head_client
     return grouped
 
 

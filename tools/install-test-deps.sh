@@ -2,7 +2,8 @@
 # Installs what the test tiers need on a Debian 12 machine (run as root): the distribution's
 # Python packages the .deb runs on, protoc for the stub check, systemd-nspawn + mmdebstrap for the
 # integration and cluster tiers, g++ and ninja for the native Engram reader (unit and sglang tiers),
-# and the cached SGLang venv for the sglang tier. Idempotent and quick when everything is there
+# the cached SGLang venv for the sglang tier and the cached sglang-router venv (the model gateway's
+# test in that tier, and the demo's gateway). Idempotent and quick when everything is there
 # (no apt-get at all then): `make test` and `make demo` run it first.
 #   tools/install-test-deps.sh            everything
 #   tools/install-test-deps.sh --demo     only what the demo needs (no SGLang venv)
@@ -30,6 +31,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+"$(dirname "$0")/router-venv.sh" >/dev/null
 if [ "${1:-}" != "--demo" ]; then
     "$(dirname "$0")/sglang-venv.sh" >/dev/null
 fi

@@ -54,6 +54,12 @@ class Metrics:
                                                 self.poller.views, low,
                                                 guard.settings.guard_bytes if guard is not None else 0, mounts,
                                                 runtime.liveness_views, self.gpus.slow))
+        if hasattr(runtime, "group_snapshots"):  # GROUPS: each group's phase and the gateway
+            from .groups import GroupCollector
+            gateway = getattr(runtime, "gateway", None)
+            self.registry.register(GroupCollector(
+                lambda: [(run.name, snap.phase, snap.serving_since) for run, snap in runtime.group_snapshots()],
+                (lambda: runtime.gateway.view()) if gateway is not None else None))
         self._listen = listen
 
     def start(self) -> "Metrics":

@@ -129,6 +129,11 @@ class AgentStub(object):
                 request_serializer=dsv41_dot_v1_dot_agent__pb2.MatmulCheckSpec.SerializeToString,
                 response_deserializer=dsv41_dot_v1_dot_agent__pb2.MatmulCheckResult.FromString,
                 )
+        self.SetGateway = channel.unary_unary(
+                '/dsv41.v1.Agent/SetGateway',
+                request_serializer=dsv41_dot_v1_dot_agent__pb2.GatewaySpec.SerializeToString,
+                response_deserializer=dsv41_dot_v1_dot_agent__pb2.GatewayState.FromString,
+                )
 
 
 class AgentServicer(object):
@@ -272,6 +277,12 @@ class AgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetGateway(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -389,6 +400,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.RunMatmulCheck,
                     request_deserializer=dsv41_dot_v1_dot_agent__pb2.MatmulCheckSpec.FromString,
                     response_serializer=dsv41_dot_v1_dot_agent__pb2.MatmulCheckResult.SerializeToString,
+            ),
+            'SetGateway': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetGateway,
+                    request_deserializer=dsv41_dot_v1_dot_agent__pb2.GatewaySpec.FromString,
+                    response_serializer=dsv41_dot_v1_dot_agent__pb2.GatewayState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -788,5 +804,22 @@ class Agent(object):
         return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Agent/RunMatmulCheck',
             dsv41_dot_v1_dot_agent__pb2.MatmulCheckSpec.SerializeToString,
             dsv41_dot_v1_dot_agent__pb2.MatmulCheckResult.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SetGateway(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/dsv41.v1.Agent/SetGateway',
+            dsv41_dot_v1_dot_agent__pb2.GatewaySpec.SerializeToString,
+            dsv41_dot_v1_dot_agent__pb2.GatewayState.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -352,3 +352,34 @@ def test_the_container_runtimes_unit_lets_its_client_write_the_cidfile_and_remov
         node.run(["systemctl", "stop", "dsv41-cid-probe.service"], check=False)
     # removed with the unit: the next `docker run --cidfile` finds no file (docker refuses one that exists)
     assert node.run(["test", "-e", "/run/dsv41-rank"], check=False).returncode != 0
+
+
+GATEWAY = "dsv41-gateway.service"
+
+
+def test_the_gateway_unit_is_restarted_on_failure_kept_replaced_and_stopped(agent):
+    """No sglang_router in the node: its gateway exits at once, and systemd restarts it every 2 s
+    (what a crashing router gets); the fingerprint is read back from the unit's environment."""
+    node, stub = agent
+
+    def gateway(run=True, *args):
+        request = pb.GatewaySpec(rank=spec(), python="/usr/bin/python3", args=["--port", "30999", *args], run=run,
+                                 stop_timeout_s=10)
+        return stub.SetGateway(request, timeout=60)
+    try:
+        first = gateway()
+        assert first.message == "started" and len(first.fingerprint) == 16
+        props = node.show(GATEWAY, "Restart", "RestartUSec", "RuntimeMaxUSec", "TimeoutStopUSec", "SyslogIdentifier")
+        assert props == {"Restart": "on-failure", "RestartUSec": "2s", "RuntimeMaxUSec": "infinity",
+                         "TimeoutStopUSec": "10s", "SyslogIdentifier": "dsv41-gateway"}
+        assert wait(lambda: int(node.show(GATEWAY, "NRestarts")["NRestarts"]) >= 1, timeout=15)
+        lines = wait(lambda: node.journal(matches=["SYSLOG_IDENTIFIER=dsv41-gateway", "DSV41_UNIT=dsv41-gateway"]))
+        assert any("No module named" in e["MESSAGE"] for e in lines)
+        kept = gateway()
+        assert kept.message == "kept" and kept.fingerprint == first.fingerprint
+        changed = gateway(True, "--policy", "round_robin")
+        assert changed.message == "restarted" and changed.fingerprint != first.fingerprint
+    finally:
+        stopped = gateway(False)
+    assert stopped.message == "stopped" and stopped.active_state == "inactive"
+    assert node.show(GATEWAY, "ActiveState")["ActiveState"] == "inactive"

@@ -41,7 +41,7 @@ class Recorder:
 
 
 def test_the_proto_has_the_rpcs_this_test_expects() -> None:
-    assert len(RPCS) == 23 and {"GetStatus", "StartRank", "WatchMemory", "CollectDiagnostics"} <= set(RPCS)
+    assert len(RPCS) == 24 and {"GetStatus", "StartRank", "WatchMemory", "CollectDiagnostics"} <= set(RPCS)
 
 
 @pytest.mark.parametrize("rpc", RPCS)

@@ -147,6 +147,13 @@ class Gateway:
     def release(self, group):
         self.events.append(("in", group))
 
+    def routes(self, group):
+        # A group is routed from the moment it serves and is not held out, as the manager's poll makes it.
+        out = [g for kind, g in self.events if kind == "out"]
+        back = [g for kind, g in self.events if kind == "in"]
+        member = next(m for m in self.members if m.name == group)
+        return member.snap.phase == Phase.SERVING and out.count(group) == back.count(group)
+
 
 def roll(members, take_out, **kw):
     events = []
@@ -200,6 +207,31 @@ def test_the_only_serving_group_is_held_until_another_serves():
     assert roller.done.wait(10.0)
     assert events == [] and not members[0].restarts
     assert "g1 left serving: it is the only group serving" in out.getvalue()
+
+
+def test_a_group_serving_but_not_yet_routed_by_the_gateway_does_not_let_the_next_one_out():
+    members = [Member(f"g{i}", Snapshot(phase=Phase.SERVING, since=1.0, serving_since=1.0)) for i in (1, 2)]
+    events = []
+    gateway = Gateway(members, events)
+    gateway.routes = lambda group: group == "g2"  # g1 serves again, but the gateway never lists it
+
+    def take_out(member):
+        member.restarts.append(True)
+        member.snap = replace(member.snap, since=5.0, serving_since=5.0)
+
+    clock = [0.0]
+
+    def monotonic():
+        clock[0] += 1.0
+        return clock[0]
+
+    out = io.StringIO()
+    log = EventLog("test", {}, stream=out, use_journal=False)
+    roller = Roller(members, gateway, take_out, log, "restart", monotonic=monotonic, poll_s=0.001,
+                    other_wait_s=50.0).start()
+    assert roller.done.wait(10.0)
+    assert [m.name for m in members if m.restarts] == ["g1"] and ("out", "g2") not in events
+    assert "g2 left serving: it is the only group serving" in out.getvalue()
 
 
 def test_cancel_stops_a_rollout_waiting_for_a_group():

@@ -1080,6 +1080,8 @@ def test_a_configuration_change_drains_the_running_ranks_before_it_restarts_them
     rollout, asked = rollout_of()
     rt.run(restart_for=("NCCL_DEBUG",), rollout=rollout)
     wait_phase(drive, "draining", within=2)
+    # The phase is published just before rank 0 is asked: wait for the ask itself.
+    drive.until(lambda: rank0.drains, 2, "rank 0 was never asked to drain")
     assert rank0.drains == [{"reason": "configuration change: NCCL_DEBUG"}]
     drive.run_for(2.0)
     assert calls(journal, "stop_rank") == []
