@@ -128,28 +128,18 @@ def boot_sparks(rootfs, debs: Path, node_options: dict | None = None, nodes: int
 # The gateway's own Python (sglang-router 0.3.2, made by tools/router-venv.sh under /var/tmp). Every
 # node sees it read-only under /opt, as the engine's environment is (testbed/rehearsal.py): the agent
 # runs no code from below a world-writable directory, sticky or not, so not from /var/tmp.
-ROUTER_VENV = Path("/var/tmp/dsv41-router-venv")
 NODE_ROUTER_VENV = "/opt/dsv41-router"
 GATEWAY_PYTHON = f"{NODE_ROUTER_VENV}/bin/python"
 GROUP_SIZE = 3
 
 
 def router_venv() -> Path:
-    """The gateway's environment: tools/router-venv.sh's (it prints the path), or one already at
-    ROUTER_VENV where that script is not in this tree."""
-    script = REPO / "tools" / "router-venv.sh"
-    if script.exists():
-        done = subprocess.run([str(script)], capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"tools/router-venv.sh failed:\n{done.stderr[-3000:]}")
-        return Path(done.stdout.strip().splitlines()[-1])
-    python = ROUTER_VENV / "bin" / "python"
-    check = subprocess.run([str(python), "-c", "import sglang_router"], capture_output=True, text=True) \
-        if python.exists() else None
-    if check is None or check.returncode != 0:
-        raise RuntimeError(f"no gateway environment at {ROUTER_VENV}: make it with `/usr/bin/python3 -m venv "
-                           f"{ROUTER_VENV} && {ROUTER_VENV}/bin/pip install sglang-router==0.3.2`")
-    return ROUTER_VENV
+    """The gateway's environment (sglang-router 0.3.2): tools/router-venv.sh makes it once and prints
+    its path."""
+    done = subprocess.run([str(REPO / "tools" / "router-venv.sh")], capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"tools/router-venv.sh failed:\n{done.stderr[-3000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
 
 
 def groups_setting(names: list[str], size: int) -> str:

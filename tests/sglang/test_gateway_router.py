@@ -17,23 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from testbed.sparks import router_venv
 from tests.sglang.harness import REPO
 
 pytestmark = pytest.mark.sglang
 
 KEY = "gw-test-key-5f3a9c1e"
-VENV = Path(os.environ.get("DSV41_ROUTER_VENV", "/var/tmp/dsv41-router-venv"))
 
 
 @pytest.fixture(scope="module")
 def python() -> Path:
-    # CI (CI=true) builds it (tools/install-test-deps.sh did already); elsewhere a machine without
-    # it skips rather than downloading the router in the middle of a test run.
-    if not (VENV / ".dsv41-ready").is_file() and not os.environ.get("CI"):
-        pytest.skip(f"no router venv at {VENV}: run tools/router-venv.sh (CI builds it)")
-    out = subprocess.run([str(REPO / "tools" / "router-venv.sh")], capture_output=True, text=True, timeout=900,
-                         check=True, env={**os.environ, "DSV41_ROUTER_VENV": str(VENV)})
-    return Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python"
+    return router_venv() / "bin" / "python"
 
 
 def free_port() -> int:

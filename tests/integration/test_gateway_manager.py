@@ -3,8 +3,7 @@ local processes, driven by the coordinator's gateway manager (its HTTP side; the
 RPC is a fake here): both groups added once healthy, requests reach both; remove_now takes one out
 at once and holds it out while it still serves; release routes it again.
 
-The router's Python: /var/tmp/dsv41-router-venv (tools/router-venv.sh), else /tmp/router-venv. The
-test skips without one, unless DSV41_REQUIRE_ROUTER is set (CI), where that is a failure.
+The router's Python: tools/router-venv.sh's cached environment (made on first use).
 """
 
 import io
@@ -25,25 +24,18 @@ from coordinator.gatewayapi import GatewayApi
 from dsv41 import progress
 from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
+from testbed.sparks import router_venv
 from tests.configtext import HOME, edited, nodes_text
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SIM = REPO / "bin" / "dsv41-sim-rank"
-ROUTER_PYTHONS = ("/var/tmp/dsv41-router-venv/bin/python", "/tmp/router-venv/bin/python")
 KEY = "gateway-test-key-0123456789"
 
 
 def router_python() -> str:
-    for python in ROUTER_PYTHONS:
-        if os.access(python, os.X_OK) and subprocess.run([python, "-c", "import sglang_router"],
-                                                         capture_output=True).returncode == 0:
-            return python
-    why = f"no Python with sglang_router among {', '.join(ROUTER_PYTHONS)} (tools/router-venv.sh makes the first)"
-    if os.environ.get("DSV41_REQUIRE_ROUTER"):
-        pytest.fail(f"{why}, and DSV41_REQUIRE_ROUTER is set")
-    pytest.skip(why)
+    return str(router_venv() / "bin" / "python")
 
 
 def free_port() -> int:
