@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.rehearsal import api_key, boot_rehearsal, engine_venv, tiny_model
+from testbed.rehearsal import api_key, boot_rehearsal, engine_venv, profile_env, tiny_model
 from testbed.sparks import build_debs, ctl, rank_pids, status, wait_serving
 from tests.cluster.sparks import incidents, new_incident, unit_pid, wait_for
 from tests.integration.test_guard_memory import HeadMemory
