@@ -112,6 +112,32 @@ def test_groups_3_a_restart_goes_group_by_group_and_every_request_succeeds(spark
     assert not client.failures(), client.summary() + "\n" + watcher.timeline(client.answers[0].at_s)
 
 
+def test_groups_3b_a_configuration_the_ranks_restart_for_rolls_group_by_group(sparks):
+    head = sparks["spark1"]
+    before = all_pids(status(head))
+    good = head.run(["cat", "/etc/dsv41/cluster.env"]).stdout
+    with RequestLoop(gateway_url(sparks)) as client, StatusWatcher(head) as watcher:
+        client.wait_count(3, timeout=30)
+        head.write_file("/etc/dsv41/cluster.env", good + "DSV41_SIM_DECODE_TOKENS_PER_S=150\n", mode=0o640)
+        assert "restarts the ranks" in ctl(head, "config", "diff").stdout
+        applied = ctl(head, "config", "apply")
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        after = wait_groups_serving(head, timeout=2 * SERVE_S, changed_from=before)
+        client.wait_count(len(client.answers) + 3, timeout=30)
+    print(client.summary())
+    print(watcher.timeline(client.answers[0].at_s))
+    for group in GROUPS:
+        now = group_rank_pids(after, group)
+        assert all(pid != before[group][n] for n, pid in now.items()), (group, before[group], now)
+    for name in ("spark2", "spark5"):  # a worker of each group runs the new environment
+        environ = sparks[name].show("dsv41-rank.service", "Environment")["Environment"]
+        assert "DSV41_SIM_DECODE_TOKENS_PER_S=150" in environ, name
+    assert not watcher.none_serving(), [(round(s.at_s, 1), s.phases) for s in watcher.none_serving()]
+    assert not client.failures(), client.summary() + "\n" + watcher.timeline(client.answers[0].at_s)
+    rolled = head.journal(unit="dsv41-coordinator.service", fields=None, matches=["DSV41_EVENT=rolling_done"])
+    assert rolled and "configuration change (DSV41_SIM_DECODE_TOKENS_PER_S)" in rolled[-1]["MESSAGE"], rolled[-1:]
+
+
 def test_groups_4_stop_ends_every_rank_and_the_gateway(sparks):
     head = sparks["spark1"]
     stop = ctl(head, "stop", "--wait", "90")
