@@ -242,3 +242,121 @@ def test_cancel_stops_a_rollout_waiting_for_a_group():
     assert taken.wait(5.0)
     roller.cancel()
     assert roller.done.wait(5.0) and not members[1].restarts
+
+
+# ---------------------------------------------------------------- the facade over the groups' supervisors
+
+class FakeRuntime:
+    def __init__(self, nodes, snap):
+        self.clients = {n: object() for n in nodes}
+        self.snap, self.requests, self.runs, self.posted = snap, [], [], []
+        self.started_unix_s = 100.0
+
+    def snapshot(self):
+        return self.snap
+
+    def request(self, action, reason=None, source="dsv41ctl", drain=False):
+        self.requests.append((action, drain))
+
+    def run(self, autostart=True, restart_for=(), rollout=None):
+        self.runs.append((autostart, restart_for))
+
+    def post(self, message):
+        self.posted.append(message)
+
+    def incidents(self):
+        return []
+
+    def liveness_views(self):
+        return {n: (1.0, 2.0, 3) for n in self.clients}
+
+
+class FakeGateway:
+    def __init__(self):
+        self.calls = []
+
+    def start(self):
+        self.calls.append("start")
+
+    def stop_unit(self):
+        self.calls.append("stop_unit")
+
+    def remove_now(self, group, timeout_s=5.0):
+        self.calls.append(("out", group))
+        return True
+
+    def release(self, group):
+        self.calls.append(("in", group))
+
+    def routes(self, group):
+        return True
+
+    def view(self):
+        from coordinator.gateway import GatewayView
+        return GatewayView(url="http://10.0.0.1:30000", unit_state="active", ready=True,
+                           workers=(("g1", "http://10.0.0.1:8888", True),), error="")
+
+
+def grouped(g1_phase=Phase.SERVING, g2_phase=Phase.LAUNCH):
+    from coordinator.grouped import GroupedRuntime, GroupRun
+    cfg = load(six())
+    g1, g2 = groups.groups_of(cfg)
+    runs = [GroupRun(g1, groups.group_config(cfg, g1), FakeRuntime(["spark1", "spark2", "spark3"], Snapshot(
+                phase=g1_phase, since=5.0, serving_since=5.0, generation="aaa", fingerprints={"spark1": "f1"}))),
+            GroupRun(g2, groups.group_config(cfg, g2), FakeRuntime(["spark4", "spark5", "spark6"], Snapshot(
+                phase=g2_phase, since=7.0, generation="bbb", fingerprints={"spark4": "f4"})))]
+    out = GroupedRuntime(cfg, runs, EventLog("test", {}, stream=io.StringIO(), use_journal=False), FakeGateway())
+    return out, runs
+
+
+def test_the_facade_merges_the_groups_and_routes_only_serving_groups():
+    rt, runs = grouped()
+    snap = rt.snapshot()
+    assert snap.phase == Phase.SERVING and snap.fingerprints == {"spark1": "f1", "spark4": "f4"}
+    assert snap.generation == "g1:aaa g2:bbb" and set(rt.clients) == {f"spark{i}" for i in range(1, 7)}
+    assert rt.base_url == "http://10.0.0.1:30000"
+    for run in runs:
+        run.started = True
+    assert rt.routable() == {"g1": f"http://10.0.0.1:{rt.cfg.integer('PORT')}"}
+    from coordinator.messages import IncidentSeen
+    rt.post(IncidentSeen("spark5", "gpu_slow", "slow"))  # to the group the node is in
+    assert runs[1].runtime.posted and not runs[0].runtime.posted
+
+
+def test_stop_and_start_go_to_every_group_and_the_gateway_unit():
+    rt, runs = grouped()
+    rt.request("stop")
+    assert all(r.runtime.requests == [("stop", False)] for r in runs)
+    for _ in range(100):  # the unit is stopped off the caller's thread
+        if "stop_unit" in rt.gateway.calls:
+            break
+        threading.Event().wait(0.01)
+    assert "stop_unit" in rt.gateway.calls
+    rt.request("start")
+    assert rt.gateway.calls[-1] == "start" and all(r.runtime.requests[-1] == ("start", False) for r in runs)
+
+
+def test_status_names_each_group_and_the_gateway():
+    from coordinator.grouped import fill_status
+    from dsv41.v1 import control_pb2 as cpb
+    rt, _ = grouped()
+    status = cpb.ClusterStatus(phase="serving", nodes=[cpb.NodeView(name="spark5", rank=4)])
+    fill_status(status, rt)
+    assert [(g.name, g.phase, list(g.nodes)) for g in status.groups] == [
+        ("g1", "serving", ["spark1", "spark2", "spark3"]), ("g2", "launch", ["spark4", "spark5", "spark6"])]
+    assert status.nodes[0].group == "g2" and status.nodes[0].rank == 1  # its rank within its group
+    assert status.endpoint == "http://10.0.0.1:30000" and status.gateway.ready
+    assert [(w.group, w.healthy) for w in status.gateway.workers] == [("g1", True)]
+
+
+def test_the_metrics_name_each_group_and_the_gateway():
+    from coordinator.metrics.groups import GroupCollector
+    rt, _ = grouped()
+    families = {f.name: f for f in GroupCollector(
+        lambda: [(run.name, snap.phase, snap.serving_since) for run, snap in rt.group_snapshots()],
+        rt.gateway.view).collect()}
+    phases = {(s.labels["group"], s.labels["phase"]): s.value for s in families["dsv41_group_phase"].samples}
+    assert phases[("g1", "serving")] == 1 and phases[("g2", "launch")] == 1 and phases[("g2", "serving")] == 0
+    assert [s.value for s in families["dsv41_gateway_up"].samples] == [1]
+    assert [(s.labels, s.value) for s in families["dsv41_gateway_worker_healthy"].samples] == [
+        ({"group": "g1", "url": "http://10.0.0.1:8888"}, 1)]
