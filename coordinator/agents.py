@@ -12,7 +12,7 @@ from dsv41.v1 import agent_pb2 as pb
 from dsv41.v1 import agent_pb2_grpc
 
 from . import transport
-from .plan import NodePlan
+from .plan import NodePlan, RankSpec
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,21 @@ class AgentUnavailable(Exception):
 
 def rank_spec_pb(plan: NodePlan, generation: str) -> pb.RankSpec:
     spec = plan.rank_spec
+    return launch_pb(spec, fingerprint=plan.fingerprint, rank=plan.rank, cluster_generation=generation,
+                     fabric_address=plan.address, hcas=list(plan.fabric.hcas),
+                     memory_floor_bytes=spec.memory_floor_bytes,
+                     memory_floor_kill_after_ms=spec.memory_floor_kill_after_ms,
+                     memory_floor_interval_ms=spec.memory_floor_interval_ms)
+
+
+def launch_pb(spec: RankSpec, **more) -> pb.RankSpec:
+    """What runs and how (a rank's, or the gateway's in the head rank's runtime)."""
     return pb.RankSpec(
         runtime=spec.runtime, argv=list(spec.argv), env=dict(spec.env), agent_fills=dict(spec.agent_fills),
         binds=[pb.Bind(source=b.source, target=b.target, read_only=b.read_only) for b in spec.binds],
         exec_start_pre=[pb.Command(argv=list(c)) for c in spec.exec_start_pre],
         exec_stop_post=[pb.Command(argv=list(c)) for c in spec.exec_stop_post],
-        stop_timeout_s=spec.stop_timeout_s, fingerprint=plan.fingerprint, rank=plan.rank,
-        cluster_generation=generation, fabric_address=plan.address, hcas=list(plan.fabric.hcas),
-        memory_floor_bytes=spec.memory_floor_bytes, memory_floor_kill_after_ms=spec.memory_floor_kill_after_ms,
-        memory_floor_interval_ms=spec.memory_floor_interval_ms)
+        stop_timeout_s=spec.stop_timeout_s, **more)
 
 
 def fabric_spec_pb(plan: NodePlan) -> pb.FabricSpec:

@@ -312,13 +312,32 @@ def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> Ran
                    memory_floor_interval_ms=cfg.integer("MEMORY_GUARD_INTERVAL_MS") if floor else 0)
 
 
-def _rank_launch(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> RankSpec:
+# What the model gateway takes from the head rank's runtime (agent/gateway.py runs adapter/gateway.py
+# in it): the adapter's import path and the API key's file. Nothing else, so that a change to what
+# the ranks run does not change the gateway's unit, which the agent would restart.
+GATEWAY_ENV = ("PYTHONPATH", "DSV41_API_KEY_FILE")
+
+
+def gateway_launch(cfg: ClusterConfig) -> RankSpec:
+    """The head rank's runtime as the gateway runs in it: its Python or image, its adapter and key
+    binds and environment only."""
+    return _rank_launch(cfg, cfg.head, {}, only_env=GATEWAY_ENV)
+
+
+def _rank_launch(cfg: ClusterConfig, node: Node, tables: Mapping[str, str],
+                 only_env: tuple[str, ...] | None = None) -> RankSpec:
     container = cfg.text("RANK_RUNTIME") == "container"
     env = _rank_env(cfg, node, container)
     binds = _binds(cfg, node, tables, container)
     args = sglang_args(cfg, node, tables)
     stop = cfg.integer("RANK_STOP_TIMEOUT_S")
     fills = {"NCCL_IB_GID_INDEX": "roce_gid_index"} if uses_roce(cfg) else {}
+    if only_env is not None:
+        env = {k: v for k, v in env.items() if k in only_env}
+        fills = {k: v for k, v in fills.items() if k in only_env}
+        needed = {v for k, v in env.items() if k != "PYTHONPATH"} | {env.get("PYTHONPATH", "")}
+        binds = [b for b in binds if b.target in needed]
+        args = []  # the agent runs the gateway's module in place of SGLang and its flags
     if not container:
         if cfg.text("RANK_ENGINE") == "sim":
             argv = [cfg.text("SIM_RANK_COMMAND"), *args]

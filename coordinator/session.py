@@ -31,7 +31,7 @@ from .metrics.nodes import NodePoller
 from .probe import ServingProbe
 from . import groups as groups_mod
 from . import plan as plan_mod
-from .agents import rank_spec_pb
+from .agents import launch_pb
 from .gateway import Gateway
 from .grouped import GroupedRuntime, GroupRun, group_state_dir
 from .runtime import ClusterRuntime, Rollout, boottime
@@ -171,7 +171,7 @@ def _grouped(cfg: config_mod.ClusterConfig, supervisors: list[ClusterRuntime], c
         """The head rank's spec for the gateway's runtime; the API key's file goes to the head first."""
         if creds.api_key:
             head_client.put_file(os.path.basename(plan_mod.API_KEY_NODE_PATH), creds.api_key.encode(), mode=0o600)
-        return rank_spec_pb(plan_mod.render_node(supervisors[0].cfg, cfg.head.name), "")
+        return launch_pb(plan_mod.gateway_launch(supervisors[0].cfg))
 
     grouped.gateway = Gateway(cfg, head_client, head_rank_spec, creds.api_key, log, grouped.routable)
     grouped.gateway_client = head_client

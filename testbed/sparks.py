@@ -191,7 +191,7 @@ def wait_serving(head: Node, timeout: float = 90.0, changed_from: dict | None = 
 
 
 def rank_pids(body: dict) -> dict[str, int]:
-    return {n["name"]: int(n["status"]["rank"].get("main_pid", 0)) for n in body.get("nodes", [])}
+    return {n["name"]: int(n.get("status", {}).get("rank", {}).get("main_pid", 0)) for n in body.get("nodes", [])}
 
 
 # Two or more GROUPS: `status --json` (protobuf's JSON, proto field names) has `groups` (name, phase,

@@ -360,3 +360,18 @@ def test_the_metrics_name_each_group_and_the_gateway():
     assert [s.value for s in families["dsv41_gateway_up"].samples] == [1]
     assert [(s.labels, s.value) for s in families["dsv41_gateway_worker_healthy"].samples] == [
         ({"group": "g1", "url": "http://10.0.0.1:8888"}, 1)]
+
+
+def test_the_gateways_runtime_does_not_change_with_what_the_ranks_run():
+    cfg = load(six(API_KEY_FILE="/etc/dsv41/api-key"))
+    changed = load(six(API_KEY_FILE="/etc/dsv41/api-key", DSV41_SIM_DECODE_TOKENS_PER_S="150",
+                       EXTRA_SGLANG_ARGS='"--watchdog-timeout 301"'))
+    view, view2 = (groups.group_config(c, groups.groups_of(c)[0]) for c in (cfg, changed))
+    launch = plan.gateway_launch(view)
+    assert launch == plan.gateway_launch(view2)
+    assert set(launch.env) == {"PYTHONPATH", "DSV41_API_KEY_FILE"} and not launch.agent_fills
+    assert {b.target for b in launch.binds} <= {launch.env["PYTHONPATH"], launch.env["DSV41_API_KEY_FILE"]}
+    if launch.runtime == "container":  # each -e names a variable the unit has
+        named = [launch.argv[i + 1] for i, word in enumerate(launch.argv) if word == "-e"]
+        assert sorted(named) == sorted(launch.env)
+    assert plan.render_node(view, "spark1").rank_spec != plan.render_node(view2, "spark1").rank_spec
