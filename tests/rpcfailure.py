@@ -12,3 +12,14 @@ class RpcFailure(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+
+class Aborted(Exception):
+    """What a servicer's context.abort raises here: (status code, details)."""
+
+
+class AbortContext:
+    """The servicer's side of a call: abort() ends the handler as gRPC's does."""
+
+    def abort(self, code, message):
+        raise Aborted(code, message)

@@ -16,6 +16,7 @@ from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 from tests.configtext import HOME, SEED_TEXT, edited
 from tests.unit.test_rankspec import IMAGE, agent_settings, launch_of
+from tests.rpcfailure import AbortContext, Aborted
 
 pytestmark = pytest.mark.unit
 
@@ -231,15 +232,6 @@ def test_the_gate_is_skipped_when_off_and_gloo_is_chosen_for_cpu_ranks():
 
 # ------------------------------------------------------------------ the agent's RPC over a stand-in systemd
 
-class Aborted(Exception):
-    pass
-
-
-class Context:
-    def abort(self, code, message):
-        raise Aborted(code, message)
-
-
 class Systemd:
     """Answers the job unit's properties in turn: running, then ended (or never ended)."""
 
@@ -297,7 +289,7 @@ def rpc(systemd, lines, running=False, clock=None):
     spec = pb.CollectiveTestSpec(rank=pb.RankSpec(rank=1), master_addr="10.0.0.1", master_port=20000,
                                  nodes=["spark1", "spark2", "spark3"], backend="nccl", message_bytes=1 << 26,
                                  iterations=10, warmup_iterations=3, timeout_s=60)
-    return server.RunCollectiveTest(spec, Context())
+    return server.RunCollectiveTest(spec, AbortContext())
 
 
 def test_the_rpc_runs_the_job_unit_and_returns_its_result_line():

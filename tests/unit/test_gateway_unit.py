@@ -19,6 +19,7 @@ from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 from tests.configtext import HOME, edited
 from tests.unit.test_rankspec import IMAGE, agent_settings, launch_of
+from tests.rpcfailure import AbortContext, Aborted
 
 pytestmark = pytest.mark.unit
 
@@ -145,15 +146,6 @@ def test_args_are_flags_on_one_line():
 
 # ------------------------------------------------------------------ SetGateway over a stand-in systemd
 
-class Aborted(Exception):
-    pass
-
-
-class Context:
-    def abort(self, code, message):
-        raise Aborted(code, message)
-
-
 class Systemd:
     """One unit: started with its properties, stopped, reset; active until stopped."""
 
@@ -218,7 +210,7 @@ def running(fp):
 def test_a_gateway_not_running_is_started_and_its_fingerprint_kept_with_the_unit():
     systemd = Systemd()
     rpcs, out = server(systemd)
-    state = rpcs.SetGateway(spec(), Context())
+    state = rpcs.SetGateway(spec(), AbortContext())
     assert systemd.calls == ["reset", "start"]
     assert (state.message, state.active_state, state.main_pid, state.invocation_id) == \
         ("started", "active", 4242, "abcd")
@@ -229,9 +221,9 @@ def test_a_gateway_not_running_is_started_and_its_fingerprint_kept_with_the_unit
 def test_the_same_gateway_running_is_kept():
     systemd = Systemd()
     rpcs, out = server(systemd)
-    first = rpcs.SetGateway(spec(), Context())
+    first = rpcs.SetGateway(spec(), AbortContext())
     systemd.calls.clear()
-    again = rpcs.SetGateway(spec(), Context())
+    again = rpcs.SetGateway(spec(), AbortContext())
     assert systemd.calls == [] and again.message == "kept" and again.fingerprint == first.fingerprint
     assert "gateway_kept" in out.getvalue()
 
@@ -239,7 +231,7 @@ def test_the_same_gateway_running_is_kept():
 def test_a_changed_gateway_is_stopped_then_started():
     systemd = Systemd(running("0123456789abcdef"))
     rpcs, _ = server(systemd)
-    state = rpcs.SetGateway(spec(args=[*ARGS, "--retry-max-retries", "3"]), Context())
+    state = rpcs.SetGateway(spec(args=[*ARGS, "--retry-max-retries", "3"]), AbortContext())
     assert systemd.calls == ["stop 90", "reset", "reset", "start"]  # the grace period + 15 s to stop
     assert state.message == "restarted" and state.fingerprint != "0123456789abcdef"
 
@@ -247,26 +239,26 @@ def test_a_changed_gateway_is_stopped_then_started():
 def test_a_failed_gateway_is_reset_and_started():
     systemd = Systemd({**running("0123456789abcdef"), "ActiveState": "failed"})
     rpcs, _ = server(systemd)
-    state = rpcs.SetGateway(spec(), Context())
+    state = rpcs.SetGateway(spec(), AbortContext())
     assert systemd.calls == ["reset", "start"] and state.message == "started"
 
 
 def test_run_false_stops_it_and_answers_inactive():
     systemd = Systemd(running("0123456789abcdef"))
     rpcs, out = server(systemd)
-    state = rpcs.SetGateway(spec(run=False), Context())
+    state = rpcs.SetGateway(spec(run=False), AbortContext())
     assert systemd.calls == ["stop 90", "reset"]
     assert (state.active_state, state.message, state.main_pid) == ("inactive", "stopped", 0)
     assert "gateway_stopped" in out.getvalue()
     systemd.calls.clear()
-    assert rpcs.SetGateway(spec(run=False), Context()).active_state == "inactive" and systemd.calls == []
+    assert rpcs.SetGateway(spec(run=False), AbortContext()).active_state == "inactive" and systemd.calls == []
 
 
 def test_a_key_in_the_args_is_refused_before_anything_starts():
     systemd = Systemd()
     rpcs, _ = server(systemd)
     with pytest.raises(Aborted) as info:
-        rpcs.SetGateway(spec(args=["--api-key", "K"]), Context())
+        rpcs.SetGateway(spec(args=["--api-key", "K"]), AbortContext())
     assert info.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT and systemd.calls == []
 
 
@@ -274,7 +266,7 @@ def test_gateway_python_is_checked_as_code_root_alone_may_have_written():
     systemd = Systemd()
     rpcs, _ = server(systemd, problems=[f"{ROUTER}: owned by uid 1000, not root"])
     with pytest.raises(Aborted) as info:
-        rpcs.SetGateway(spec(python=ROUTER), Context())
+        rpcs.SetGateway(spec(python=ROUTER), AbortContext())
     assert info.value.args[0] == grpc.StatusCode.PERMISSION_DENIED and systemd.calls == []
     assert rpcs._rank_rpcs.checked[0].path == ROUTER and rpcs._rank_rpcs.checked[0].code
 
@@ -282,7 +274,7 @@ def test_gateway_python_is_checked_as_code_root_alone_may_have_written():
 def test_a_stop_timeout_out_of_range_is_refused():
     rpcs, _ = server(Systemd())
     with pytest.raises(Aborted, match="stop_timeout_s 0"):
-        rpcs.SetGateway(pb.GatewaySpec(rank=pb.RankSpec(rank=0), args=ARGS, run=True), Context())
+        rpcs.SetGateway(pb.GatewaySpec(rank=pb.RankSpec(rank=0), args=ARGS, run=True), AbortContext())
 
 
 # ------------------------------------------------------------------ the wrapper's key (adapter/gateway.py)
