@@ -318,10 +318,11 @@ def _rank_spec(cfg: ClusterConfig, node: Node, tables: Mapping[str, str]) -> Ran
 GATEWAY_ENV = ("PYTHONPATH", "DSV41_API_KEY_FILE")
 
 
-def gateway_launch(cfg: ClusterConfig) -> RankSpec:
-    """The head rank's runtime as the gateway runs in it: its Python or image, its adapter and key
-    binds and environment only."""
-    return _rank_launch(cfg, cfg.head, {}, only_env=GATEWAY_ENV)
+def gateway_launch(cfg: ClusterConfig) -> tuple[RankSpec, str]:
+    """The head rank's runtime as the gateway runs in it (its Python or image, its adapter and key
+    binds and environment only), and its fingerprint, which the agent checks as a rank's."""
+    spec = _rank_launch(cfg, cfg.head, {}, only_env=GATEWAY_ENV)
+    return spec, hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _rank_launch(cfg: ClusterConfig, node: Node, tables: Mapping[str, str],

@@ -171,7 +171,8 @@ def _grouped(cfg: config_mod.ClusterConfig, supervisors: list[ClusterRuntime], c
         """The head rank's spec for the gateway's runtime; the API key's file goes to the head first."""
         if creds.api_key:
             head_client.put_file(os.path.basename(plan_mod.API_KEY_NODE_PATH), creds.api_key.encode(), mode=0o600)
-        return launch_pb(plan_mod.gateway_launch(supervisors[0].cfg))
+        launch, fingerprint = plan_mod.gateway_launch(supervisors[0].cfg)
+        return launch_pb(launch, fingerprint=fingerprint)
 
     grouped.gateway = Gateway(cfg, head_client, head_rank_spec, creds.api_key, log, grouped.routable)
     grouped.gateway_client = head_client

@@ -367,8 +367,8 @@ def test_the_gateways_runtime_does_not_change_with_what_the_ranks_run():
     changed = load(six(API_KEY_FILE="/etc/dsv41/api-key", DSV41_SIM_DECODE_TOKENS_PER_S="150",
                        EXTRA_SGLANG_ARGS='"--watchdog-timeout 301"'))
     view, view2 = (groups.group_config(c, groups.groups_of(c)[0]) for c in (cfg, changed))
-    launch = plan.gateway_launch(view)
-    assert launch == plan.gateway_launch(view2)
+    launch, fingerprint = plan.gateway_launch(view)
+    assert (launch, fingerprint) == plan.gateway_launch(view2) and len(fingerprint) == 16
     assert set(launch.env) == {"PYTHONPATH", "DSV41_API_KEY_FILE"} and not launch.agent_fills
     assert {b.target for b in launch.binds} <= {launch.env["PYTHONPATH"], launch.env["DSV41_API_KEY_FILE"]}
     if launch.runtime == "container":  # each -e names a variable the unit has

@@ -40,6 +40,24 @@ def test_every_plan_the_coordinator_renders_is_accepted(changes):
         assert launch.fills == dict(node_plan.rank_spec.agent_fills)
 
 
+@pytest.mark.parametrize("changes", [{}, {"RANK_RUNTIME": "host", "RANK_PYTHON": "/opt/sglang/bin/python"},
+                                     {"RANK_RUNTIME": "host", "RANK_ENGINE": "sim"}])
+def test_the_gateways_launch_the_coordinator_sends_is_accepted(changes):
+    from coordinator.agents import launch_pb
+    cfg = config.parse(edited(IMAGE=IMAGE, API_KEY_FILE="/etc/dsv41/api-key", **changes), "cluster.env", HOME)
+    launch, fingerprint = plan.gateway_launch(cfg)
+    spec = launch_pb(launch, fingerprint=fingerprint)
+    checked = rankspec.check_launch(
+        runtime=spec.runtime, argv=list(spec.argv), env=dict(spec.env), fills=dict(spec.agent_fills),
+        binds=[(b.source, b.target, b.read_only) for b in spec.binds],
+        exec_start_pre=[list(c.argv) for c in spec.exec_start_pre],
+        exec_stop_post=[list(c.argv) for c in spec.exec_stop_post], stop_timeout_s=spec.stop_timeout_s,
+        memory_max=0, memory_high=0, fingerprint=spec.fingerprint, rank=spec.rank, generation=spec.cluster_generation,
+        fabric_address=spec.fabric_address, hcas=list(spec.hcas),
+        settings=agent_settings(ADAPTER_DIR=plan.ADAPTER_DIR, NODE_NAME="spark1"))
+    assert set(checked.env) == {"PYTHONPATH", "DSV41_API_KEY_FILE"}
+
+
 def test_the_image_must_be_allowed_on_the_node():
     cfg = config.parse(SEED_TEXT, "cluster.env", HOME)  # IMAGE=dsv41-3x-spark:local, a tag
     node_plan = plan.render_node(cfg, "spark2")
