@@ -15,7 +15,8 @@ from dsv41.journal import EventLog
 from dsv41.matmul import MatmulResult, result_line
 from dsv41.v1 import agent_pb2 as pb
 from tests.configtext import HOME, edited
-from tests.unit.test_collective import Aborted, Context, Rank, RankRpcs, Systemd, spec_for
+from tests.rpcfailure import AbortContext, Aborted
+from tests.unit.test_collective import Rank, RankRpcs, Systemd, spec_for
 from tests.unit.test_rankspec import agent_settings
 
 pytestmark = pytest.mark.unit
@@ -34,7 +35,7 @@ def rpc(systemd, lines, running=False, spec=None):
                                           Rank(running), RankRpcs(launch), read_lines=lambda invocation: lines,
                                           monotonic=lambda: now[0], sleep=sleep)
     return server.RunMatmulCheck(spec or pb.MatmulCheckSpec(rank=pb.RankSpec(rank=1), iterations=20, timeout_s=60),
-                                 Context())
+                                 AbortContext())
 
 
 def test_the_rpc_runs_the_job_in_the_ranks_runtime_and_returns_its_figures():
