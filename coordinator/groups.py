@@ -46,6 +46,17 @@ def group_config(cfg: "ClusterConfig", group: Group) -> "ClusterConfig":
     return replace(cfg, nodes=group.nodes, settings={**cfg.settings, **own}, raw={**cfg.raw, **raw})
 
 
+def config_of(cfg: "ClusterConfig", node: str) -> "ClusterConfig":
+    """The configuration the node runs: its group's view with several groups, else the cluster's."""
+    found = groups_of(cfg)
+    if len(found) == 1:
+        return cfg
+    group = next((g for g in found if any(n.name == node for n in g.nodes)), None)
+    if group is None:
+        raise KeyError(f"no node {node!r} in {cfg.path}; nodes: {', '.join(n.name for n in cfg.nodes)}")
+    return group_config(cfg, group)
+
+
 def worker_url(cfg: "ClusterConfig", group: Group) -> str:
     """The group's rank 0 as the gateway reaches it."""
     return f"http://{group.head.address}:{cfg.integer('PORT')}"

@@ -15,6 +15,7 @@ from typing import Mapping
 
 from dsv41.admission import LONE_WAIT_S
 
+from . import groups
 from .config import ClusterConfig, Node
 from .guard.settings import cost_model
 from .schema import KEYS
@@ -174,8 +175,10 @@ def render_cluster(cfg: ClusterConfig, *, dspark_tables: bool = False) -> tuple[
 
 
 def render_node(cfg: ClusterConfig, name: str, *, dspark_tables: bool = False) -> NodePlan:
-    """The plan of one node. `dspark_tables` is True only when the coordinator has verified that every
-    rank holds identical copies of the configured tables; otherwise no rank gets the table flags."""
+    """The plan of one node (with several GROUPS, as its group runs it). `dspark_tables` is True only when
+    the coordinator has verified that every rank holds identical copies of the configured tables;
+    otherwise no rank gets the table flags."""
+    cfg = groups.config_of(cfg, name)
     node = cfg.node(name)
     tables = _tables(cfg) if dspark_tables else {}
     spec = _rank_spec(cfg, node, tables)

@@ -375,3 +375,12 @@ def test_the_gateways_runtime_does_not_change_with_what_the_ranks_run():
         named = [launch.argv[i + 1] for i, word in enumerate(launch.argv) if word == "-e"]
         assert sorted(named) == sorted(launch.env)
     assert plan.render_node(view, "spark1").rank_spec != plan.render_node(view2, "spark1").rank_spec
+
+
+def test_every_plan_rendered_from_the_whole_file_is_the_one_its_group_runs():
+    cfg = load(six())
+    by_group = {n.name: plan.render_node(groups.group_config(cfg, g), n.name)
+                for g in groups.groups_of(cfg) for n in g.nodes}
+    assert {p.node: p for p in plan.render_cluster(cfg)} == by_group
+    spark5 = plan.render_node(cfg, "spark5")
+    assert spark5.rank == 1 and spark5.rank_spec.argv[spark5.rank_spec.argv.index("--nnodes") + 1] == "3"
