@@ -30,13 +30,20 @@ class GroupRun:
     cfg: ClusterConfig
     runtime: ClusterRuntime
     started: bool = False
+    # A rolling configuration change has not reached it: its ranks serve the previous configuration,
+    # unsupervised until its turn (its supervisor starts then, and restarts them).
+    awaiting_turn: bool = False
 
     @property
     def name(self) -> str:
         return self.group.name
 
     def snapshot(self) -> Snapshot:
-        return self.runtime.snapshot()
+        snap = self.runtime.snapshot()
+        if self.awaiting_turn and not self.started:
+            return replace(snap, phase=Phase.SERVING, detail="serving the previous configuration until its turn in "
+                           "the rollout")
+        return snap
 
 
 def group_state_dir(state_dir: str, group: Group) -> str:
@@ -85,12 +92,10 @@ class GroupedRuntime:
         return snap.phase
 
     def routable(self) -> dict[str, str]:
-        """The groups the gateway routes to: those serving, and those a rolling configuration change
-        has not reached yet (their ranks run the previous configuration, unsupervised until then)."""
-        roller = self._roller
-        waiting = roller.waiting if roller is not None and not roller.done.is_set() else set()
+        """The groups the gateway routes to: those serving, the ones a rolling configuration change has
+        not reached yet included."""
         return {run.name: groups_mod.worker_url(self.cfg, run.group) for run in self.runs
-                if (run.started and run.snapshot().phase == Phase.SERVING) or (not run.started and run.name in waiting)}
+                if run.snapshot().phase == Phase.SERVING}
 
     def incidents(self) -> list:
         return sorted((i for run in self.runs for i in run.runtime.incidents()), key=lambda i: i.at_unix_s)
@@ -135,18 +140,27 @@ class GroupedRuntime:
 
         def take_out(run: GroupRun) -> None:
             self._start(run, True, restart_for, rollout)
+        for run in self.runs:
+            run.awaiting_turn = True
         self._roll(take_out, f"configuration change ({', '.join(restart_for)})")
 
     def _start(self, run: GroupRun, autostart: bool, restart_for: tuple[str, ...] = (),
                rollout: Rollout | None = None) -> None:
-        run.started = True
+        run.started, run.awaiting_turn = True, False
         run.runtime.run(autostart=autostart, restart_for=restart_for, rollout=rollout)
+
+    def _supervised(self, run: GroupRun) -> ClusterRuntime:
+        """The group's supervisor, started (without a bring-up) if a rollout had not reached it: a
+        request reaches every group's ranks."""
+        if not run.started:
+            self._start(run, False)
+        return run.runtime
 
     def request(self, action: str, reason: str | None = None, source: str = "dsv41ctl", drain: bool = False) -> None:
         self._cancel_roll()
         if action == "restart":
             def take_out(run: GroupRun) -> None:
-                run.runtime.request("restart", reason, source, drain=True)
+                self._supervised(run).request("restart", reason, source, drain=True)
             self._roll(take_out, f"restart ({reason or 'requested by ' + source})")
             return
         if self.gateway is not None:
@@ -155,7 +169,7 @@ class GroupedRuntime:
             elif action == "stop":
                 threading.Thread(target=self.gateway.stop_unit, name="gateway-stop", daemon=True).start()
         for run in self.runs:
-            run.runtime.request(action, reason, source, drain)
+            self._supervised(run).request(action, reason, source, drain)
 
     def _roll(self, take_out: Callable[[GroupRun], None], what: str) -> None:
         with self._lock:
@@ -169,8 +183,12 @@ class GroupedRuntime:
             roller.done.wait(5.0)
 
     def shutdown(self, stop_cluster: bool) -> None:
+        """Every group's supervisor stops; with stop_cluster, every group's ranks too (those a rollout
+        had not reached included)."""
         self._cancel_roll()
-        started = [run for run in self.runs if run.started]
+        started = [run for run in self.runs if run.started or stop_cluster]
+        for run in started:
+            self._supervised(run)
         with ThreadPoolExecutor(max_workers=len(self.runs)) as pool:
             list(pool.map(lambda run: run.runtime.shutdown(stop_cluster), started))
         if self.gateway is not None:

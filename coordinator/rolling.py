@@ -75,11 +75,10 @@ class Roller:
         self._other_wait_s, self._bring_up_wait_s = other_wait_s, bring_up_wait_s
         self.cancelled = threading.Event()
         self.done = threading.Event()
-        self.waiting: set[str] = {m.name for m in members}  # not taken out yet
         self._thread = threading.Thread(target=self._run, name="rolling", daemon=True)
 
     def start(self) -> "Roller":
-        self._log.event("rolling_started", f"{self._what}: one group at a time ({', '.join(self.waiting)})",
+        self._log.event("rolling_started", f"{self._what}: one group at a time ({', '.join(m.name for m in self._members)})",
                         "notice", groups=len(self._members))
         self._thread.start()
         return self
@@ -130,7 +129,6 @@ class Roller:
             self._log.warning("rolling_gateway", f"{member.name}: the gateway did not confirm its removal; "
                               "restarting it anyway (the gateway retries its requests on another group)",
                               group=member.name)
-        self.waiting.discard(member.name)
         self._take_out(member)
         outcome = None
         deadline = self._monotonic() + self._bring_up_wait_s

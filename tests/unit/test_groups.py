@@ -384,3 +384,18 @@ def test_every_plan_rendered_from_the_whole_file_is_the_one_its_group_runs():
     assert {p.node: p for p in plan.render_cluster(cfg)} == by_group
     spark5 = plan.render_node(cfg, "spark5")
     assert spark5.rank == 1 and spark5.rank_spec.argv[spark5.rank_spec.argv.index("--nnodes") + 1] == "3"
+
+
+def test_a_rolling_configuration_change_keeps_the_groups_not_reached_serving_and_a_stop_reaches_them():
+    rt, runs = grouped(g1_phase=Phase.STARTING, g2_phase=Phase.STARTING)  # supervisors not looked yet
+    rt.run(autostart=True, restart_for=("EXTRA_SGLANG_ARGS",))
+    for _ in range(500):
+        if runs[0].runtime.runs:
+            break
+        threading.Event().wait(0.01)
+    assert runs[0].runtime.runs == [(True, ("EXTRA_SGLANG_ARGS",))] and not runs[1].started
+    assert runs[1].snapshot().phase == Phase.SERVING and "previous configuration" in runs[1].snapshot().detail
+    assert "g2" in rt.routable() and "g1" not in rt.routable()  # g1 restarts; g2 answers meanwhile
+    rt.request("stop")
+    assert runs[1].started and runs[1].runtime.runs == [(False, ())]  # supervised, not brought up
+    assert runs[1].runtime.requests == [("stop", False)] and runs[0].runtime.requests == [("stop", False)]
