@@ -19,6 +19,7 @@ from dsv41.journal import EventLog
 from dsv41.v1 import agent_pb2 as pb
 
 from .agents import AgentUnavailable
+from .groups import groups_of, worker_url
 from .gatewayapi import GatewayApi, GatewayError, GatewayWorker, worker_healthy
 
 # The router lets requests in flight finish this long after SIGTERM; the unit's stop waits longer.
@@ -115,7 +116,8 @@ class Gateway:
         self._ops = threading.Lock()        # one change of the gateway's workers at a time
         self._state = threading.Lock()      # what view() and remove_now() read
         self._held: set[str] = set()
-        self._known: dict[str, str] = {}    # url -> group, of every group seen routable
+        # url -> group: every group's rank 0, so that any listing names its workers' groups
+        self._known: dict[str, str] = {_url(worker_url(cfg, g)): g.name for g in groups_of(cfg)}
         self._pending: dict[str, _PendingAdd] = {}
         self._removed_ids: set[str] = set()  # removals logged, until the worker is no longer listed
         self._unit_state = ""
