@@ -2,7 +2,7 @@
 operator would; the scenarios run in file order on one cluster. Run alone:
 
     flock /tmp/dsv41-nspawn.lock /usr/bin/python3 -m pytest -q -s -p no:cacheprovider -m cluster \\
-        tests/cluster/test_groups.py -x
+        tests/cluster/test_gateway_groups.py -x
 
 (names are test_groups_N_..., so `-k "test_1_ or ..."` on tests/cluster does not boot these six nodes)."""
 
