@@ -830,6 +830,7 @@ class ClusterRuntime:
         """The serving TP group is broken (a rank exited, a node was lost or booted again, a rank
         hung): record the first cause, stop it all, then bring it up again (waiting, in preflight,
         for a node that does not answer)."""
+        served_since = self.snapshot().serving_since  # before the stop below clears it
         if trouble.kind is IncidentKind.RANK_EXIT:
             first = self._exits[trouble.node]
             self._set(phase=Phase.STOPPING, detail=f"rank on {first.node} exited: {first.describe()}")
@@ -849,7 +850,7 @@ class ClusterRuntime:
         # no restart attempt (it waits for the node instead); a rank that crashed or hung does.
         external = cause.kind in (IncidentKind.NODE_LOST, IncidentKind.NODE_REBOOTED)
         if self._rollout is not None and not external:  # a node going dark is not the change's doing
-            self._roll_back(f"{text}, {self._clock() - self.snapshot().serving_since:.0f} s after serving",
+            self._roll_back(f"{text}, {self._clock() - served_since:.0f} s after serving",
                             cause.node)
             return
         self._log.info("recovering", f"bringing the cluster up again after: {text}"

@@ -14,6 +14,7 @@ of its time; "something happened" within a stated span of it."""
 from __future__ import annotations
 
 import io
+import re
 import json
 import threading
 import time
@@ -939,6 +940,8 @@ def test_a_rank_exit_soon_after_serving_rolls_back_and_one_after_the_confirmatio
     agents["spark3"].exit_rank(result="exit-code", code="exited", status=1)
     incident = wait_incident(drive, "rolled_back")
     assert "rank on spark3 exited" in incident.message and len(asked) == 1
+    # how long it had served: about the second run_for gave it, not the clock's whole reading
+    assert re.search(r", [12] s after serving", asked[0]), asked[0]
     # A second run of the same: confirmed after 30 s of serving, a later exit is an ordinary recovery.
     rt2, agents2, rank02, _, stream2, drive2 = cluster()
     rank02.healthy.set()
