@@ -27,8 +27,7 @@ from .state import Phase, Snapshot
 class GroupRun:
     """One group's supervisor and the configuration it runs."""
     group: Group
-    cfg: ClusterConfig
-    runtime: ClusterRuntime
+    runtime: ClusterRuntime  # over the group's view of the configuration (groups.group_config)
     started: bool = False
     # A rolling configuration change has not reached it: its ranks serve the previous configuration,
     # unsupervised until its turn (its supervisor starts then, and restarts them).
@@ -70,8 +69,8 @@ class GroupedRuntime:
     # ------------------------------------------------------------------ what readers ask
 
     def snapshot(self) -> Snapshot:
-        snaps = [(run, run.snapshot()) for run in self.runs]
-        phase, detail = combined_phase([(run.name, self._phase_of(run, snap), snap.detail) for run, snap in snaps])
+        snaps = self.group_snapshots()
+        phase, detail = combined_phase([(run.name, snap.phase, snap.detail) for run, snap in snaps])
         first = snaps[0][1]
         incidents = [s.last_incident for _, s in snaps if s.last_incident is not None]
         merged: dict[str, dict] = {"fabric": {}, "fingerprints": {}, "ranks": {}}
@@ -87,9 +86,6 @@ class GroupedRuntime:
 
     def group_snapshots(self) -> list[tuple[GroupRun, Snapshot]]:
         return [(run, run.snapshot()) for run in self.runs]
-
-    def _phase_of(self, run: GroupRun, snap: Snapshot) -> Phase:
-        return snap.phase
 
     def routable(self) -> dict[str, str]:
         """The groups the gateway routes to: those serving, the ones a rolling configuration change has

@@ -62,7 +62,11 @@ def load_tls(cfg: config_mod.ClusterConfig) -> Tls | None:
 
 
 def make_clients(cfg: config_mod.ClusterConfig, tls: Tls | None) -> dict[str, AgentClient]:
-    return {n.name: AgentClient(n.name, f"{n.address}:{cfg.integer('AGENT_PORT')}", tls) for n in cfg.nodes}
+    return {n.name: make_client(cfg, n, tls) for n in cfg.nodes}
+
+
+def make_client(cfg: config_mod.ClusterConfig, node: config_mod.Node, tls: Tls | None) -> AgentClient:
+    return AgentClient(node.name, f"{node.address}:{cfg.integer('AGENT_PORT')}", tls)
 
 
 class Unusable(Exception):
@@ -163,9 +167,9 @@ def _supervisors(cfg: config_mod.ClusterConfig, creds: Credentials, log: EventLo
 
 def _grouped(cfg: config_mod.ClusterConfig, supervisors: list[ClusterRuntime], creds: Credentials,
              log: EventLog) -> GroupedRuntime:
-    runs = [GroupRun(group, r.cfg, r) for group, r in zip(groups_mod.groups_of(cfg), supervisors)]
+    runs = [GroupRun(group, r) for group, r in zip(groups_mod.groups_of(cfg), supervisors)]
     grouped = GroupedRuntime(cfg, runs, log)
-    head_client = make_clients(supervisors[0].cfg, creds.tls)[cfg.head.name]
+    head_client = make_client(cfg, cfg.head, creds.tls)  # the gateway manager's own channel to the head
 
     def head_rank_spec():
         """The head rank's spec for the gateway's runtime; the API key's file goes to the head first."""

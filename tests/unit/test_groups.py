@@ -301,9 +301,9 @@ def grouped(g1_phase=Phase.SERVING, g2_phase=Phase.LAUNCH):
     from coordinator.grouped import GroupedRuntime, GroupRun
     cfg = load(six())
     g1, g2 = groups.groups_of(cfg)
-    runs = [GroupRun(g1, groups.group_config(cfg, g1), FakeRuntime(["spark1", "spark2", "spark3"], Snapshot(
+    runs = [GroupRun(g1, FakeRuntime(["spark1", "spark2", "spark3"], Snapshot(
                 phase=g1_phase, since=5.0, serving_since=5.0, generation="aaa", fingerprints={"spark1": "f1"}))),
-            GroupRun(g2, groups.group_config(cfg, g2), FakeRuntime(["spark4", "spark5", "spark6"], Snapshot(
+            GroupRun(g2, FakeRuntime(["spark4", "spark5", "spark6"], Snapshot(
                 phase=g2_phase, since=7.0, generation="bbb", fingerprints={"spark4": "f4"})))]
     out = GroupedRuntime(cfg, runs, EventLog("test", {}, stream=io.StringIO(), use_journal=False), FakeGateway())
     return out, runs
